@@ -1,0 +1,39 @@
+# Set-up and entry points. `make demo` and `make test` are the README's quick start.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
+STAMP := $(VENV)/.hpc_rlhf-installed
+
+.PHONY: venv assets demo test test-fast plan clean-venv
+
+venv: $(STAMP)
+
+# torch first (the CPU wheel), then the pinned libraries, then deepspeed built against that torch with its
+# CPU communication op precompiled (otherwise every rank compiles it on first use), then this package.
+$(STAMP): setup.cfg requirements-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -r requirements-cpu.txt
+	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(PIP) install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+assets: venv
+	$(PY) -m hpc_rlhf assets
+
+# The main job on the built-in tiny task.
+demo: venv
+	$(PY) -m hpc_rlhf demo
+
+test: venv
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q tests
+
+test-fast: venv
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q -m "not slow and not cluster" tests
+
+clean-venv:
+	rm -rf $(VENV)

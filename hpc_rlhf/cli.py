@@ -1,0 +1,98 @@
+"""`hpc-rlhf <mode> ...` (also `python -m hpc_rlhf <mode> ...`).
+
+Training modes live in `hpc_rlhf/trainers/<mode>.py`; each defines a `Config` dataclass and `run(cfg)`.
+Other commands (plan, assets, demo, ...) define `main(argv) -> int`. Modules are imported only when their
+command runs, so `hpc-rlhf plan` on a login node does not import torch.distributed machinery it does not use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# mode -> module defining Config and run(cfg)
+TRAINING_MODES = {
+    "sft": "hpc_rlhf.trainers.sft",
+    "rm": "hpc_rlhf.trainers.rm",
+    "dpo": "hpc_rlhf.trainers.dpo",
+    "kto": "hpc_rlhf.trainers.kto",
+    "ppo": "hpc_rlhf.trainers.ppo",
+    "grpo": "hpc_rlhf.trainers.grpo",
+}
+# command -> module defining main(argv) -> int
+COMMANDS = {
+    "plan": "hpc_rlhf.dist.plan_cli",
+    "assets": "hpc_rlhf.data.assets",
+    "demo": "hpc_rlhf.demo",
+}
+DESCRIPTIONS = {
+    "sft": "supervised fine-tuning on prompt/response pairs or chats",
+    "rm": "reward model on chosen/rejected pairs (Bradley-Terry)",
+    "dpo": "direct preference optimisation (sigmoid, IPO, cDPO)",
+    "kto": "Kahneman-Tversky optimisation on labelled responses",
+    "ppo": "PPO with a critic, on role process groups",
+    "grpo": "critic-free RL: GRPO, Dr. GRPO, RLOO, REINFORCE++",
+    "plan": "print the role placement and per-rank memory estimate",
+    "assets": "generate the built-in tiny tokenizer, model configs and task data",
+    "demo": "the built-in pipeline on CPU: SFT -> reward model -> PPO",
+}
+
+
+def usage() -> str:
+    lines = ["usage: hpc-rlhf MODE [--config FILE.yaml] [key=value ...]", "", "modes:"]
+    for name in list(TRAINING_MODES) + list(COMMANDS):
+        lines.append(f"  {name:<8} {DESCRIPTIONS.get(name, '')}")
+    lines.append("")
+    lines.append("`hpc-rlhf MODE --help` lists every key of a mode with its default.")
+    return "\n".join(lines)
+
+
+def run_training_mode(mode: str, argv: list[str]) -> int:
+    from hpc_rlhf.config import ConfigError, format_help, load_config
+
+    module = importlib.import_module(TRAINING_MODES[mode])
+    parser = argparse.ArgumentParser(prog=f"hpc-rlhf {mode}", description=DESCRIPTIONS.get(mode),
+                                     add_help=False)
+    parser.add_argument("--config", "-c", default=None, help="YAML config file")
+    parser.add_argument("--help", "-h", action="store_true")
+    args, overrides = parser.parse_known_args(argv)
+    if args.help:
+        print(f"usage: hpc-rlhf {mode} [--config FILE.yaml] [key=value ...]\n\n{DESCRIPTIONS.get(mode, '')}\n\n"
+              f"keys (default, meaning):\n{format_help(module.Config)}")
+        return 0
+    bad_flags = [o for o in overrides if o.startswith("-")]
+    if bad_flags:
+        print(f"hpc-rlhf {mode}: unknown option {bad_flags[0]} (settings are given as key=value; "
+              f"see hpc-rlhf {mode} --help)", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(module.Config, args.config, overrides)
+    except ConfigError as exc:
+        print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
+        return 2
+    from hpc_rlhf.launch.local import run_or_spawn
+
+    return run_or_spawn(mode, cfg, module.run, argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    mode, rest = argv[0], argv[1:]
+    if mode in TRAINING_MODES:
+        return run_training_mode(mode, rest)
+    if mode in COMMANDS:
+        return int(importlib.import_module(COMMANDS[mode]).main(rest) or 0)
+    import difflib
+
+    near = difflib.get_close_matches(mode, list(TRAINING_MODES) + list(COMMANDS), n=1)
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    print(f"hpc-rlhf: unknown mode '{mode}'{hint}\n\n{usage()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Run a script on N local ranks under torchrun (gloo, one thread per rank) and check that it succeeded.
+
+A distributed test keeps its worker code in the test module itself, under `if __name__ == "__main__":`, and
+calls `run_ranks(N, __file__, "case-name")`; the worker reads the case name from sys.argv.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+                "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
+              env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--max_restarts=0", "--monitor_interval=0.5", str(script), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(env), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{nproc}-rank run of {Path(script).name} {' '.join(args)} failed "
+                             f"(exit {proc.returncode}):\n--- stdout\n{proc.stdout[-6000:]}\n"
+                             f"--- stderr\n{proc.stderr[-10000:]}")
+    return proc
