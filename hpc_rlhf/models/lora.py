@@ -1,0 +1,216 @@
+"""LoRA and QLoRA adapters through peft, and saving adapted models as Hugging Face folders.
+
+`apply_lora` freezes the base model and adds adapters to `model.lora.target_modules`; a value model's scalar
+head stays fully trainable (it is new, so it must be learnt, and it is small). QLoRA loads the frozen base in
+4-bit with bitsandbytes, which needs a CUDA GPU: `quantization_config` says so plainly anywhere else.
+
+Saving (`save_model`): with `merge=True` the adapters are folded into the weights and the folder is a plain
+model that transformers and vLLM load without peft; otherwise it is a peft adapter folder. Merging computes
+W + B A * scale into a new state dict and leaves the model as it was, so training can go on after a save.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from hpc_rlhf.config import ConfigError, LoraSection
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("causal_lm", "value")
+
+
+# -------------------------------------------------------------------------------------------------- QLoRA
+def check_qlora_supported() -> None:
+    """QLoRA runs only where bitsandbytes can: on a CUDA GPU with the package installed."""
+    if not torch.cuda.is_available():
+        raise ConfigError("model.lora.load_in_4bit=true (QLoRA) needs a CUDA GPU: bitsandbytes 4-bit weights do "
+                          "not run on the CPU; set model.lora.load_in_4bit=false here")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("model.lora.load_in_4bit=true (QLoRA) needs the bitsandbytes package, which is not "
+                          "installed: install the `gpu` extra (pip install 'hpc_rlhf[gpu]')")
+
+
+def quantization_config(lora_cfg: LoraSection):
+    """The 4-bit loading config for QLoRA (NF4, double quantization, bf16 compute), or None without QLoRA."""
+    if not lora_cfg.load_in_4bit:
+        return None
+    if lora_cfg.rank <= 0:
+        raise ConfigError("model.lora.load_in_4bit=true needs model.lora.rank > 0: 4-bit weights cannot be "
+                          "trained directly, only adapters on top of them")
+    check_qlora_supported()
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------ adapters
+def is_peft_model(model) -> bool:
+    if importlib.util.find_spec("peft") is None:
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def unwrap_model(model):
+    """The transformers model inside a DeepSpeed engine and/or a peft wrapper (adapters stay injected)."""
+    if hasattr(model, "module") and type(model).__name__ == "DeepSpeedEngine":
+        model = model.module
+    if is_peft_model(model):
+        model = model.get_base_model()
+    return model
+
+
+def value_head_name(model) -> str:
+    if not hasattr(unwrap_model(model), "score"):
+        raise ValueError(f"{type(unwrap_model(model)).__name__} has no `score` head: not a value model")
+    return "score"
+
+
+def lora_config(lora_cfg: LoraSection, task: str, model=None):
+    from peft import LoraConfig, TaskType
+
+    if task not in TASKS:
+        raise ValueError(f"LoRA task must be one of {TASKS}, got {task!r}")
+    if lora_cfg.rank <= 0:
+        raise ConfigError("LoRA needs model.lora.rank > 0 (rank 0 means full fine-tuning)")
+    if task == "causal_lm":
+        task_type, modules_to_save = TaskType.CAUSAL_LM, None
+    else:
+        # peft's classification wrappers keep the head trainable and save it with the adapter.
+        name = type(unwrap_model(model)).__name__ if model is not None else ""
+        task_type = TaskType.SEQ_CLS if name.endswith("ForSequenceClassification") else TaskType.TOKEN_CLS
+        modules_to_save = [value_head_name(model)] if model is not None else ["score"]
+    return LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                      target_modules=list(lora_cfg.target_modules), task_type=task_type,
+                      modules_to_save=modules_to_save, bias="none")
+
+
+def apply_lora(model, lora_cfg: LoraSection, task: str = "causal_lm", gradient_checkpointing: bool = False):
+    """Wrap `model` in peft LoRA adapters: only adapters (and a value model's head) remain trainable."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    config = lora_config(lora_cfg, task, model)
+    if getattr(model, "is_loaded_in_4bit", False):
+        # Casts norms to fp32 and freezes the quantized base, as QLoRA training needs.
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        with warnings.catch_warnings():
+            # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`; the warning is not ours to fix.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model = get_peft_model(model, config)
+    except ValueError as exc:
+        if "target" in str(exc).lower():
+            names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                            if isinstance(m, torch.nn.Linear)})
+            raise ConfigError(f"model.lora.target_modules={list(lora_cfg.target_modules)} matches no layer of "
+                              f"{type(model).__name__}; its linear layers are: {', '.join(names)}") from None
+        raise
+    return peft_model
+
+
+# ------------------------------------------------------------------------------------------------- merging
+def _dequantized_weight(module) -> torch.Tensor | None:
+    """Full-precision weight of a bitsandbytes 4-bit layer (QLoRA), or None for an ordinary layer."""
+    weight = getattr(module, "weight", None)
+    if weight is None or not hasattr(weight, "quant_state"):
+        return None
+    from peft.utils.integrations import dequantize_module_weight
+
+    return dequantize_module_weight(module).detach()
+
+
+def _plain_name(name: str) -> str:
+    """A parameter or module name inside a peft model -> its name in the plain transformers model."""
+    name = re.sub(r"\.base_layer(?=\.|$)", "", name)
+    return re.sub(r"\.modules_to_save\.[^.]+(?=\.|$)", "", name)
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """Tensors of the plain transformers model with every active adapter folded in; `model` is not changed.
+
+    Names are those of the model without peft (`model.layers.0.self_attn.q_proj.weight`), so the result can be
+    saved as a Hugging Face folder or streamed to a rollout engine. Under ZeRO-3 the caller gathers first.
+    """
+    if not is_peft_model(model):
+        return {k: v.detach() for k, v in unwrap_model(model).state_dict().items()}
+    from peft.tuners.lora import LoraLayer
+
+    base = unwrap_model(model)
+    quantized = {_plain_name(name): w for name, module in base.named_modules()
+                 if (w := _dequantized_weight(module)) is not None}
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in base.state_dict().items():
+        # Adapter tensors are folded in below; `original_module` is the frozen copy of a trained head.
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        key = _plain_name(key)
+        owner = key.rsplit(".weight", 1)[0]
+        if owner in quantized:
+            if key == owner + ".weight":
+                state[key] = quantized[owner]
+            continue  # bitsandbytes' quantization statistics (weight.absmax, weight.quant_map, ...)
+        state[key] = tensor.detach()
+    for name, module in base.named_modules():
+        if not isinstance(module, LoraLayer) or module.merged:
+            continue
+        key = f"{_plain_name(name)}.weight"
+        weight = state[key]
+        delta = sum(module.get_delta_weight(a).float() for a in module.active_adapters if a in module.lora_A)
+        # Sum in fp32: adding a small delta to bf16 weights in bf16 would round most of it away.
+        state[key] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
+    return state
+
+
+def merge_and_unload_for_save(model):
+    """The plain transformers model with adapters merged in place (peft's merge_and_unload).
+
+    The adapters are gone afterwards: use it once training is over (e.g. to hand the model to an evaluator).
+    To save while training goes on, `save_model(..., merge=True)` merges into a copy of the weights instead.
+    """
+    if not is_peft_model(model):
+        return unwrap_model(model)
+    if getattr(unwrap_model(model), "is_loaded_in_4bit", False):
+        raise ValueError("a QLoRA model cannot be merged in place (its base weights are 4-bit); "
+                         "save it with save_model(..., merge=True), which writes dequantized merged weights")
+    return model.merge_and_unload()
+
+
+def save_model(model, output_dir: str | Path, tokenizer=None, merge: bool = True) -> Path:
+    """Write `model` as a Hugging Face folder (safetensors), plus the tokenizer when given.
+
+    A LoRA model is saved merged (a plain folder, no peft needed to load it) or, with `merge=False`, as a peft
+    adapter folder. Call on one rank only; under ZeRO-3 gather the parameters first.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if is_peft_model(model) and not merge:
+        model.save_pretrained(str(output_dir))
+    else:
+        base = unwrap_model(model)
+        state = merged_state_dict(model) if is_peft_model(model) else None
+        base.save_pretrained(str(output_dir), state_dict=state)
+        if getattr(base, "is_loaded_in_4bit", False):
+            _drop_quantization_config(output_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(output_dir))
+    return output_dir
+
+
+def _drop_quantization_config(output_dir: Path) -> None:
+    """The merged QLoRA weights are dequantized, so the saved config must not claim 4-bit weights."""
+    path = output_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("quantization_config", None)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,129 @@
+"""What a run reports: `metrics.jsonl`, TensorBoard scalars, optional Weights & Biases, a tqdm bar.
+
+Only the rank that owns the logger writes (rank 0 by convention); every other rank gets a logger whose methods
+do nothing, so trainers call it unconditionally. `metrics.jsonl` is appended to and flushed line by line: after a
+crash or a preemption every logged step is on disk, and a resumed run continues the same file (rows of steps
+after the resumed checkpoint are dropped first, so the file reads as one uninterrupted run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe scalar: tensors and numpy scalars become floats; NaN/inf stay readable as strings."""
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(output_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            rows.append(json.loads(line))
+    return rows
+
+
+def truncate_metrics(output_dir: str | Path, after_step: int) -> None:
+    """Drop rows logged after `after_step` (they belong to work a resume will redo)."""
+    path = Path(output_dir) / METRICS_FILE
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(output_dir) if int(r.get("step", 0)) <= after_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step plus TensorBoard (and W&B when asked) scalars."""
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True,
+                 wandb: str = "off", wandb_project: str = "hpc_rlhf", run_name: str | None = None,
+                 config: Mapping[str, Any] | None = None, progress_total: int | None = None,
+                 progress: bool = True, initial_step: int = 0, desc: str = "train"):
+        self.enabled = enabled
+        self.output_dir = Path(output_dir)
+        self._file = None
+        self._tb = None
+        self._wandb = None
+        self._bar = None
+        if not enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        truncate_metrics(self.output_dir, initial_step)
+        self._file = open(self.output_dir / METRICS_FILE, "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tb"), purge_step=initial_step + 1)
+        if wandb != "off":
+            self._wandb = _start_wandb(wandb, wandb_project, run_name or self.output_dir.name, config,
+                                       self.output_dir)
+        if progress and progress_total:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=progress_total, initial=initial_step, desc=desc, dynamic_ncols=True,
+                             mininterval=1.0)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), "time": round(time.time(), 3)}
+        row.update({k: _plain(v) for k, v in metrics.items()})
+        self._file.write(json.dumps(row) + "\n")
+        for key, value in row.items():
+            if key in ("step", "time") or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if self._tb is not None:
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+        if self._bar is not None:
+            shown = {k: v for k, v in row.items() if k in ("loss", "reward", "accuracy", "eval_accuracy", "kl")}
+            self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()},
+                                  refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _start_wandb(mode: str, project: str, name: str, config, output_dir: Path):
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError(f"log.wandb={mode} was asked for but the wandb package is not installed "
+                           "(pip install wandb, or set log.wandb=off)") from None
+    return wandb.init(project=project, name=name, mode=mode, dir=str(output_dir),
+                      config=dict(config) if config else None)
