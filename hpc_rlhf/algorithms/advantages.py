@@ -1,0 +1,153 @@
+"""Advantage estimators: GAE with a critic, and the critic-free group baselines (GRPO, Dr. GRPO, RLOO,
+REINFORCE++ and its baseline variant).
+
+Shapes: per-token tensors are (batch, seq) with a mask marking response tokens. Group baselines take one
+sequence reward per sample with the n samples of a prompt side by side: either (num_prompts, n) or flat
+(num_prompts * n,) with sample i of prompt p at index p * n + i; they return the input's shape. Per-sequence
+advantages reach the tokens through `broadcast_to_tokens`.
+Everything returned is a training target, so inputs are detached and the results carry no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpc_rlhf.algorithms.logprobs import _check_shapes, masked_whiten
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    # Returns and advantages accumulate over hundreds of tokens: never in bf16.
+    return x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous Control Using
+    Generalized Advantage Estimation"):
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}          (a reverse scan over the sequence)
+        R_t     = A_t + V_t                                 (the critic's regression target)
+
+    rewards, values, mask: (batch, seq). The response ends at its last marked token: the value after it is 0
+    (generation stopped there). Masked positions are skipped, not treated as time steps: each response token's
+    "next" is the next marked token of its row, so right padding, left padding, and masked holes inside a
+    response (e.g. tool output in a multi-turn rollout) all work. Returns (advantages, returns), 0 where masked.
+    """
+    _check_shapes(rewards=rewards, values=values, mask=mask)
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards, values and mask must be (batch, seq), got shape {tuple(rewards.shape)}")
+    valid = mask != 0
+    rewards = _float(rewards).masked_fill(~valid, 0)
+    values = _float(values).masked_fill(~valid, 0)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        keep = valid[:, t]
+        advantages[:, t] = torch.where(keep, advantage, 0.0)
+        # A masked position passes the following token's state through unchanged.
+        next_advantage = torch.where(keep, advantage, next_advantage)
+        next_value = torch.where(keep, values[:, t], next_value)
+    returns = (advantages + values).masked_fill(~valid, 0)
+    return advantages, returns
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = sum_{k >= t} gamma^(k - t) r_k over the marked tokens of each row: GAE with V = 0 and lam = 1."""
+    advantages, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
+    return advantages
+
+
+def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Give every response token its sequence's value: (batch,) x (batch, seq) mask -> (batch, seq)."""
+    if seq_values.dim() != 1 or mask.dim() != 2 or seq_values.shape[0] != mask.shape[0]:
+        raise ValueError(f"seq_values must be (batch,) and mask (batch, seq) with the same batch, got "
+                         f"{tuple(seq_values.shape)} and {tuple(mask.shape)}")
+    return _float(seq_values).unsqueeze(-1) * (mask != 0)
+
+
+def _by_group(rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """View the rewards as (num_prompts, n), checking that they can be."""
+    if n < 2:
+        raise ValueError(f"n (samples per prompt) must be >= 2 for a group baseline, got {n}")
+    if rewards.dim() == 2 and rewards.shape[1] == n:
+        return _float(rewards)
+    if rewards.dim() == 1 and rewards.numel() % n == 0:
+        return _float(rewards).view(-1, n)
+    raise ValueError(f"rewards must be (num_prompts, {n}) or (num_prompts * {n},) for n={n} samples per prompt, "
+                     f"got shape {tuple(rewards.shape)}")
+
+
+def grpo_advantages(rewards: torch.Tensor, n: int, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """GRPO's group-relative advantage (Shao et al. 2024, "DeepSeekMath"): A_i = (r_i - mean_g) / (std_g + eps)
+    over the n samples of the same prompt, std with Bessel's correction (n - 1). scale=False leaves out the
+    division (that is Dr. GRPO). A group whose rewards are all equal gets advantage 0: it teaches nothing.
+    """
+    groups = _by_group(rewards, n)
+    centred = groups - groups.mean(-1, keepdim=True)
+    if scale:
+        centred = centred / (groups.std(-1, keepdim=True) + eps)
+    return centred.reshape(rewards.shape)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"):
+    A_i = r_i - mean_g. Dividing by the group std over-weights prompts that are nearly always or nearly never
+    solved; the paper drops it (and pairs this with a loss summed over tokens rather than averaged per
+    sequence: `policy_loss(..., loss_agg="seq-mean-token-sum")`).
+    """
+    return grpo_advantages(rewards, n, scale=False)
+
+
+def rloo_advantages(rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"):
+    A_i = r_i - (1 / (n - 1)) * sum_{j != i} r_j, a baseline that does not depend on the sample it judges,
+    so the policy gradient stays unbiased.
+    """
+    groups = _by_group(rewards, n)
+    others_mean = (groups.sum(-1, keepdim=True) - groups) / (n - 1)
+    return (groups - others_mean).reshape(rewards.shape)
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                            eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
+    Models"): the discounted return of the per-token rewards (usually `kl_penalized_rewards`),
+    G_t = sum_{k >= t} gamma^(k - t) r_k, whitened over all response tokens of the whole batch (not per prompt):
+    A_t = (G_t - mean) / std. (batch, seq) -> (batch, seq), 0 where masked.
+    """
+    return masked_whiten(discounted_returns(token_rewards, mask, gamma), mask, eps=eps)
+
+
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, n: int, mask: torch.Tensor,
+                                     eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++-baseline (same paper): subtract each prompt's group mean from the sequence rewards, give the
+    result to every response token, then whiten over all response tokens of the batch.
+
+    rewards (num_prompts * n,) or (num_prompts, n) in sample order; mask (num_prompts * n, seq).
+    Returns (num_prompts * n, seq). For a KL penalty in the reward instead of in the loss, compose:
+    reinforce_pp_advantages(kl_penalized_rewards(dr_grpo_advantages(r, n).flatten(), kl, mask, beta), mask).
+    """
+    centred = dr_grpo_advantages(rewards, n).reshape(-1)
+    if mask.dim() != 2 or mask.shape[0] != centred.shape[0]:
+        raise ValueError(f"mask must be ({centred.shape[0]}, seq), one row per sample, got {tuple(mask.shape)}")
+    return masked_whiten(broadcast_to_tokens(centred, mask), mask, eps=eps)
+
+
+def normalize_rewards(rewards: torch.Tensor, mask: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """Whiten rewards over the batch: (r - mean) / std (population std), over the masked entries when a mask
+    is given. Keeps the scale of a reward model's output from setting the effective learning rate.
+    """
+    if mask is None:
+        mask = torch.ones_like(rewards, dtype=torch.bool)
+    return masked_whiten(_float(rewards), mask, eps=eps)
+
+
+def clip_rewards(rewards: torch.Tensor, clip: float) -> torch.Tensor:
+    """Clamp rewards to [-clip, clip], so that one outlier score cannot dominate a batch."""
+    if clip <= 0:
+        raise ValueError(f"clip must be > 0, got {clip}")
+    return rewards.clamp(-clip, clip)

@@ -1,0 +1,224 @@
+"""Training losses of every mode: SFT, reward model, DPO/cDPO/IPO, KTO, and PPO's policy and value losses.
+
+Each is a pure function of tensors. Inputs that are targets or come from a frozen model (reference log-probs,
+old log-probs, advantages, returns) are detached here, so a caller cannot leak gradients into them by mistake.
+Per-sequence log-probs come from `logprobs.sequence_logprob`; per-token tensors are (batch, seq) with a mask
+(see `logprobs` for the conventions).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hpc_rlhf.algorithms.kl import kl_estimate
+from hpc_rlhf.algorithms.logprobs import _check_shapes, masked_mean, masked_sum, token_logprobs
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+# ------------------------------------------------------------------------------------------------------- SFT
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Negative log-likelihood of the label tokens, averaged over the tokens that are not `ignore_index`.
+
+    logits (batch, seq, vocab) already aligned with labels (batch, seq): logits[:, t] predicts labels[:, t].
+    Prompt-only training is the caller's choice of labels: set every token that is not to be learnt (prompt,
+    padding, user and system turns of a multi-turn chat) to `ignore_index`. A batch with no label is 0.
+    """
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits shape {tuple(logits.shape)} "
+                         f"without its vocabulary dim")
+    learnt = labels != ignore_index
+    logps = token_logprobs(logits, labels.masked_fill(~learnt, 0))
+    return -masked_mean(logps, learnt)
+
+
+# ------------------------------------------------------------------------------------------------ reward model
+def pairwise_reward_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
+                         margin: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bradley-Terry loss of a reward model on preference pairs (Ouyang et al. 2022, InstructGPT):
+
+        loss = mean_i -log sigmoid(r_chosen_i - r_rejected_i - m_i)
+
+    with an optional margin m (Touvron et al. 2023, Llama 2: a larger margin for pairs the annotators found
+    clearly different). chosen_scores, rejected_scores: (batch,). Returns (loss, accuracy), accuracy being the
+    share of pairs with r_chosen > r_rejected (a tie counts as wrong).
+    """
+    _check_shapes(chosen_scores=chosen_scores, rejected_scores=rejected_scores)
+    difference = chosen_scores - rejected_scores
+    if margin is not None:
+        difference = difference - margin
+    loss = -F.logsigmoid(difference).mean()
+    accuracy = (chosen_scores > rejected_scores).float().mean().detach()
+    return loss, accuracy
+
+
+# ----------------------------------------------------------------------------------------------------- DPO
+def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
+             ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor, beta: float,
+             loss_type: str = "sigmoid", label_smoothing: float = 0.0
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Direct preference losses on sequence log-probs (batch,) of the policy and of the frozen reference.
+
+    With h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)):
+    - "sigmoid", DPO (Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a
+      Reward Model"): loss = -log sigmoid(beta * h), the Bradley-Terry likelihood of the implicit reward
+      beta * log(pi / ref).
+      With label_smoothing eps > 0 it is cDPO (Mitchell 2023, "A note on DPO with noisy preferences"): each
+      label is taken to be flipped with probability eps,
+      loss = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h).
+    - "ipo", IPO (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
+      Preferences"): loss = (h - 1 / (2 beta))^2, a regression of h onto a fixed target that, unlike DPO, does
+      not keep pushing h up once the preference is satisfied. The log-probs for IPO are expected to be
+      length-averaged (`sequence_logprob(..., average=True)`), as the target 1/(2 beta) is per token in scale.
+    Returns (mean loss, chosen_rewards, rejected_rewards), the rewards being beta * log(pi / ref) per sequence
+    (detached; their difference is what the loss sees).
+    """
+    _check_shapes(policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps,
+                  ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    chosen_log_ratio = policy_chosen_logps - ref_chosen_logps.detach()
+    rejected_log_ratio = policy_rejected_logps - ref_rejected_logps.detach()
+    h = chosen_log_ratio - rejected_log_ratio
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        if label_smoothing:
+            raise ValueError("label_smoothing (cDPO) applies to loss_type='sigmoid' only, not 'ipo'")
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"loss_type must be one of {', '.join(DPO_LOSS_TYPES)}, got {loss_type!r}")
+    return losses.mean(), beta * chosen_log_ratio.detach(), beta * rejected_log_ratio.detach()
+
+
+# ----------------------------------------------------------------------------------------------------- KTO
+def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, labels_desirable: torch.Tensor,
+             kl_reference: torch.Tensor | float, beta: float, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization"), for answers
+    labelled only good or bad, without pairs.
+
+    With r = log pi(y|x) - log ref(y|x) and the reference point z0:
+        value = lambda_D * sigmoid(beta (r - z0))       desirable y
+                lambda_U * sigmoid(beta (z0 - r))       undesirable y
+        loss  = mean (lambda_y - value)
+    z0 = max(0, KL(pi || ref)) is passed in as `kl_reference`: the caller estimates it from mismatched pairs
+    (answer of one prompt scored under another prompt, mean of r over the batch, averaged across ranks).
+    It is detached and clamped at 0 here: the paper uses it as a baseline, not something to optimise.
+    The paper suggests weights with lambda_D * n_D / (lambda_U * n_U) in [1, 4/3] for n_D desirable and n_U
+    undesirable examples. policy_logps, ref_logps, labels_desirable (bool): (batch,).
+    Returns (loss, rewards) with rewards = beta * r per example (detached).
+    """
+    _check_shapes(policy_logps=policy_logps, ref_logps=ref_logps, labels_desirable=labels_desirable)
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if desirable_weight < 0 or undesirable_weight < 0:
+        raise ValueError(f"desirable_weight and undesirable_weight must be >= 0, "
+                         f"got {desirable_weight} and {undesirable_weight}")
+    log_ratio = policy_logps - ref_logps.detach()
+    z0 = torch.as_tensor(kl_reference, dtype=log_ratio.dtype, device=log_ratio.device).detach().clamp(min=0)
+    desirable = labels_desirable.bool()
+    value = torch.where(desirable, desirable_weight * torch.sigmoid(beta * (log_ratio - z0)),
+                        undesirable_weight * torch.sigmoid(beta * (z0 - log_ratio)))
+    weight = torch.where(desirable, desirable_weight, undesirable_weight).to(value.dtype)
+    return (weight - value).mean(), beta * log_ratio.detach()
+
+
+# ----------------------------------------------------------------------------------------------------- PPO
+def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token-mean") -> torch.Tensor:
+    """Reduce a per-token loss (batch, seq) to a scalar.
+
+    token-mean           sum over all response tokens / their number: every token weighs the same
+                         (DAPO, Yu et al. 2025); long answers weigh more.
+    seq-mean-token-sum   per-sequence sum, averaged over sequences: no per-length normalisation, as in
+                         Dr. GRPO (Liu et al. 2025), up to its constant divisor.
+    seq-mean-token-mean  per-sequence mean, averaged over sequences (the original GRPO): every answer weighs the
+                         same, so each token of a short answer weighs more.
+    Sequences without any response token are left out of the sequence means.
+    """
+    if loss_agg == "token-mean":
+        return masked_mean(token_loss, mask)
+    if loss_agg == "seq-mean-token-sum":
+        per_sequence = masked_sum(token_loss, mask, dim=-1)
+    elif loss_agg == "seq-mean-token-mean":
+        per_sequence = masked_mean(token_loss, mask, dim=-1)
+    else:
+        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}, got {loss_agg!r}")
+    return masked_mean(per_sequence, (mask != 0).any(-1))
+
+
+def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_eps: float = 0.2, clip_eps_high: float | None = None, dual_clip: float | None = None,
+                loss_agg: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms"), per token:
+
+        rho  = pi(y_t) / pi_old(y_t)
+        loss = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)
+
+    eps_high = clip_eps_high, or clip_eps when None; a larger upper bound is DAPO's "clip-higher" (Yu et al.
+    2025), which lets rare tokens with A > 0 grow faster. dual_clip c > 1 (Ye et al. 2020, "Mastering Complex
+    Control in MOBA Games with Deep Reinforcement Learning") also bounds the loss by -c A where A < 0, so a
+    huge ratio on a bad token cannot blow up the update. logps (batch, seq) carry the gradient; old_logps and
+    advantages are constants. Returns (loss, clip_fraction, approx_kl): the share of response tokens whose
+    gradient clipping removed, and the k3 estimate of KL(pi_old || pi) over the response tokens.
+    """
+    _check_shapes(logps=logps, old_logps=old_logps, advantages=advantages, mask=mask)
+    if clip_eps <= 0 or (clip_eps_high is not None and clip_eps_high <= 0):
+        raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps} and {clip_eps_high}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 (it bounds the loss at dual_clip * |A|), got {dual_clip}")
+    valid = mask != 0
+    # Zero the padding before exp: an inf there, masked out of the loss, would still make 0 * inf = NaN in backward.
+    log_ratio = (logps - old_logps.detach()).masked_fill(~valid, 0)
+    advantages = advantages.detach().masked_fill(~valid, 0)
+    ratio = torch.exp(log_ratio)
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_high) * advantages
+    token_loss = -torch.min(unclipped, clipped)
+    was_clipped = clipped < unclipped
+    if dual_clip is not None:
+        dual_bound = -dual_clip * advantages
+        dual_active = (advantages < 0) & (token_loss > dual_bound)
+        token_loss = torch.where(dual_active, dual_bound, token_loss)
+        was_clipped = was_clipped | dual_active
+    loss = aggregate_loss(token_loss, mask, loss_agg)
+    with torch.no_grad():
+        clip_fraction = masked_mean(was_clipped.to(log_ratio.dtype), mask)
+        # Tokens were sampled from pi_old, so KL(pi_old || pi) is the direction k3 estimates without bias.
+        approx_kl = masked_mean(kl_estimate(old_logps, logps.detach(), "k3"), mask)
+    return loss, clip_fraction, approx_kl
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_eps: float | None = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss (as in OpenAI's baselines PPO2), mean over response tokens:
+
+        V_clip = V_old + clip(V - V_old, -eps, eps)
+        loss   = 1/2 * mean max((V - R)^2, (V_clip - R)^2)
+
+    The max makes it pessimistic: a value that moved more than eps from V_old gets no credit for moving
+    towards R. clip_eps=None gives the plain 1/2 (V - R)^2. values, old_values, returns, mask: (batch, seq).
+    Returns (loss, clip_fraction), the share of tokens where the clipped term won.
+    """
+    _check_shapes(values=values, old_values=old_values, returns=returns, mask=mask)
+    valid = mask != 0
+    # Zero padding first: NaN there would reach the gradient through the square.
+    values = values.masked_fill(~valid, 0)
+    old_values = old_values.detach().masked_fill(~valid, 0)
+    returns = returns.detach().masked_fill(~valid, 0)
+    unclipped = (values - returns) ** 2
+    if clip_eps is None:
+        return 0.5 * masked_mean(unclipped, mask), torch.zeros((), dtype=unclipped.dtype, device=values.device)
+    if clip_eps <= 0:
+        raise ValueError(f"clip_eps must be > 0 or None, got {clip_eps}")
+    clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(unclipped, clipped), mask)
+    with torch.no_grad():
+        clip_fraction = masked_mean((clipped > unclipped).to(unclipped.dtype), mask)
+    return loss, clip_fraction

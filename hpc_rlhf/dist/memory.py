@@ -1,0 +1,241 @@
+"""Per-rank GPU memory estimate for each role of a placement. Pure Python: no torch.
+
+Memory model (GB = 10^9 bytes; P = parameters of the role's model; N = ranks of the role)
+-----------------------------------------------------------------------------------------
+Parameters are counted from the shape (embeddings, attention with grouped KV heads, gated MLP per expert,
+router, RMSNorms, LM head unless tied). Value models (critic, reward) replace the LM head by a scalar head.
+
+Training roles (actor, critic), mixed-precision Adam, 16 bytes per parameter before sharding:
+    weights      2 bytes/param (bf16)          / N under ZeRO-3
+    gradients    2 bytes/param (bf16)          / N under ZeRO-2 and 3
+    optimizer   12 bytes/param (fp32 master weights, Adam m and v) / N under ZeRO-1, 2 and 3;
+                 with Adam offload these live in CPU memory (reported as `cpu_optimizer`), not on the GPU.
+Inference roles (ref, reward): bf16 weights, 2 bytes/param, sharded (/ N) only under ZeRO-3.
+Rollout engines of `tp` ranks: bf16 weights / tp, plus the KV cache of the tokens an engine holds at once:
+    2 (K and V) * layers * kv_heads * head_dim * 2 bytes per token, the KV heads split over tp
+    (a KV head is replicated when tp > kv_heads, as vLLM does).
+Activation allowance (b = micro batch, s = sequence length, h = hidden, L = layers, V = vocab):
+    one transformer layer's working set is taken as 34 * b * s * h bytes (16-bit activations with a fused
+    attention kernel, which keeps no s x s score matrix; Korthikanti et al. 2022);
+    training keeps that for every layer, or with gradient checkpointing one bf16 hidden state per layer
+    (2 * b * s * h * L) plus one layer being recomputed;
+    roles that produce token log-probs (actor, ref) add fp32 logits, 4 * b * s * V bytes, and the actor
+    their gradient as well (8 * b * s * V in all);
+    inference roles keep one layer's working set; rollout engines one layer's working set over a prefill
+    chunk of `ROLLOUT_PREFILL_TOKENS` tokens, split over tp.
+Overhead: a flat allowance per rank (`overhead_gb`, default 2 GB) for the CUDA context, NCCL buffers and
+allocator fragmentation.
+Roles colocated on the same ranks (`actor+ref`, `rollout@actor`) add up (`hpc-rlhf plan` sums them): the
+estimate is the peak with every model resident, which is what happens while the hybrid engine generates beside the actor's training state.
+The model ignores DeepSpeed's communication buckets and ZeRO-3 prefetch buffers (a few hundred MB), and MoE
+expert activations (experts are counted in the parameters, activations use the dense formula).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+DEFAULT_OVERHEAD_GB = 2.0
+ROLLOUT_PREFILL_TOKENS = 8192  # vLLM's default chunked-prefill token budget
+ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN = 34
+TRAINING_KINDS = ("actor", "critic")
+KINDS = ("actor", "critic", "ref", "reward", "rollout")
+
+
+class ModelShapeError(ValueError):
+    """A model shape that cannot be read or makes no sense; the message names the file or field."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int  # MLP width of one expert (of the dense MLP for dense models)
+    vocab: int
+    tied_embeddings: bool = False
+    experts: int = 1  # > 1: mixture of experts with a router per layer
+    experts_per_token: int = 1
+    head_dim: int | None = None  # None: hidden // heads
+    attention_bias: bool = False  # biases on q, k, v (Qwen2)
+    name: str = ""
+
+    def __post_init__(self):
+        for key in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "experts",
+                    "experts_per_token"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelShapeError(f"model shape {self.name or ''}: '{key}' must be a positive integer, "
+                                      f"got {value!r}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ModelShapeError(f"model shape {self.name}: hidden {self.hidden} is not divisible by "
+                                  f"{self.heads} heads (give head_dim)")
+        if self.heads % self.kv_heads:
+            raise ModelShapeError(f"model shape {self.name}: {self.heads} heads are not divisible by "
+                                  f"{self.kv_heads} KV heads")
+        if self.experts_per_token > self.experts:
+            raise ModelShapeError(f"model shape {self.name}: {self.experts_per_token} experts per token but "
+                                  f"only {self.experts} experts")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    def _layer_params(self, experts: int) -> int:
+        q_width, kv_width = self.heads * self.head_size, self.kv_heads * self.head_size
+        attention = self.hidden * q_width + 2 * self.hidden * kv_width + q_width * self.hidden
+        if self.attention_bias:
+            attention += q_width + 2 * kv_width
+        mlp = experts * 3 * self.hidden * self.intermediate  # gate, up, down
+        router = self.hidden * self.experts if self.experts > 1 else 0
+        return attention + mlp + router + 2 * self.hidden  # two RMSNorms
+
+    def params(self, lm_head: bool = True) -> int:
+        """All parameters; `lm_head=False` for a value model (the LM head replaced by a scalar head)."""
+        embeddings = self.vocab * self.hidden
+        head = self.vocab * self.hidden if lm_head and not self.tied_embeddings else 0
+        value_head = 0 if lm_head else self.hidden
+        return embeddings + self.layers * self._layer_params(self.experts) + self.hidden + head + value_head
+
+    @property
+    def num_params(self) -> int:
+        return self.params()
+
+    @property
+    def active_params(self) -> int:
+        """Parameters used per token (differs from num_params only for mixture-of-experts models)."""
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return (self.vocab * self.hidden + self.layers * self._layer_params(self.experts_per_token)
+                + self.hidden + head)
+
+    def kv_bytes_per_token(self, tp: int = 1, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes per token on one rank of a tensor-parallel engine of `tp` ranks."""
+        kv_heads_per_rank = math.ceil(self.kv_heads / tp)
+        return 2 * self.layers * kv_heads_per_rank * self.head_size * dtype_bytes
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelShape":
+        key = name.lower().removeprefix("llama-2-").removeprefix("llama2-")
+        if key not in PRESETS:
+            raise ModelShapeError(f"unknown model preset '{name}'; presets: {', '.join(PRESETS)} "
+                                  f"(or a folder with a Hugging Face config.json)")
+        return PRESETS[key]
+
+    @classmethod
+    def from_config_json(cls, path: str | Path) -> "ModelShape":
+        """Read a Hugging Face config.json (llama, mistral, qwen2, mixtral and alike), or a folder holding one."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ModelShapeError(f"model config '{path}' does not exist")
+        try:
+            config = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelShapeError(f"{path}: not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ModelShapeError(f"{path}: the top level must be a JSON object")
+        if "text_config" in config and "hidden_size" not in config:  # multimodal wrappers
+            config = config["text_config"]
+
+        def get(key: str, default: Any = None) -> Any:
+            value = config.get(key, default)
+            if value is None:
+                raise ModelShapeError(f"{path}: missing key '{key}'")
+            return value
+
+        heads = get("num_attention_heads")
+        experts = config.get("num_local_experts") or config.get("num_experts") or 1
+        intermediate = config.get("moe_intermediate_size") if experts > 1 and "moe_intermediate_size" in config \
+            else get("intermediate_size")
+        model_type = config.get("model_type", "")
+        try:
+            return cls(hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
+                       kv_heads=config.get("num_key_value_heads") or heads, intermediate=intermediate,
+                       vocab=get("vocab_size"), tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                       experts=experts, experts_per_token=config.get("num_experts_per_tok", 1) if experts > 1
+                       else 1, head_dim=config.get("head_dim"),
+                       attention_bias=bool(config.get("attention_bias", model_type.startswith("qwen2"))),
+                       name=str(path.parent.name or model_type))
+        except ModelShapeError as exc:
+            raise ModelShapeError(f"{path}: {exc}") from None
+
+
+# Llama-2 shapes (7b, 13b, 70b) and CodeLlama-34B (Llama-2 family, grouped KV heads).
+PRESETS = {
+    "7b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000,
+                     name="llama-2-7b"),
+    "13b": ModelShape(hidden=5120, layers=40, heads=40, kv_heads=40, intermediate=13824, vocab=32000,
+                      name="llama-2-13b"),
+    "34b": ModelShape(hidden=8192, layers=48, heads=64, kv_heads=8, intermediate=22016, vocab=32000,
+                      name="codellama-34b"),
+    "70b": ModelShape(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=32000,
+                      name="llama-2-70b"),
+}
+
+
+def load_shape(model: str | Path) -> ModelShape:
+    """A preset name ('7b', 'llama-2-70b') or a path to a config.json or a model folder."""
+    path = Path(model)
+    if path.exists():
+        return ModelShape.from_config_json(path)
+    return ModelShape.preset(str(model))
+
+
+def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0, adam_offload: bool = False, *,
+             tp: int = 1, micro_batch_size: int = 1, seq_len: int = 2048, gradient_checkpointing: bool = True,
+             tokens_in_flight: int = 0, overhead_gb: float = DEFAULT_OVERHEAD_GB) -> dict[str, float]:
+    """GB on each GPU of a role of `ranks` ranks, by component, with `total` (GPU) and `cpu_optimizer`
+    (host memory per rank holding offloaded Adam states). See the module docstring for the model.
+
+    `micro_batch_size` x `seq_len` is the batch of a training or scoring pass on one rank; `tp` and
+    `tokens_in_flight` (tokens an engine keeps in its KV cache at once) apply to rollout only."""
+    if role_kind not in KINDS:
+        raise ValueError(f"unknown role kind '{role_kind}'; kinds: {', '.join(KINDS)}")
+    if ranks < 1 or tp < 1 or micro_batch_size < 1 or seq_len < 1 or tokens_in_flight < 0:
+        raise ValueError(f"ranks ({ranks}), tp ({tp}), micro_batch_size ({micro_batch_size}) and seq_len "
+                         f"({seq_len}) must be at least 1 and tokens_in_flight ({tokens_in_flight}) at least 0")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if adam_offload and zero_stage == 0 and role_kind in TRAINING_KINDS:
+        raise ValueError("Adam offload needs ZeRO stage 1, 2 or 3 (DeepSpeed offloads sharded optimizer states)")
+    if role_kind == "rollout" and ranks % tp:
+        raise ValueError(f"{ranks} rollout ranks cannot form engines of tp={tp}")
+
+    value_model = role_kind in ("critic", "reward")
+    params = shape.params(lm_head=not value_model)
+    tokens = micro_batch_size * seq_len
+    layer_working_set = ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * tokens * shape.hidden
+    out = dict(weights=0.0, gradients=0.0, optimizer=0.0, activations=0.0, kv_cache=0.0, overhead=overhead_gb,
+               cpu_optimizer=0.0)
+
+    if role_kind in TRAINING_KINDS:
+        out["weights"] = 2 * params / (ranks if zero_stage >= 3 else 1) / GB
+        out["gradients"] = 2 * params / (ranks if zero_stage >= 2 else 1) / GB
+        optimizer = 12 * params / (ranks if zero_stage >= 1 else 1) / GB
+        out["cpu_optimizer" if adam_offload else "optimizer"] = optimizer
+        if gradient_checkpointing:
+            activations = 2 * tokens * shape.hidden * shape.layers + layer_working_set
+        else:
+            activations = layer_working_set * shape.layers
+        if role_kind == "actor":
+            activations += 8 * tokens * shape.vocab  # fp32 logits and their gradient
+        out["activations"] = activations / GB
+    elif role_kind in ("ref", "reward"):
+        out["weights"] = 2 * params / (ranks if zero_stage >= 3 else 1) / GB
+        activations = layer_working_set + (4 * tokens * shape.vocab if role_kind == "ref" else 0)
+        out["activations"] = activations / GB
+    else:  # rollout
+        out["weights"] = 2 * params / tp / GB
+        out["kv_cache"] = tokens_in_flight * shape.kv_bytes_per_token(tp) / GB
+        out["activations"] = (ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * ROLLOUT_PREFILL_TOKENS * shape.hidden
+                              / tp / GB)
+    out["total"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "kv_cache",
+                                        "overhead"))
+    return out

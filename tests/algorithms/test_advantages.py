@@ -1,0 +1,176 @@
+import math
+
+import pytest
+import torch
+
+from hpc_rlhf.algorithms.advantages import (broadcast_to_tokens, clip_rewards, discounted_returns,
+                                            dr_grpo_advantages, gae, grpo_advantages, normalize_rewards,
+                                            reinforce_pp_advantages, reinforce_pp_baseline_advantages,
+                                            rloo_advantages)
+
+
+def reference_gae(rewards, values, gamma, lam):
+    """Textbook GAE for one unpadded response, scalar by scalar."""
+    advantages, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        next_value = values[t + 1] if t + 1 < len(rewards) else 0.0
+        running = rewards[t] + gamma * next_value - values[t] + gamma * lam * running
+        advantages[t] = running
+    return advantages
+
+
+# -------------------------------------------------------------------------------------------------- GAE
+def test_gae_hand_computed_with_right_padding():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7], [0.5, 0.6, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    advantages, returns = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # row 0: d2 = 1 - 0.7 = 0.3; d1 = 0.9*0.7 - 0.6 = 0.03, A1 = 0.03 + 0.72*0.3 = 0.246;
+    #        d0 = 0.9*0.6 - 0.5 = 0.04, A0 = 0.04 + 0.72*0.246 = 0.21712
+    # row 1: the padded reward 5 and value 9 are ignored: A1 = 1 - 0.6 = 0.4, A0 = 0.04 + 0.72*0.4 = 0.328
+    torch.testing.assert_close(advantages, torch.tensor([[0.21712, 0.246, 0.3], [0.328, 0.4, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.71712, 0.846, 1.0], [0.828, 1.0, 0.0]]))
+
+
+def test_gae_matches_textbook_loop_on_random_right_padded_batch():
+    torch.manual_seed(0)
+    lengths = [5, 1, 3, 7]
+    rewards, values = torch.randn(4, 7), torch.randn(4, 7)
+    mask = torch.arange(7).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    advantages, returns = gae(rewards, values, mask, gamma=0.95, lam=0.9)
+    for row, length in enumerate(lengths):
+        expected = reference_gae(rewards[row, :length].tolist(), values[row, :length].tolist(), 0.95, 0.9)
+        torch.testing.assert_close(advantages[row, :length], torch.tensor(expected))
+        torch.testing.assert_close(returns[row, :length], torch.tensor(expected) + values[row, :length])
+        assert (advantages[row, length:] == 0).all() and (returns[row, length:] == 0).all()
+
+
+def test_gae_left_padding_and_holes_skip_masked_positions():
+    # The same response [r=0, r=0, r=1] with values [0.5, 0.6, 0.7], placed after a prompt and split by a hole.
+    rewards = torch.tensor([[3.0, 0.0, 0.0, 8.0, 1.0]])
+    values = torch.tensor([[4.0, 0.5, 0.6, 8.0, 0.7]])
+    mask = torch.tensor([[0, 1, 1, 0, 1]])
+    advantages, _ = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(advantages, torch.tensor([[0.0, 0.21712, 0.246, 0.0, 0.3]]))
+
+
+def test_gae_length_one_all_masked_and_monte_carlo_limit():
+    rewards = torch.tensor([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 2.0, 3.0]])
+    values = torch.tensor([[0.5, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 0, 0], [0, 0, 0], [1, 1, 1]])
+    advantages, returns = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    # length 1: A = r - V = 1.5. gamma = lam = 1: A_t = (sum of rewards from t on) - V_t.
+    torch.testing.assert_close(advantages, torch.tensor([[1.5, 0.0, 0.0], [0.0, 0.0, 0.0], [5.0, 4.0, 2.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0], [6.0, 5.0, 3.0]]))
+
+
+def test_gae_outputs_are_detached_fp32_targets():
+    values = torch.randn(2, 3, requires_grad=True)
+    advantages, returns = gae(torch.randn(2, 3).bfloat16(), values, torch.ones(2, 3), 1.0, 0.95)
+    assert not advantages.requires_grad and not returns.requires_grad
+    assert advantages.dtype == torch.float32
+
+
+def test_gae_shape_mismatch():
+    with pytest.raises(ValueError, match=r"rewards has shape \(2, 3\).*values \(2, 4\)"):
+        gae(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), 1.0, 1.0)
+
+
+def test_discounted_returns_hand_computed():
+    got = discounted_returns(torch.tensor([[1.0, 2.0, 3.0, 9.0]]), torch.tensor([[1, 1, 1, 0]]), gamma=0.5)
+    # G2 = 3, G1 = 2 + 0.5*3 = 3.5, G0 = 1 + 0.5*3.5 = 2.75
+    torch.testing.assert_close(got, torch.tensor([[2.75, 3.5, 3.0, 0.0]]))
+
+
+# --------------------------------------------------------------------------------------- group baselines
+def test_grpo_hand_computed_including_a_group_of_identical_rewards():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    # group 0: mean 0.5, std (n-1) = sqrt(4 * 0.25 / 3) = 0.57735, so +-0.5 / 0.57735 = +-0.866025.
+    # group 1: every answer equal: nothing to learn, advantage 0 (not NaN).
+    expected = torch.tensor([0.866025, -0.866025, -0.866025, 0.866025, 0.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(grpo_advantages(rewards, n=4), expected, atol=1e-5, rtol=1e-5)
+    got_2d = grpo_advantages(rewards.view(2, 4), n=4)
+    assert got_2d.shape == (2, 4)
+    torch.testing.assert_close(got_2d.flatten(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_grpo_without_scale_and_dr_grpo_subtract_the_group_mean_only():
+    rewards = torch.tensor([[3.0, 1.0, 2.0], [10.0, 10.0, 4.0]])
+    expected = torch.tensor([[1.0, -1.0, 0.0], [2.0, 2.0, -4.0]])
+    torch.testing.assert_close(grpo_advantages(rewards, n=3, scale=False), expected)
+    torch.testing.assert_close(dr_grpo_advantages(rewards, n=3), expected)
+
+
+def test_rloo_hand_computed():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0])
+    # r_i - mean of the other three: 1 - 11/3, 2 - 10/3, 3 - 9/3, 6 - 6/3; equal rewards give 0.
+    expected = torch.tensor([-8 / 3, -4 / 3, 0.0, 4.0, 0.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(rloo_advantages(rewards, n=4), expected)
+
+
+def test_rloo_is_dr_grpo_scaled_by_n_over_n_minus_1():
+    torch.manual_seed(1)
+    rewards = torch.randn(6, 5)
+    torch.testing.assert_close(rloo_advantages(rewards, 5), dr_grpo_advantages(rewards, 5) * 5 / 4)
+
+
+@pytest.mark.parametrize("fn", [grpo_advantages, dr_grpo_advantages, rloo_advantages])
+def test_group_baselines_refuse_bad_groups(fn):
+    with pytest.raises(ValueError, match="n \\(samples per prompt\\) must be >= 2"):
+        fn(torch.zeros(4), 1)
+    with pytest.raises(ValueError, match=r"\(num_prompts \* 4,\).*got shape \(6,\)"):
+        fn(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match=r"got shape \(2, 3\)"):
+        fn(torch.zeros(2, 3), 4)
+
+
+def test_broadcast_to_tokens():
+    got = broadcast_to_tokens(torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [0, 1, 1]]))
+    torch.testing.assert_close(got, torch.tensor([[2.0, 2.0, 0.0], [0.0, -1.0, -1.0]]))
+
+
+# ------------------------------------------------------------------------------------------- REINFORCE++
+def test_reinforce_pp_hand_computed():
+    token_rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, -1.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # gamma = 1 returns: row 0 [1, 1, 1], row 1 [-1, -1]. Over the 5 tokens: mean 0.2,
+    # variance (3 * 0.8^2 + 2 * 1.2^2) / 5 = 0.96, so 0.8 / sqrt(0.96) = 0.816497, -1.2 / sqrt(0.96) = -1.224745.
+    expected = torch.tensor([[0.816497, 0.816497, 0.816497], [-1.224745, -1.224745, 0.0]])
+    torch.testing.assert_close(reinforce_pp_advantages(token_rewards, mask), expected)
+
+
+def test_reinforce_pp_discounts_before_whitening():
+    token_rewards = torch.tensor([[0.0, 0.0, 4.0]])
+    got = reinforce_pp_advantages(token_rewards, torch.ones(1, 3), gamma=0.5)
+    # returns [1, 2, 4]: mean 7/3, population std sqrt(((4/3)^2 + (1/3)^2 + (5/3)^2) / 3) = sqrt(14/9)
+    std = math.sqrt(14 / 9)
+    torch.testing.assert_close(got, torch.tensor([[(1 - 7 / 3) / std, (2 - 7 / 3) / std, (4 - 7 / 3) / std]]))
+
+
+def test_reinforce_pp_baseline_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])  # 2 prompts x 2 samples
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
+    # minus group means: [0.5, -0.5, 0, 0]; on the 7 response tokens: [.5, .5, -.5, 0, 0, 0, 0],
+    # mean 1/14, population variance 5/49 (= (2*(3/7)^2 + (4/7)^2 + 4*(1/14)^2) / 7);
+    # (0.5 - 1/14) / sqrt(5/49) = 1.341641, (-0.5 - 1/14) / sqrt(5/49) = -1.788854, (0 - 1/14) / ... = -0.223607
+    expected = torch.tensor([[1.341641, 1.341641], [-1.788854, 0.0], [-0.223607, -0.223607], [-0.223607, -0.223607]])
+    torch.testing.assert_close(reinforce_pp_baseline_advantages(rewards, 2, mask), expected)
+    torch.testing.assert_close(reinforce_pp_baseline_advantages(rewards.view(2, 2), 2, mask), expected)
+    with pytest.raises(ValueError, match=r"mask must be \(4, seq\)"):
+        reinforce_pp_baseline_advantages(rewards, 2, mask[:3])
+
+
+# ---------------------------------------------------------------------------------- reward normalisation
+def test_normalize_rewards_with_and_without_mask():
+    torch.testing.assert_close(normalize_rewards(torch.tensor([1.0, 2.0, 3.0])),
+                               torch.tensor([-1.224745, 0.0, 1.224745]))
+    got = normalize_rewards(torch.tensor([1.0, 2.0, 3.0, 50.0]), mask=torch.tensor([1, 1, 1, 0]))
+    torch.testing.assert_close(got, torch.tensor([-1.224745, 0.0, 1.224745, 0.0]))
+    torch.testing.assert_close(normalize_rewards(torch.tensor([4.0, 4.0])), torch.zeros(2))
+
+
+def test_clip_rewards():
+    torch.testing.assert_close(clip_rewards(torch.tensor([-9.0, -1.0, 0.5, 7.0]), 2.0),
+                               torch.tensor([-2.0, -1.0, 0.5, 2.0]))
+    with pytest.raises(ValueError, match="clip must be > 0"):
+        clip_rewards(torch.zeros(2), 0.0)

@@ -1,0 +1,270 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpc_rlhf.algorithms.losses import (aggregate_loss, dpo_loss, kto_loss, pairwise_reward_loss, policy_loss,
+                                        sft_loss, value_loss)
+
+NAN = float("nan")
+
+
+# ------------------------------------------------------------------------------------------------------ SFT
+def test_sft_loss_hand_computed_with_ignored_tokens():
+    logits = torch.tensor([[[1.0, 2.0, 3.0], [5.0, 5.0, 5.0], [1.0, 2.0, 3.0]]])
+    labels = torch.tensor([[2, -100, 0]])
+    # -log p: 3.40760596 - 3 = 0.40760596 and 3.40760596 - 1 = 2.40760596; mean over the 2 learnt tokens.
+    torch.testing.assert_close(sft_loss(logits, labels), torch.tensor(1.40760596))
+
+
+def test_sft_loss_matches_cross_entropy_and_its_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 6))
+    labels[0, :3] = -100  # a prompt that is not learnt
+    ours = sft_loss(logits, labels)
+    ours.backward()
+    ours_grad = logits.grad.clone()
+    logits.grad = None
+    reference = F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100)
+    reference.backward()
+    torch.testing.assert_close(ours, reference)
+    torch.testing.assert_close(ours_grad, logits.grad)
+
+
+def test_sft_loss_with_no_learnt_token_is_zero_with_zero_gradient():
+    logits = torch.randn(1, 3, 5, requires_grad=True)
+    loss = sft_loss(logits, torch.full((1, 3), -100))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert (logits.grad == 0).all()
+
+
+def test_sft_loss_other_ignore_index_and_bad_labels():
+    logits = torch.zeros(1, 2, 4)
+    torch.testing.assert_close(sft_loss(logits, torch.tensor([[1, 0]]), ignore_index=0), torch.tensor(math.log(4)))
+    with pytest.raises(ValueError, match="token ids"):
+        sft_loss(logits, torch.tensor([[1, -5]]))
+
+
+# ------------------------------------------------------------------------------------------- reward model
+def test_pairwise_reward_loss_hand_computed():
+    loss, accuracy = pairwise_reward_loss(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0]))
+    # -log sigmoid(1) = 0.31326169, -log sigmoid(-1) = 1.31326169
+    torch.testing.assert_close(loss, torch.tensor(0.81326169))
+    assert accuracy.item() == 0.5
+
+
+def test_pairwise_reward_loss_with_margin_and_ties():
+    loss, accuracy = pairwise_reward_loss(torch.tensor([2.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 1.0]),
+                                          margin=torch.tensor([0.5, 0.0, 0.0]))
+    # -log sigmoid(0.5) = 0.47407698, -log sigmoid(-1) = 1.31326169, -log sigmoid(0) = log 2 = 0.69314718
+    torch.testing.assert_close(loss, torch.tensor((0.47407698 + 1.31326169 + 0.69314718) / 3))
+    assert accuracy.item() == pytest.approx(1 / 3)  # the tie counts as wrong
+
+
+def test_pairwise_reward_loss_gradient_separates_the_pair():
+    chosen = torch.tensor([0.0], requires_grad=True)
+    rejected = torch.tensor([0.0], requires_grad=True)
+    pairwise_reward_loss(chosen, rejected)[0].backward()
+    # d/dx -log sigmoid(x) at 0 is -1/2: descent raises chosen and lowers rejected.
+    assert chosen.grad.item() == pytest.approx(-0.5) and rejected.grad.item() == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------------------------------------ DPO
+# h = (-1 - -1.5) - (-2 - -1.5) = 0.5 + 0.5 = 1
+DPO_ARGS = dict(policy_chosen_logps=torch.tensor([-1.0]), policy_rejected_logps=torch.tensor([-2.0]),
+                ref_chosen_logps=torch.tensor([-1.5]), ref_rejected_logps=torch.tensor([-1.5]))
+
+
+def test_dpo_sigmoid_hand_computed():
+    loss, chosen_rewards, rejected_rewards = dpo_loss(**DPO_ARGS, beta=0.1)
+    torch.testing.assert_close(loss, torch.tensor(0.64439666))  # -log sigmoid(0.1)
+    torch.testing.assert_close(chosen_rewards, torch.tensor([0.05]))  # 0.1 * (-1 - -1.5)
+    torch.testing.assert_close(rejected_rewards, torch.tensor([-0.05]))
+
+
+def test_cdpo_label_smoothing_hand_computed():
+    loss, _, _ = dpo_loss(**DPO_ARGS, beta=0.1, label_smoothing=0.1)
+    # 0.9 * -log sigmoid(0.1) + 0.1 * -log sigmoid(-0.1) = 0.9 * 0.64439666 + 0.1 * 0.74439666
+    torch.testing.assert_close(loss, torch.tensor(0.65439666))
+
+
+def test_ipo_hand_computed():
+    loss, _, _ = dpo_loss(**DPO_ARGS, beta=0.1, loss_type="ipo")
+    torch.testing.assert_close(loss, torch.tensor(16.0))  # (1 - 1 / 0.2)^2
+    loss, _, _ = dpo_loss(**DPO_ARGS, beta=0.5, loss_type="ipo")
+    torch.testing.assert_close(loss, torch.tensor(0.0))  # h already equals the target 1 / (2 * 0.5)
+
+
+def test_dpo_at_the_reference_is_log_2_and_pushes_chosen_up():
+    chosen = torch.tensor([-3.0, -4.0], requires_grad=True)
+    rejected = torch.tensor([-2.0, -5.0], requires_grad=True)
+    loss, _, _ = dpo_loss(chosen, rejected, chosen.detach(), rejected.detach(), beta=0.2)
+    torch.testing.assert_close(loss, torch.tensor(math.log(2)))
+    loss.backward()
+    # d/dh -log sigmoid(beta h) at h = 0 is -beta/2, averaged over 2 pairs: -0.05 per chosen, +0.05 per rejected.
+    torch.testing.assert_close(chosen.grad, torch.tensor([-0.05, -0.05]))
+    torch.testing.assert_close(rejected.grad, torch.tensor([0.05, 0.05]))
+
+
+def test_dpo_reference_gets_no_gradient_and_bad_arguments():
+    ref = torch.tensor([-1.5], requires_grad=True)
+    loss, _, _ = dpo_loss(torch.tensor([-1.0], requires_grad=True), torch.tensor([-2.0]), ref, ref, beta=0.1)
+    loss.backward()
+    assert ref.grad is None
+    with pytest.raises(ValueError, match="loss_type must be one of sigmoid, ipo"):
+        dpo_loss(**DPO_ARGS, beta=0.1, loss_type="hinge")
+    with pytest.raises(ValueError, match="label_smoothing .* applies to loss_type=.sigmoid. only"):
+        dpo_loss(**DPO_ARGS, beta=0.1, loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        dpo_loss(**DPO_ARGS, beta=0.0)
+    with pytest.raises(ValueError, match="ref_rejected_logps"):
+        dpo_loss(**{**DPO_ARGS, "ref_rejected_logps": torch.zeros(2)}, beta=0.1)
+
+
+# ------------------------------------------------------------------------------------------------------ KTO
+def test_kto_hand_computed():
+    loss, rewards = kto_loss(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.5]), torch.tensor([True, False]),
+                             kl_reference=0.2, beta=0.5, desirable_weight=1.0, undesirable_weight=1.5)
+    # r = [0.5, -0.5]. desirable: 1 - sigmoid(0.5 * (0.5 - 0.2)) = 0.46257015;
+    # undesirable: 1.5 * (1 - sigmoid(0.5 * (0.2 + 0.5))) = 0.62007363; mean 0.54132189
+    torch.testing.assert_close(loss, torch.tensor(0.54132189))
+    torch.testing.assert_close(rewards, torch.tensor([0.25, -0.25]))
+
+
+def test_kto_reference_point_is_clamped_at_zero_and_detached():
+    kl_reference = torch.tensor(-0.4, requires_grad=True)
+    policy_logps = torch.tensor([-1.0, -2.0], requires_grad=True)
+    loss, _ = kto_loss(policy_logps, torch.tensor([-1.5, -1.5]), torch.tensor([1, 0]), kl_reference,
+                       beta=0.5, undesirable_weight=1.5)
+    # z0 = 0: (1 - sigmoid(0.25)) + 1.5 * (1 - sigmoid(0.25)), halved
+    torch.testing.assert_close(loss, torch.tensor(0.54727937))
+    loss.backward()
+    assert kl_reference.grad is None
+    # Descent raises the desirable answer's log-prob and lowers the undesirable one's.
+    assert policy_logps.grad[0] < 0 < policy_logps.grad[1]
+
+
+def test_kto_all_desirable_batch_and_bad_arguments():
+    loss, _ = kto_loss(torch.tensor([-1.0]), torch.tensor([-1.0]), torch.tensor([True]), 0.0, beta=0.1,
+                       desirable_weight=2.0)
+    torch.testing.assert_close(loss, torch.tensor(1.0))  # 2 * (1 - sigmoid(0))
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        kto_loss(torch.zeros(1), torch.zeros(1), torch.ones(1, dtype=torch.bool), 0.0, beta=-1.0)
+    with pytest.raises(ValueError, match="labels_desirable"):
+        kto_loss(torch.zeros(2), torch.zeros(2), torch.ones(3, dtype=torch.bool), 0.0, beta=0.1)
+
+
+# ------------------------------------------------------------------------------------------------------ PPO
+# Row 0: ratios 1.5 (A=+1), 0.5 (A=-1), 1.1 (A=+2). Row 1: ratio 1 (A=-0.5), then padding holding garbage.
+RATIOS = torch.tensor([[1.5, 0.5, 1.1], [1.0, 1.0, 1.0]])
+OLD_LOGPS = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, NAN, float("-inf")]])
+ADVANTAGES = torch.tensor([[1.0, -1.0, 2.0], [-0.5, NAN, 3.0]])
+MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])
+
+
+def ppo_logps():
+    logps = (OLD_LOGPS.nan_to_num(0.0, neginf=0.0) + RATIOS.log()).masked_fill(MASK == 0, 50.0)
+    return logps.requires_grad_()
+
+
+def test_policy_loss_hand_computed_token_mean():
+    logps = ppo_logps()
+    loss, clip_fraction, approx_kl = policy_loss(logps, OLD_LOGPS, ADVANTAGES, MASK, clip_eps=0.2)
+    # per-token -min(rho A, clip(rho, 0.8, 1.2) A): -min(1.5, 1.2) = -1.2 (clipped), -min(-0.5, -0.8) = 0.8
+    # (clipped), -min(2.2, 2.2) = -2.2, -min(-0.5, -0.5) = 0.5. Mean over 4 tokens: -2.1 / 4.
+    torch.testing.assert_close(loss, torch.tensor(-0.525))
+    assert clip_fraction.item() == 0.5
+    # k3 of KL(old || new) per token: rho - 1 - log rho = 0.09453489, 0.19314718, 0.00468982, 0
+    torch.testing.assert_close(approx_kl, torch.tensor(0.07309297))
+    loss.backward()
+    # Clipped tokens get no gradient; d/dlogp of -rho A / 4 elsewhere: -1.1 * 2 / 4 and -1 * -0.5 / 4.
+    torch.testing.assert_close(logps.grad, torch.tensor([[0.0, 0.0, -0.55], [0.125, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("loss_agg, expected", [
+    ("seq-mean-token-sum", (-2.6 + 0.5) / 2),       # row sums -2.6 and 0.5
+    ("seq-mean-token-mean", (-2.6 / 3 + 0.5) / 2),  # row means -0.8667 and 0.5
+])
+def test_policy_loss_sequence_aggregations(loss_agg, expected):
+    loss, _, _ = policy_loss(ppo_logps(), OLD_LOGPS, ADVANTAGES, MASK, loss_agg=loss_agg)
+    torch.testing.assert_close(loss, torch.tensor(expected))
+
+
+def test_sequence_aggregation_leaves_out_empty_rows():
+    token_loss = torch.tensor([[1.0, 3.0], [5.0, 5.0], [2.0, 0.0]])
+    mask = torch.tensor([[1, 1], [0, 0], [1, 0]])
+    torch.testing.assert_close(aggregate_loss(token_loss, mask, "token-mean"), torch.tensor(2.0))
+    torch.testing.assert_close(aggregate_loss(token_loss, mask, "seq-mean-token-sum"), torch.tensor(3.0))
+    torch.testing.assert_close(aggregate_loss(token_loss, mask, "seq-mean-token-mean"), torch.tensor(2.0))
+    torch.testing.assert_close(aggregate_loss(token_loss, torch.zeros(3, 2), "seq-mean-token-mean"),
+                               torch.tensor(0.0))
+
+
+def test_clip_higher_only_moves_the_upper_bound():
+    logps = torch.log(torch.tensor([[1.25, 0.75]]))
+    old_logps = torch.zeros(1, 2)
+    advantages = torch.tensor([[1.0, -1.0]])
+    mask = torch.ones(1, 2)
+    symmetric, clipped_sym, _ = policy_loss(logps, old_logps, advantages, mask, clip_eps=0.2)
+    higher, clipped_high, _ = policy_loss(logps, old_logps, advantages, mask, clip_eps=0.2, clip_eps_high=0.28)
+    # symmetric: (-1.2 + 0.8) / 2, both clipped; clip-higher: 1.25 < 1.28 is no longer clipped: (-1.25 + 0.8) / 2
+    torch.testing.assert_close(symmetric, torch.tensor(-0.2))
+    torch.testing.assert_close(higher, torch.tensor(-0.225))
+    assert clipped_sym.item() == 1.0 and clipped_high.item() == 0.5
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    logps = torch.log(torch.tensor([[5.0, 5.0, 1.0]])).requires_grad_()
+    advantages = torch.tensor([[-1.0, 1.0, -2.0]])
+    loss, clip_fraction, _ = policy_loss(logps, torch.zeros(1, 3), advantages, torch.ones(1, 3), dual_clip=3.0)
+    # A=-1, rho=5: -min(-5, -1.2) = 5, bounded by 3 * 1 = 3. A=+1, rho=5: -1.2 (ordinary clip). A=-2, rho=1: 2.
+    torch.testing.assert_close(loss, torch.tensor((3.0 - 1.2 + 2.0) / 3))
+    assert clip_fraction.item() == pytest.approx(2 / 3)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[0.0, 0.0, 2.0 / 3]]))
+
+
+def test_policy_loss_length_one_and_at_old_policy():
+    logps = torch.tensor([[-0.3, 0.0]], requires_grad=True)
+    loss, clip_fraction, approx_kl = policy_loss(logps, logps.detach(), torch.tensor([[2.0, 0.0]]),
+                                                 torch.tensor([[1, 0]]))
+    torch.testing.assert_close(loss, torch.tensor(-2.0))
+    assert clip_fraction.item() == 0.0 and approx_kl.item() == 0.0
+    loss.backward()
+    # On-policy, the gradient of -rho A is -A: the plain policy gradient.
+    torch.testing.assert_close(logps.grad, torch.tensor([[-2.0, 0.0]]))
+
+
+def test_policy_loss_bad_arguments():
+    args = (torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="loss_agg must be one of token-mean"):
+        policy_loss(*args, loss_agg="sum")
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        policy_loss(*args, dual_clip=0.5)
+    with pytest.raises(ValueError, match=r"advantages \(1, 3\)"):
+        policy_loss(args[0], args[1], torch.zeros(1, 3), args[3])
+
+
+def test_value_loss_hand_computed():
+    values = torch.tensor([[1.0, 2.0, 0.5], [NAN, 0.0, 0.0]], requires_grad=True)
+    old_values = torch.tensor([[0.9, 1.5, 0.5], [0.0, 0.0, 0.0]])
+    returns = torch.tensor([[1.2, 2.5, 0.4], [NAN, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    loss, clip_fraction = value_loss(values, old_values, returns, mask, clip_eps=0.2)
+    # token 0: within the clip, (1 - 1.2)^2 = 0.04. token 1: V moved 0.5 > 0.2, V_clip = 1.7,
+    # max((2 - 2.5)^2, (1.7 - 2.5)^2) = 0.64 (clipped term wins). token 2: (0.5 - 0.4)^2 = 0.01.
+    torch.testing.assert_close(loss, torch.tensor(0.5 * 0.69 / 3))
+    torch.testing.assert_close(clip_fraction, torch.tensor(1 / 3))
+    loss.backward()
+    # The clipped token gets no gradient; others: (V - R) / 3.
+    torch.testing.assert_close(values.grad, torch.tensor([[-0.2 / 3, 0.0, 0.1 / 3], [0.0, 0.0, 0.0]]))
+
+
+def test_value_loss_without_clipping():
+    loss, clip_fraction = value_loss(torch.tensor([[1.0, 2.0, 0.5]]), torch.tensor([[0.9, 1.5, 0.5]]),
+                                     torch.tensor([[1.2, 2.5, 0.4]]), torch.ones(1, 3), clip_eps=None)
+    torch.testing.assert_close(loss, torch.tensor(0.5 * (0.04 + 0.25 + 0.01) / 3))
+    assert clip_fraction.item() == 0.0

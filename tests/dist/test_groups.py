@@ -1,0 +1,171 @@
+"""Process groups of a placement on 6 gloo ranks (torchrun); the worker code is at the bottom of this file."""
+
+import pytest
+
+from hpc_rlhf.dist import groups
+from hpc_rlhf.dist.placement import make_plan
+from tests.distributed import run_ranks
+
+# 6 ranks as 2 nodes of 3: actor+ref 0-1, reward 2, critic 3, rollout 4-5 (one engine of 2).
+COLOCATED = ("actor+ref=2,critic=1,reward=1,rollout=2,rollout_tp=2", 6, 3)
+# Hybrid: rollout engines [0,1] and [2,3] on the actor's ranks; critic 4-5.
+HYBRID = ("actor=4,critic=2,rollout@actor,rollout_tp=2", 6, 6)
+
+
+def test_plans_used_by_the_distributed_case():
+    colocated = make_plan(*COLOCATED)
+    assert {n: p.ranks for n, p in colocated.roles.items()} == {
+        "actor": (0, 1), "critic": (3,), "ref": (0, 1), "reward": (2,), "rollout": (4, 5)}
+    hybrid = make_plan(*HYBRID)
+    assert hybrid.role("rollout").engines == ((0, 1), (2, 3))
+
+
+def test_queries_before_initialize_fail_clearly():
+    assert not groups.is_initialized()
+    with pytest.raises(RuntimeError, match="not initialised: call hpc_rlhf.dist.groups.initialize"):
+        groups.role_group("actor")
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed world"):
+        groups.initialize(make_plan(*HYBRID))
+
+
+def test_groups_on_six_ranks():
+    proc = run_ranks(6, __file__, "groups", timeout=150)
+    assert proc.stdout.count("groups ok") == 6, proc.stdout
+
+
+if __name__ == "__main__":
+    import sys
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hpc_rlhf.dist.groups import NotInGroupError
+    from hpc_rlhf.dist.placement import PlacementError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert sys.argv[1] == "groups" and world == 6
+
+    def raises(error, call, *args):
+        try:
+            call(*args)
+        except error as exc:
+            return str(exc)
+        raise AssertionError(f"rank {rank}: {call.__name__}{args} did not raise {error.__name__}")
+
+    # A plan for another world size is refused before any group is created (so no rank is left waiting).
+    assert "plan is for 8 ranks" in raises(PlacementError, groups.initialize, make_plan("actor=8", 8, 8))
+
+    # ------------------------------------------------------------------ colocated layout, 2 nodes of 3
+    plan = make_plan(*COLOCATED)
+    groups.initialize(plan, timeout_s=60)
+    assert groups.is_initialized() and groups.plan() is plan
+    assert "already initialised" in raises(RuntimeError, groups.initialize, plan)
+    expected_roles = {0: ["actor", "ref"], 1: ["actor", "ref"], 2: ["reward"], 3: ["critic"],
+                      4: ["rollout"], 5: ["rollout"]}[rank]
+    assert groups.my_roles() == expected_roles
+    for name, role in plan.roles.items():
+        assert groups.role_ranks(name) == role.ranks and groups.role_leader(name) == min(role.ranks)
+        if name in expected_roles:
+            group = groups.role_group(name)
+            assert dist.get_process_group_ranks(group) == list(role.ranks)
+            assert groups.has_role(name) and groups.rank_in_role(name) == role.ranks.index(rank)
+        else:
+            assert not groups.has_role(name)
+            message = raises(NotInGroupError, groups.role_group, name)
+            assert f"rank {rank} is not in role '{name}'" in message
+            raises(NotInGroupError, groups.rank_in_role, name)
+    if rank < 2:  # colocated roles: same ranks, separate handles
+        assert groups.role_group("actor") is not groups.role_group("ref")
+    assert not groups.has_role("reward2")
+    raises(PlacementError, groups.has_role, "critc")
+    raises(PlacementError, groups.role_ranks, "reward2")
+    assert dist.get_process_group_ranks(groups.self_group()) == [rank]
+    assert groups.world_group() is dist.group.WORLD
+
+    # An all_reduce on a role group moves data only between its ranks: one tensor per role on every rank;
+    # members reduce theirs, then the world compares every rank's tensors.
+    values = torch.tensor([float(rank + 1)] * len(plan.roles))
+    for index, name in enumerate(plan.roles):
+        if groups.has_role(name):
+            part = values[index:index + 1].clone()
+            dist.all_reduce(part, group=groups.role_group(name))
+            values[index] = part[0]
+    gathered = [torch.zeros_like(values) for _ in range(world)]
+    dist.all_gather(gathered, values)
+    for other in range(world):
+        for index, (name, role) in enumerate(plan.roles.items()):
+            want = sum(r + 1 for r in role.ranks) if other in role.ranks else other + 1
+            assert gathered[other][index].item() == want, (other, name, gathered[other])
+
+    # Weight sync: actor leader + rollout ranks.
+    assert groups.weight_sync_ranks() == (0, 4, 5)
+    if rank in (0, 4, 5):
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total, group=groups.weight_sync_group())
+        assert total.item() == 9
+        if rank != 0:
+            assert groups.rollout_engine_of_rank() == 0
+            assert dist.get_process_group_ranks(groups.rollout_tp_group()) == [4, 5]
+    else:
+        raises(NotInGroupError, groups.weight_sync_group)
+        raises(NotInGroupError, groups.rollout_tp_group, 0)
+        raises(NotInGroupError, groups.rollout_engine_of_rank)
+
+    # Different collectives at the same time on different groups must not pair up across groups:
+    # actor all_reduces 50 times while rollout broadcasts 30 times and the reward rank all_gathers alone;
+    # then ref (same ranks as actor, its own handle) all_gathers 20 times.
+    if groups.has_role("actor"):
+        for step in range(50):
+            x = torch.tensor([float(step * 10 + rank)])
+            dist.all_reduce(x, group=groups.role_group("actor"))
+            assert x.item() == step * 20 + 1, (step, x)
+        for step in range(20):
+            parts = [torch.zeros(2) for _ in range(2)]
+            dist.all_gather(parts, torch.tensor([float(rank), float(step)]), group=groups.role_group("ref"))
+            assert [p.tolist() for p in parts] == [[0.0, step], [1.0, step]]
+    elif groups.has_role("rollout"):
+        for step in range(30):
+            y = torch.tensor([float(step) if rank == 4 else -1.0, 7.0])
+            dist.broadcast(y, src=4, group=groups.role_group("rollout"))
+            assert y.tolist() == [float(step), 7.0], (step, y)
+    elif groups.has_role("reward"):
+        for step in range(40):
+            parts = [torch.zeros(1)]
+            dist.all_gather(parts, torch.tensor([float(step)]), group=groups.role_group("reward"))
+            assert parts[0].item() == step
+    dist.barrier()
+
+    groups.destroy()
+    assert not groups.is_initialized()
+
+    # ------------------------------------------------------------------ hybrid layout: rollout@actor
+    plan = make_plan(*HYBRID)
+    groups.initialize(plan, timeout_s=60)
+    assert groups.weight_sync_ranks() == plan.role("actor").ranks == (0, 1, 2, 3)
+    if rank < 4:
+        assert groups.my_roles() == ["actor", "rollout"]
+        engine = groups.rollout_engine_of_rank()
+        assert engine == rank // 2 and groups.rank_in_role("rollout") == rank
+        parts = [torch.zeros(1) for _ in range(2)]
+        dist.all_gather(parts, torch.tensor([float(rank)]), group=groups.rollout_tp_group())
+        assert [p.item() for p in parts] == [2 * engine, 2 * engine + 1]
+        assert "not in rollout engine" in raises(NotInGroupError, groups.rollout_tp_group, 1 - engine)
+        assert groups.weight_sync_group() is not groups.role_group("actor")
+        z = torch.tensor([42.0 if rank == 0 else 0.0])
+        dist.broadcast(z, src=0, group=groups.weight_sync_group())
+        assert z.item() == 42.0
+    else:
+        assert groups.my_roles() == ["critic"]
+        raises(NotInGroupError, groups.rollout_engine_of_rank)
+        raises(NotInGroupError, groups.weight_sync_group)
+        w = torch.tensor([float(rank)])
+        dist.all_reduce(w, group=groups.role_group("critic"))
+        assert w.item() == 9
+    raises(IndexError, groups.rollout_tp_group, 2)
+    dist.barrier()
+    groups.destroy()
+    dist.destroy_process_group()
+    print(f"rank {rank}: groups ok", flush=True)

@@ -1,0 +1,157 @@
+import json
+
+import pytest
+
+from hpc_rlhf.dist.memory import GB, ModelShape, ModelShapeError, estimate, load_shape
+
+P7 = 6_738_415_616  # Llama-2-7B: 2 x 32000 x 4096 + 32 x (4 x 4096^2 + 3 x 4096 x 11008 + 2 x 4096) + 4096
+
+
+def test_llama2_presets_match_the_published_parameter_counts():
+    assert ModelShape.preset("7b").num_params == P7
+    # 40 x (4 x 5120^2 + 3 x 5120 x 13824 + 2 x 5120) + 2 x 32000 x 5120 + 5120
+    assert ModelShape.preset("13b").num_params == 13_015_864_320
+    # grouped KV: q, o 8192^2 each, k, v 8192 x 1024 each; 48 layers with MLP 22016
+    assert ModelShape.preset("34b").num_params == 33_743_970_304
+    assert ModelShape.preset("llama-2-70b").num_params == 68_976_648_192
+    with pytest.raises(ModelShapeError, match="unknown model preset '8b'; presets: 7b, 13b, 34b, 70b"):
+        ModelShape.preset("8b")
+
+
+def test_value_model_drops_the_lm_head_and_adds_a_scalar_head():
+    shape = ModelShape.preset("7b")
+    assert shape.params(lm_head=False) == P7 - 32000 * 4096 + 4096
+
+
+def write_config(tmp_path, name, config):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_from_config_json_llama_equals_the_preset(tmp_path):
+    folder = write_config(tmp_path, "llama", {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "intermediate_size": 11008, "vocab_size": 32000, "tie_word_embeddings": False})
+    shape = ModelShape.from_config_json(folder)
+    assert shape.num_params == P7 and shape.kv_heads == 32
+    assert load_shape(str(folder / "config.json")).num_params == P7
+
+
+def test_from_config_json_qwen2_tied_with_qkv_bias(tmp_path):
+    folder = write_config(tmp_path, "qwen", {
+        "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True})
+    # Qwen2-0.5B's published count: the embedding is counted once (tied), q/k/v carry biases.
+    assert ModelShape.from_config_json(folder).num_params == 494_032_768
+
+
+def test_from_config_json_mixtral_counts_all_experts_and_active_ones(tmp_path):
+    folder = write_config(tmp_path, "mixtral", {
+        "model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8,
+        "num_experts_per_tok": 2})
+    shape = ModelShape.from_config_json(folder)
+    assert shape.num_params == 46_702_792_704
+    assert shape.active_params == 12_879_925_248
+
+
+def test_from_config_json_errors_name_the_file_and_key(tmp_path):
+    folder = write_config(tmp_path, "broken", {"hidden_size": 64, "num_hidden_layers": 2})
+    with pytest.raises(ModelShapeError, match=r"broken/config.json: missing key 'num_attention_heads'"):
+        ModelShape.from_config_json(folder)
+    with pytest.raises(ModelShapeError, match="does not exist"):
+        ModelShape.from_config_json(tmp_path / "nowhere")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ModelShapeError, match="bad.json: not valid JSON"):
+        ModelShape.from_config_json(tmp_path / "bad.json")
+    odd = write_config(tmp_path, "odd", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 6,
+                                         "intermediate_size": 128, "vocab_size": 100})
+    with pytest.raises(ModelShapeError, match=r"odd/config.json: .*hidden 64 is not divisible by 6 heads"):
+        ModelShape.from_config_json(odd)
+
+
+def states(result):
+    return result["weights"] + result["gradients"] + result["optimizer"]
+
+
+def test_mixed_precision_adam_is_16_bytes_per_parameter_unsharded():
+    result = estimate("actor", ModelShape.preset("7b"), ranks=4, zero_stage=0)
+    assert states(result) == pytest.approx(16 * P7 / GB)  # 107.8 GB
+    assert result["weights"] == pytest.approx(2 * P7 / GB)
+    assert result["optimizer"] == pytest.approx(12 * P7 / GB)
+
+
+def test_zero_stages_shard_optimizer_then_gradients_then_weights():
+    shape = ModelShape.preset("7b")
+    z1 = estimate("actor", shape, 8, zero_stage=1)
+    z2 = estimate("actor", shape, 8, zero_stage=2)
+    z3 = estimate("actor", shape, 8, zero_stage=3)
+    assert states(z1) == pytest.approx((2 + 2 + 12 / 8) * P7 / GB)
+    assert states(z2) == pytest.approx((2 + 2 / 8 + 12 / 8) * P7 / GB)
+    assert states(z3) == pytest.approx(16 * P7 / 8 / GB)  # 13.48 GB
+    assert z3["weights"] == pytest.approx(1.6846, abs=1e-4)
+
+
+def test_adam_offload_moves_optimizer_states_to_cpu():
+    result = estimate("actor", ModelShape.preset("7b"), 8, zero_stage=3, adam_offload=True)
+    assert result["optimizer"] == 0
+    assert result["cpu_optimizer"] == pytest.approx(12 * P7 / 8 / GB)
+    assert states(result) == pytest.approx(4 * P7 / 8 / GB)
+
+
+def test_inference_roles_hold_bf16_weights_sharded_only_under_zero3():
+    shape = ModelShape.preset("7b")
+    assert estimate("ref", shape, 8, zero_stage=2)["weights"] == pytest.approx(2 * P7 / GB)
+    assert estimate("ref", shape, 8, zero_stage=3)["weights"] == pytest.approx(2 * P7 / 8 / GB)
+    reward = estimate("reward", shape, 8, zero_stage=3, adam_offload=True)
+    assert reward["gradients"] == reward["optimizer"] == reward["cpu_optimizer"] == 0
+    assert reward["weights"] == pytest.approx(2 * (P7 - 32000 * 4096 + 4096) / 8 / GB)
+
+
+def test_critic_is_trained_like_the_actor_on_a_value_model():
+    critic = estimate("critic", ModelShape.preset("7b"), 4, zero_stage=2)
+    value_params = P7 - 32000 * 4096 + 4096
+    assert states(critic) == pytest.approx((2 + 2 / 4 + 12 / 4) * value_params / GB)
+
+
+def test_rollout_weights_split_over_tp_and_kv_cache_per_token():
+    shape = ModelShape.preset("70b")
+    # 2 (K, V) x 80 layers x (8 KV heads / 4) x 128 head dim x 2 bytes = 81,920 bytes per token per rank
+    assert shape.kv_bytes_per_token(tp=4) == 81_920
+    result = estimate("rollout", shape, 16, tp=4, tokens_in_flight=100_000)
+    assert result["kv_cache"] == pytest.approx(100_000 * 81_920 / GB)
+    assert result["weights"] == pytest.approx(2 * 68_976_648_192 / 4 / GB)
+    assert result["gradients"] == result["optimizer"] == 0
+    # KV heads are replicated, not split further, once tp exceeds them: 2 x 80 x 1 x 128 x 2
+    assert shape.kv_bytes_per_token(tp=16) == 40_960
+    # Llama-2-7B has no grouped KV: 2 x 32 x 32 x 128 x 2 bytes per token on one rank
+    assert ModelShape.preset("7b").kv_bytes_per_token() == 524_288
+
+
+def test_activation_allowance_and_total():
+    shape = ModelShape.preset("7b")
+    tokens = 2 * 1024
+    checkpointed = estimate("actor", shape, 4, zero_stage=3, micro_batch_size=2, seq_len=1024)
+    want = (2 * tokens * 4096 * 32 + 34 * tokens * 4096 + 8 * tokens * 32000) / GB
+    assert checkpointed["activations"] == pytest.approx(want)
+    full = estimate("actor", shape, 4, zero_stage=3, micro_batch_size=2, seq_len=1024,
+                    gradient_checkpointing=False)
+    assert full["activations"] == pytest.approx((34 * tokens * 4096 * 32 + 8 * tokens * 32000) / GB)
+    parts = ("weights", "gradients", "optimizer", "activations", "kv_cache", "overhead")
+    assert checkpointed["total"] == pytest.approx(sum(checkpointed[k] for k in parts))
+    assert checkpointed["overhead"] == 2.0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(role_kind="policy"), "unknown role kind 'policy'"),
+    (dict(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),
+    (dict(adam_offload=True, zero_stage=0), "Adam offload needs ZeRO stage 1, 2 or 3"),
+    (dict(role_kind="rollout", ranks=6, tp=4), "6 rollout ranks cannot form engines of tp=4"),
+    (dict(ranks=0), r"ranks \(0\)"),
+])
+def test_bad_estimate_arguments(kwargs, message):
+    args = dict(role_kind="actor", shape=ModelShape.preset("7b"), ranks=8) | kwargs
+    with pytest.raises(ValueError, match=message):
+        estimate(**args)
