@@ -1,0 +1,309 @@
+"""Pieces every training mode shares: run set-up, data order, checkpoint save/resume, stop policies.
+
+Small functions rather than a base class: each recipe (sft.py, rm.py, ...) calls them in its own `setup()` and
+`train()`, so a reader follows one mode's step from top to bottom in its own file.
+
+Data order is a pure function of (seed, step): the rows of optimizer step `s` are positions
+`s*batch_size ... (s+1)*batch_size` of an endless stream made of one seeded permutation per epoch. A resumed run
+therefore needs nothing but the step number to see exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.config import TINY_ASSETS, save_config, to_dict
+from hpc_rlhf.utils import checkpoint as ckpt
+from hpc_rlhf.utils.metrics import MetricsLogger
+
+log = logging.getLogger("hpc_rlhf")
+
+TRAINER_STATE = "trainer_state.json"
+
+
+# ------------------------------------------------------------------------------------------------ set-up
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def configure_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "datasets", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.WARNING)
+    except ImportError:
+        pass
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+
+
+def uses_tiny_assets(*paths: str | Sequence[str] | None) -> bool:
+    flat: list[str] = []
+    for p in paths:
+        if p is None:
+            continue
+        flat.extend([p] if isinstance(p, str) else list(p))
+    return any(str(p).startswith(TINY_ASSETS) for p in flat)
+
+
+def ensure_tiny_assets_if_used(*paths) -> None:
+    """Generate the built-in assets (rank 0, once) when a config points into them and they are missing."""
+    if not uses_tiny_assets(*paths):
+        return
+    from hpc_rlhf.data.assets import ensure_assets, is_up_to_date
+
+    if dist.get_rank() == 0 and not is_up_to_date(TINY_ASSETS):
+        ensure_assets(TINY_ASSETS)
+    dist.barrier()
+
+
+@dataclass
+class Run:
+    """What a recipe knows about its process and its output folder."""
+    cfg: Any
+    mode: str
+    output_dir: Path
+    rank: int
+    world_size: int
+    device: torch.device
+    logger: MetricsLogger | None = None
+    start_step: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def start_run(cfg, mode: str) -> Run:
+    """Common first steps of every mode: logging, seeds, output folder, saved config."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    configure_logging(rank)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    seed_everything(cfg.train.seed if hasattr(cfg, "train") else 0)
+    output_dir = Path(cfg.output_dir)
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, output_dir / "config.yaml")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return Run(cfg=cfg, mode=mode, output_dir=output_dir, rank=rank, world_size=world, device=device)
+
+
+def open_logger(run: Run, total_steps: int) -> MetricsLogger:
+    cfg = run.cfg
+    run.logger = MetricsLogger(run.output_dir, enabled=run.is_main, tensorboard=cfg.log.tensorboard,
+                               wandb=cfg.log.wandb, wandb_project=cfg.log.wandb_project, config=to_dict(cfg),
+                               progress=cfg.log.progress, progress_total=total_steps, initial_step=run.start_step,
+                               desc=run.mode)
+    return run.logger
+
+
+# ------------------------------------------------------------------------------------------------ data order
+def step_indices(num_rows: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """Row indices of optimizer step `step` (pure: the same on every rank and after any resume)."""
+    if num_rows <= 0:
+        raise ValueError("the data set is empty")
+    out: list[int] = []
+    position = step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(position, num_rows)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = torch.randperm(num_rows, generator=generator).tolist()
+        take = min(batch_size - len(out), num_rows - offset)
+        out.extend(order[offset:offset + take])
+        position += take
+    return out
+
+
+def rank_micro_batches(indices: Sequence[int], rank: int, world: int, micro_batch_size: int) -> list[list[int]]:
+    """This rank's share of a global batch, cut into micro-batches (contiguous shares, in order)."""
+    if len(indices) % world:
+        raise ValueError(f"a batch of {len(indices)} does not divide over {world} ranks")
+    per_rank = len(indices) // world
+    mine = list(indices[rank * per_rank:(rank + 1) * per_rank])
+    return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+def check_batch_sizes(train_cfg, role_size: int) -> None:
+    from hpc_rlhf.config import ConfigError
+
+    per_step = train_cfg.micro_batch_size * role_size
+    if train_cfg.batch_size % per_step:
+        raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of train.micro_batch_size "
+                          f"({train_cfg.micro_batch_size}) x ranks of the role ({role_size}) = {per_step}")
+
+
+# ------------------------------------------------------------------------------------------------ stopping
+class StopSignal:
+    """SIGUSR1 / SIGTERM (what Slurm's --signal and preemption send) ask for a checkpoint and a clean exit.
+
+    The handler only sets a flag; `requested(group)` makes all ranks agree (max over the group) at a step
+    boundary, so every rank stops after the same step.
+    """
+
+    def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)):
+        self.received: int | None = None
+        for sig in signals:
+            try:
+                signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. inside a test runner thread)
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def requested(self, group=None) -> bool:
+        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+
+class NonFiniteGuard:
+    """Counts optimizer steps skipped for non-finite loss or gradients; too many in a row stops the run."""
+
+    def __init__(self, max_in_a_row: int, what: str = "training"):
+        self.max_in_a_row = max_in_a_row
+        self.in_a_row = 0
+        self.total = 0
+        self.what = what
+
+    def update(self, skipped: bool, step: int) -> None:
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        log.warning("%s step %d skipped: loss or gradient not finite (%d in a row)", self.what, step,
+                    self.in_a_row)
+        if self.in_a_row >= self.max_in_a_row:
+            raise FloatingPointError(f"{self.what}: {self.in_a_row} optimizer steps in a row had a non-finite loss "
+                                     f"or gradient (last at step {step}); stopping (train.max_bad_steps="
+                                     f"{self.max_in_a_row}). Lower train.lr or check the data.")
+
+
+def all_finite(value: torch.Tensor, group=None) -> bool:
+    """True on every rank of `group` when the value is finite on all of them."""
+    flag = torch.tensor([1.0 if bool(torch.isfinite(value.detach()).all()) else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def save_checkpoint(run: Run, step: int, engines: dict, state: dict[str, Any] | None = None) -> Path:
+    """All ranks: every engine this rank holds saves into the staging folder, then rank 0 seals it.
+
+    `engines` maps a name to a TrainEngine for the engines this rank takes part in; the names must be the same
+    on all ranks of each engine's group. Per-rank RNG states are saved too, for exact resume.
+    """
+    if run.is_main:
+        ckpt.prepare_staging(run.output_dir, step)
+    dist.barrier()
+    staging = ckpt.staging_dir(run.output_dir, step)
+    for name, engine in engines.items():
+        engine.save_checkpoint(staging / name)
+    rng_dir = staging / "rng"
+    rng_dir.mkdir(exist_ok=True)
+    torch.save(ckpt.rng_state(), rng_dir / f"rank{run.rank:05d}.pt")
+    if run.is_main:
+        (staging / TRAINER_STATE).write_text(json.dumps({"step": step, "mode": run.mode,
+                                                         "world_size": run.world_size, **(state or {})}))
+    dist.barrier()
+    final = None
+    if run.is_main:
+        final = ckpt.commit(run.output_dir, step, keep=run.cfg.checkpoint.keep)
+        log.info("checkpoint of step %d written to %s", step, final)
+    dist.barrier()
+    return final or ckpt.checkpoints_root(run.output_dir) / ckpt.checkpoint_name(step)
+
+
+def resume_if_possible(run: Run, engines: dict) -> dict[str, Any]:
+    """Load the newest complete checkpoint if resuming is on; returns its trainer state ({} when none)."""
+    if not run.cfg.checkpoint.resume:
+        return {}
+    found = ckpt.latest_complete(run.output_dir)
+    if found is None:
+        return {}
+    step, path = found
+    state = json.loads((path / TRAINER_STATE).read_text())
+    if state.get("world_size") != run.world_size:
+        raise RuntimeError(f"{path} was written by a job of {state.get('world_size')} ranks; this job has "
+                           f"{run.world_size}. Start with a new output_dir or checkpoint.resume=false.")
+    for name, engine in engines.items():
+        engine.load_checkpoint(path / name)
+    rng_file = path / "rng" / f"rank{run.rank:05d}.pt"
+    if rng_file.is_file():
+        ckpt.set_rng_state(torch.load(rng_file, weights_only=False))
+    run.start_step = step
+    log.info("resumed from %s (step %d)", path, step)
+    return state
+
+
+def should_save(step: int, every: int, max_steps: int) -> bool:
+    return step == max_steps or (every > 0 and step % every == 0)
+
+
+def mean_over(values: list[float]) -> float:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def reduce_mean(value: float, group=None) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t.item()) / dist.get_world_size(group)
+
+
+def reduce_sum(values: Sequence[float], group=None) -> list[float]:
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def save_final_model(engine, directory: str | Path, tokenizer, lora_cfg) -> None:
+    """The trained model as a Hugging Face folder that `from_pretrained` (and vLLM) load unchanged.
+
+    LoRA models are written merged (or as an adapter folder with model.lora.merge_on_save=false). Every rank of
+    the engine's group calls this.
+    """
+    if lora_cfg.rank > 0:
+        from hpc_rlhf.models.lora import save_model
+
+        with engine.gathered_parameters() as module:
+            if engine.is_leader:
+                save_model(module, directory, tokenizer=tokenizer, merge=lora_cfg.merge_on_save)
+        dist.barrier(group=engine.group)
+    else:
+        engine.save_hf(directory, tokenizer=tokenizer)
+
+
+class Preempted(SystemExit):
+    """Raised after the checkpoint of a stop request is written; the launcher turns it into a requeue."""
+
+    EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+
+    def __init__(self, step: int):
+        super().__init__(self.EXIT_CODE)
+        self.step = step

@@ -1,0 +1,45 @@
+"""Held-out evaluation by generation: greedy answers scored against reference answers.
+
+Each rank of `group` takes every world-th prompt, generates greedily, and the correct counts are summed over the
+group, so the figure is the same on every rank and costs 1/world of the generation time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.data.examples import prompt_example
+from hpc_rlhf.engines.rollout.base import SamplingParams
+from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
+
+
+def response_texts(tokenizer, token_lists: Sequence[torch.Tensor]) -> list[str]:
+    return [tokenizer.decode(ids.tolist() if hasattr(ids, "tolist") else ids, skip_special_tokens=False)
+            for ids in token_lists]
+
+
+@torch.no_grad()
+def generation_accuracy(model, tokenizer, rows: Sequence[dict], *, prompt_key: str, answer_key: str,
+                        max_prompt_len: int, max_new_tokens: int, score: Callable[[str, str], float],
+                        chat_template: bool = False, group=None) -> dict[str, float]:
+    """Mean `score(response_text, answer)` over `rows` with greedy decoding, sharded over `group`."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = list(rows)[rank::world]
+    total = torch.zeros(2, dtype=torch.float64)
+    if mine:
+        was_training = model.training
+        model.eval()
+        prompts = [prompt_example(tokenizer, prompt=r[prompt_key], max_prompt_len=max_prompt_len,
+                                  chat_template=chat_template)["input_ids"] for r in mine]
+        engine = HFRolloutEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
+        out = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens,
+                                                      stop_token_ids=(tokenizer.eos_token_id,)))
+        texts = response_texts(tokenizer, [samples[0] for samples in out.responses])
+        total[0] = sum(score(text, r[answer_key]) for text, r in zip(texts, mine))
+        total[1] = len(mine)
+        model.train(was_training)
+    dist.all_reduce(total, group=group)
+    return {"accuracy": float(total[0] / max(total[1], 1)), "count": int(total[1])}

@@ -1,0 +1,189 @@
+"""`hpc-rlhf sft`: supervised fine-tuning on prompt/response pairs or multi-turn chats.
+
+The loss is taken on response tokens only (every assistant turn of a chat). The whole world is one
+data-parallel group. Held-out figures: token loss on `data.eval_files` and, when `eval.prompt_files` is set,
+exact-match accuracy of greedy answers against the reference answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hpc_rlhf.algorithms.losses import sft_loss
+from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, DataSection, DistSection, LogSection, ModelSection,
+                             TrainSection, field, section)
+from hpc_rlhf.data.examples import pad_collate, sft_example
+from hpc_rlhf.data.loading import Messages, load_rows
+from hpc_rlhf.data.packing import pack_examples, packed_collate, packed_model_kwargs
+from hpc_rlhf.data.synthetic import exact_match
+from hpc_rlhf.engines.train import TrainEngine
+from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
+from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers.evaluation import generation_accuracy
+
+
+@dataclass
+class GenerationEvalSection:
+    """Held-out accuracy by greedy generation (rows with a prompt and a reference answer)."""
+    prompt_files: list[str] = field([f"{TINY_ASSETS}/data/prompts_eval.jsonl"],
+                                    help="rows with data.prompt_key and data.answer_key ([] = off)")
+    max_rows: int = field(200, min=1, help="evaluate on at most this many prompts")
+    max_new_tokens: int = field(8, min=1)
+
+
+def _sft_data() -> DataSection:
+    return DataSection(train_files=[f"{TINY_ASSETS}/data/sft_train.jsonl"],
+                       eval_files=[f"{TINY_ASSETS}/data/sft_eval.jsonl"])
+
+
+@dataclass
+class Config:
+    output_dir: str = field("runs/sft", help="where metrics, TensorBoard, checkpoints and final/ go")
+    model: ModelSection = section(ModelSection)
+    data: DataSection = dataclasses.field(default_factory=_sft_data)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+def load_sft_examples(paths, cfg: Config, tokenizer, where: str, max_rows):
+    """Rows with prompt/response (or messages) -> tokenised examples, each bad row named by file and line."""
+    data = cfg.data
+    chat = data.apply_chat_template
+    probe, _ = load_rows(paths, required={}, where=where, on_bad_row=data.on_bad_row, max_rows=1)
+    uses_messages = data.messages_key in probe.column_names and data.prompt_key not in probe.column_names
+    required = {data.messages_key: Messages} if uses_messages else {data.prompt_key: str, data.response_key: str}
+    rows, _ = load_rows(paths, required=required, where=where, on_bad_row=data.on_bad_row, max_rows=max_rows)
+    examples = []
+    for row in rows:
+        if uses_messages:
+            ex = sft_example(tokenizer, messages=row[data.messages_key], max_len=data.max_len,
+                             max_prompt_len=data.max_prompt_len, chat_template=chat, where=row["_source"])
+        else:
+            ex = sft_example(tokenizer, prompt=row[data.prompt_key], response=row[data.response_key],
+                             max_len=data.max_len, max_prompt_len=data.max_prompt_len, chat_template=chat,
+                             where=row["_source"])
+        examples.append(ex)
+    return examples
+
+
+def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token loss: position t's logits predict the label at t+1."""
+    return sft_loss(logits[:, :-1], labels[:, 1:])
+
+
+class SFTRecipe:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run = run = common.start_run(cfg, "sft")
+        common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.data.eval_files,
+                                          cfg.eval.prompt_files)
+        common.check_batch_sizes(cfg.train, run.world_size)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        self.train_examples = load_sft_examples(cfg.data.train_files, cfg, self.tokenizer, "data.train_files",
+                                                cfg.data.max_train_rows)
+        self.eval_examples = (load_sft_examples(cfg.data.eval_files, cfg, self.tokenizer, "data.eval_files",
+                                                cfg.data.max_eval_rows) if cfg.data.eval_files else [])
+        if cfg.data.packing:
+            self.train_examples = pack_examples(self.train_examples, cfg.data.max_len)
+        self.eval_prompts = []
+        if cfg.eval.prompt_files:
+            rows, _ = load_rows(cfg.eval.prompt_files, required={cfg.data.prompt_key: str, cfg.data.answer_key: str},
+                                where="eval.prompt_files", on_bad_row=cfg.data.on_bad_row, max_rows=cfg.eval.max_rows)
+            self.eval_prompts = list(rows)
+        self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
+        common.resume_if_possible(run, {"model": self.engine})
+        self.bad_steps = common.NonFiniteGuard(cfg.train.max_bad_steps, "sft")
+        self.stop = common.StopSignal()
+        common.open_logger(run, cfg.train.max_steps)
+
+    def _forward_loss(self, batch_examples) -> tuple[torch.Tensor, int]:
+        pad = self.tokenizer.pad_token_id
+        if self.cfg.data.packing:
+            batch = packed_collate(batch_examples, pad)
+            kwargs = packed_model_kwargs(batch, self.cfg.model.attn_implementation)
+        else:
+            batch = pad_collate(batch_examples, pad)
+            kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+        kwargs = {k: v.to(self.run.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        labels = batch["labels"].to(self.run.device)
+        logits = self.engine(**kwargs).logits
+        return shifted_loss(logits.float(), labels), int((labels[:, 1:] != -100).sum())
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        out = {}
+        self.engine.eval()
+        if self.eval_examples:
+            mine = self.eval_examples[self.run.rank::self.run.world_size]
+            total = torch.zeros(2, dtype=torch.float64)
+            mb = self.cfg.train.micro_batch_size
+            for i in range(0, len(mine), mb):
+                loss, tokens = self._forward_loss(mine[i:i + mb])
+                total += torch.tensor([loss.item() * tokens, tokens], dtype=torch.float64)
+            torch.distributed.all_reduce(total)
+            out["eval_loss"] = float(total[0] / max(total[1], 1))
+        if self.eval_prompts:
+            with self.engine.gathered_parameters() as model:
+                acc = generation_accuracy(model, self.tokenizer, self.eval_prompts, prompt_key=self.cfg.data.prompt_key,
+                                          answer_key=self.cfg.data.answer_key,
+                                          max_prompt_len=self.cfg.data.max_prompt_len,
+                                          max_new_tokens=self.cfg.eval.max_new_tokens, score=exact_match,
+                                          chat_template=self.cfg.data.apply_chat_template)
+            out["eval_accuracy"] = acc["accuracy"]
+        self.engine.train()
+        return out
+
+    def train(self) -> dict[str, float]:
+        cfg, run, engine = self.cfg, self.run, self.engine
+        engine.train()
+        if run.start_step == 0 and cfg.log.eval_every_steps > 0:
+            run.logger.log(0, self.evaluate())
+        last_eval: dict[str, float] = {}
+        window_losses, window_tokens, window_start = [], 0, time.perf_counter()
+        for step in range(run.start_step, cfg.train.max_steps):
+            indices = common.step_indices(len(self.train_examples), cfg.train.batch_size, step, cfg.train.seed)
+            for micro in common.rank_micro_batches(indices, run.rank, run.world_size, cfg.train.micro_batch_size):
+                loss, tokens = self._forward_loss([self.train_examples[i] for i in micro])
+                engine.backward(loss)
+                info = engine.step()
+                window_losses.append(loss.item())
+                window_tokens += tokens
+            done = step + 1
+            self.bad_steps.update(info.skipped, done)
+            run.logger.advance()
+            if done % cfg.log.every_steps == 0 or done == cfg.train.max_steps:
+                elapsed = time.perf_counter() - window_start
+                tokens_all = common.reduce_sum([window_tokens])[0]
+                metrics = {"loss": common.reduce_mean(common.mean_over(window_losses)), "lr": info.lr,
+                           "grad_norm": info.grad_norm, "tokens_per_s": tokens_all / max(elapsed, 1e-9),
+                           "skipped_steps": self.bad_steps.total}
+                if cfg.log.eval_every_steps and done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps:
+                    last_eval = self.evaluate()
+                    metrics.update(last_eval)
+                run.logger.log(done, metrics)
+                window_losses, window_tokens, window_start = [], 0, time.perf_counter()
+            stopping = self.stop.requested()
+            if stopping or common.should_save(done, cfg.checkpoint.every_steps, cfg.train.max_steps):
+                common.save_checkpoint(run, done, {"model": engine})
+            if stopping:
+                run.logger.close()
+                raise common.Preempted(done)
+        common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
+        run.logger.close()
+        return last_eval
+
+
+def run(cfg: Config) -> dict[str, float]:
+    recipe = SFTRecipe(cfg)
+    recipe.setup()
+    return recipe.train()
