@@ -1,0 +1,192 @@
+"""Tokenised training examples as plain dicts of int lists, and the collators that turn them into tensors.
+
+Labels follow the Hugging Face convention: `labels[t]` is the token at position t, or -100 where no loss is
+taken (prompt tokens, user/system turns, padding); the model shifts them by one itself.
+
+Truncation policy (the same for every mode):
+- A prompt longer than `max_prompt_len` tokens keeps its LAST `max_prompt_len` tokens: the question usually
+  sits at the end of a prompt, the context at the start. (The BOS token and a chat template's system header are
+  cut with the rest in that case.)
+- The response is cut to `max_len - prompt length` tokens; a cut response loses its final EOS, so the model is
+  never taught to stop where the text did not stop.
+- Plain text (no chat template): the prompt is tokenised with the tokenizer's special tokens (BOS, if it adds
+  one), the response without, and EOS is appended to the response.
+- Chat template: the template's own markers are the text; nothing is added. The template's end-of-turn token
+  ends each assistant turn (generation must stop on it; for instruct tokenizers it is the EOS token).
+- Multi-turn chats (`messages`): everything before the first assistant turn is the prompt; the rest of the
+  conversation is cut at `max_len`, and every assistant turn in what remains is trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from hpc_rlhf.data.templates import (TemplateError, as_messages, check_messages, encode, prompt_text,
+                                     render_chat, tokenize_chat, tokenizer_name)
+
+IGNORE_INDEX = -100
+
+
+def _at(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def _check_limits(max_len: int, max_prompt_len: int) -> None:
+    if max_prompt_len < 1 or max_len <= max_prompt_len:
+        raise ValueError(f"need 1 <= max_prompt_len < max_len so that a response fits, got max_prompt_len="
+                         f"{max_prompt_len}, max_len={max_len} (data.max_prompt_len, data.max_len)")
+
+
+def _eos_id(tokenizer, where: str) -> int:
+    if tokenizer.eos_token_id is None:
+        raise TemplateError(f"{_at(where)}tokenizer '{tokenizer_name(tokenizer)}' has no EOS token to end "
+                            f"responses with")
+    return int(tokenizer.eos_token_id)
+
+
+def _assemble(prompt_ids: list[int], rest_ids: list[int], rest_labels: list[int], max_len: int,
+              max_prompt_len: int) -> dict[str, Any]:
+    """Apply the truncation policy to (prompt, rest) and lay out ids and labels."""
+    prompt_ids = prompt_ids[-max_prompt_len:]
+    room = max_len - len(prompt_ids)
+    return {
+        "input_ids": prompt_ids + rest_ids[:room],
+        "labels": [IGNORE_INDEX] * len(prompt_ids) + rest_labels[:room],
+        "prompt_len": len(prompt_ids),
+    }
+
+
+def _prompt_and_response_ids(tokenizer, prompt: str | Sequence[dict], response: str, chat_template: bool,
+                             where: str) -> tuple[list[int], list[int]]:
+    if not chat_template:
+        if not isinstance(prompt, str):
+            raise TemplateError(f"{_at(where)}a list of messages needs the chat template "
+                                f"(data.apply_chat_template=true)")
+        prompt_ids = encode(tokenizer, prompt, add_special_tokens=True)
+        return prompt_ids, encode(tokenizer, response, add_special_tokens=False) + [_eos_id(tokenizer, where)]
+    # Tokenising the prompt render on its own keeps its ids identical to what `prompt_example` gives generation.
+    head = prompt_text(tokenizer, prompt, chat_template=True, where=where)
+    full = render_chat(tokenizer, as_messages(prompt, response), where=where)
+    if not full.startswith(head):
+        raise TemplateError(f"{_at(where)}the chat template of tokenizer '{tokenizer_name(tokenizer)}' renders "
+                            f"the prompt differently once the response is added, so the response cannot be "
+                            f"separated from it")
+    return (encode(tokenizer, head, add_special_tokens=False),
+            encode(tokenizer, full[len(head):], add_special_tokens=False))
+
+
+def sft_example(tokenizer, *, prompt: str | Sequence[dict] | None = None, response: str | None = None,
+                messages: Sequence[dict] | None = None, max_len: int, max_prompt_len: int,
+                chat_template: bool = False, where: str = "") -> dict[str, Any]:
+    """One SFT example -> {"input_ids", "labels", "prompt_len"} (see the module's truncation policy).
+
+    Either `prompt` and `response` (labels on the response and its EOS), or `messages` (a chat; labels on every
+    assistant turn, which needs `chat_template=True`).
+    """
+    _check_limits(max_len, max_prompt_len)
+    if messages is not None:
+        if prompt is not None or response is not None:
+            raise ValueError(f"{_at(where)}give either messages or prompt and response, not both")
+        if not chat_template:
+            raise TemplateError(f"{_at(where)}a list of messages needs the chat template "
+                                f"(data.apply_chat_template=true)")
+        ids, ranges = tokenize_chat(tokenizer, check_messages(messages, where), where=where)
+        labels = [IGNORE_INDEX] * len(ids)
+        for start, end in ranges:
+            labels[start:end] = ids[start:end]
+        first = ranges[0][0]
+        return _assemble(ids[:first], ids[first:], labels[first:], max_len, max_prompt_len)
+    if prompt is None or response is None:
+        raise ValueError(f"{_at(where)}an SFT example needs prompt and response, or messages")
+    prompt_ids, response_ids = _prompt_and_response_ids(tokenizer, prompt, response, chat_template, where)
+    return _assemble(prompt_ids, response_ids, list(response_ids), max_len, max_prompt_len)
+
+
+def preference_example(tokenizer, *, prompt: str | Sequence[dict], chosen: str, rejected: str, max_len: int,
+                       max_prompt_len: int, chat_template: bool = False, where: str = "") -> dict[str, Any]:
+    """A preference pair -> {"chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels",
+    "prompt_len"}; both share the same (truncated) prompt, and labels cover the response tokens only."""
+    pair = {
+        name: sft_example(tokenizer, prompt=prompt, response=text, max_len=max_len, max_prompt_len=max_prompt_len,
+                          chat_template=chat_template, where=where)
+        for name, text in (("chosen", chosen), ("rejected", rejected))
+    }
+    return {
+        "chosen_input_ids": pair["chosen"]["input_ids"],
+        "chosen_labels": pair["chosen"]["labels"],
+        "rejected_input_ids": pair["rejected"]["input_ids"],
+        "rejected_labels": pair["rejected"]["labels"],
+        "prompt_len": pair["chosen"]["prompt_len"],
+    }
+
+
+def kto_example(tokenizer, *, prompt: str | Sequence[dict], response: str, label: bool | int, max_len: int,
+                max_prompt_len: int, chat_template: bool = False, where: str = "") -> dict[str, Any]:
+    """A KTO example -> the SFT fields plus "label" (True = desirable response)."""
+    if isinstance(label, bool) or label in (0, 1):
+        example = sft_example(tokenizer, prompt=prompt, response=response, max_len=max_len,
+                              max_prompt_len=max_prompt_len, chat_template=chat_template, where=where)
+        example["label"] = bool(label)
+        return example
+    raise ValueError(f"{_at(where)}a KTO label must be true/false (or 1/0), got {label!r}")
+
+
+def prompt_example(tokenizer, *, prompt: str | Sequence[dict], max_prompt_len: int, chat_template: bool = False,
+                   where: str = "") -> dict[str, Any]:
+    """A prompt for generation -> {"input_ids", "prompt_len"}, keeping its last `max_prompt_len` tokens."""
+    text = prompt_text(tokenizer, prompt, chat_template=chat_template, where=where)
+    ids = encode(tokenizer, text, add_special_tokens=not chat_template)[-max_prompt_len:]
+    return {"input_ids": ids, "prompt_len": len(ids)}
+
+
+# ------------------------------------------------------------------------------------------------ collators
+def _pad(rows: Sequence[Sequence[int]], value: int, length: int, side: str) -> torch.Tensor:
+    out = torch.full((len(rows), length), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if not row:
+            continue
+        if side == "right":
+            out[i, :len(row)] = torch.as_tensor(row, dtype=torch.long)
+        else:
+            out[i, length - len(row):] = torch.as_tensor(row, dtype=torch.long)
+    return out
+
+
+def pad_collate(batch: Sequence[Mapping[str, Any]], pad_id: int, side: str = "right") -> dict[str, Any]:
+    """Examples -> {"input_ids", "attention_mask", "labels" (if given, -100 on padding), "prompt_lens" (if given)}.
+
+    side="left" lines prompts up at their last token, as generation wants. Other per-example numbers (e.g. the
+    KTO "label") become tensors under their own name; anything else is passed on as a list.
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    ids = [example["input_ids"] for example in batch]
+    length = max(len(row) for row in ids)
+    out: dict[str, Any] = {
+        "input_ids": _pad(ids, pad_id, length, side),
+        "attention_mask": _pad([[1] * len(row) for row in ids], 0, length, side),
+    }
+    for key in batch[0]:
+        if key == "input_ids":
+            continue
+        values = [example[key] for example in batch]
+        if key == "labels":
+            out["labels"] = _pad(values, IGNORE_INDEX, length, side)
+        elif key == "prompt_len":
+            out["prompt_lens"] = torch.tensor(values, dtype=torch.long)
+        elif all(isinstance(v, (bool, int, float)) for v in values):
+            out[key] = torch.tensor(values)
+        else:
+            out[key] = values
+    return out
+
+
+def pair_collate(batch: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, Any]:
+    """Preference pairs -> one padded batch of 2B rows: the B chosen rows first, then the B rejected rows."""
+    rows = [{"input_ids": ex[f"{side}_input_ids"], "labels": ex[f"{side}_labels"], "prompt_len": ex["prompt_len"]}
+            for side in ("chosen", "rejected") for ex in batch]
+    return pad_collate(rows, pad_id, side="right")

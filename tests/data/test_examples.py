@@ -1,0 +1,144 @@
+import pytest
+import torch
+
+from hpc_rlhf.data.examples import (IGNORE_INDEX, kto_example, pad_collate, pair_collate, preference_example,
+                                    prompt_example, sft_example)
+from hpc_rlhf.data.templates import TemplateError
+from tests.data.test_templates import CHAT, SPECIALS, char_ids, tiny_tokenizer
+
+BOS, EOS, END = SPECIALS.index("<s>"), SPECIALS.index("</s>"), SPECIALS.index("<|end|>")
+M = IGNORE_INDEX
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def test_plain_sft_masks_the_prompt_and_appends_eos(tok):
+    ex = sft_example(tok, prompt="1+2=", response="3", max_len=16, max_prompt_len=8)
+    assert ex["input_ids"] == [BOS] + char_ids("1+2=") + char_ids("3") + [EOS]
+    assert ex["labels"] == [M] * 5 + char_ids("3") + [EOS]
+    assert ex["prompt_len"] == 5
+
+
+def test_long_prompt_keeps_its_last_tokens(tok):
+    ex = sft_example(tok, prompt="abcdefgh", response="xy", max_len=10, max_prompt_len=4)
+    assert ex["input_ids"] == char_ids("efgh") + char_ids("xy") + [EOS]  # BOS went with the cut
+    assert ex["prompt_len"] == 4
+
+
+def test_long_response_is_cut_at_max_len_and_loses_eos(tok):
+    ex = sft_example(tok, prompt="ab", response="0123456789", max_len=8, max_prompt_len=4)
+    assert ex["input_ids"] == [BOS] + char_ids("ab") + char_ids("01234")
+    assert ex["labels"] == [M] * 3 + char_ids("01234")
+    assert EOS not in ex["input_ids"]
+
+
+def test_response_that_fits_exactly_keeps_eos(tok):
+    ex = sft_example(tok, prompt="ab", response="0123", max_len=8, max_prompt_len=4)
+    assert len(ex["input_ids"]) == 8 and ex["input_ids"][-1] == EOS
+
+
+def test_cut_prompt_leaves_the_room_to_the_response(tok):
+    # The prompt is cut to 3 tokens, so 5 remain for the response out of max_len 8.
+    ex = sft_example(tok, prompt="pppppppp", response="0123456789", max_len=8, max_prompt_len=3)
+    assert ex["input_ids"] == char_ids("ppp") + char_ids("01234") and ex["prompt_len"] == 3
+
+
+def test_limits_must_leave_room_for_a_response(tok):
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        sft_example(tok, prompt="a", response="b", max_len=4, max_prompt_len=4)
+
+
+def test_chat_sft_single_turn_trains_on_the_assistant_turn_only(tok):
+    ex = sft_example(tok, prompt="1+1", response="2", max_len=64, max_prompt_len=32, chat_template=True)
+    head = tok("<s><|user|>1+1<|end|>\n<|assistant|>", add_special_tokens=False)["input_ids"]
+    turn = char_ids("2") + [END] + char_ids("\n")
+    assert ex["input_ids"] == head + turn
+    assert ex["labels"] == [M] * len(head) + turn
+    assert ex["prompt_len"] == len(head)
+
+
+def test_chat_sft_multi_turn_trains_on_every_assistant_turn(tok):
+    ex = sft_example(tok, messages=CHAT, max_len=128, max_prompt_len=64, chat_template=True)
+    trained = [i for i, label in enumerate(ex["labels"]) if label != M]
+    text = tok.decode([ex["input_ids"][i] for i in trained], skip_special_tokens=False)
+    assert text == "2<|end|>\n5!<|end|>\n"
+    assert all(ex["labels"][i] == ex["input_ids"][i] for i in trained)
+    # Everything before the first assistant turn is the prompt.
+    assert tok.decode(ex["input_ids"][:ex["prompt_len"]]).endswith("<|user|>1+1<|end|>\n<|assistant|>")
+
+
+def test_chat_sft_multi_turn_is_cut_at_max_len(tok):
+    full = sft_example(tok, messages=CHAT, max_len=128, max_prompt_len=64, chat_template=True)
+    max_len = full["prompt_len"] + 6  # room for "2<|end|>\n" (3 tokens) and 3 tokens of the next user turn
+    cut = sft_example(tok, messages=CHAT, max_len=max_len, max_prompt_len=full["prompt_len"], chat_template=True)
+    assert cut["input_ids"] == full["input_ids"][:max_len]
+    assert cut["labels"] == full["labels"][:max_len]
+    assert sum(label != M for label in cut["labels"]) == 3
+
+
+def test_messages_need_the_chat_template(tok):
+    with pytest.raises(TemplateError, match="row 2: .*apply_chat_template"):
+        sft_example(tok, messages=CHAT, max_len=64, max_prompt_len=32, where="row 2")
+
+
+def test_preference_example_shares_the_prompt(tok):
+    ex = preference_example(tok, prompt="2+2=", chosen="4", rejected="22", max_len=16, max_prompt_len=8)
+    head = [BOS] + char_ids("2+2=")
+    assert ex["chosen_input_ids"] == head + char_ids("4") + [EOS]
+    assert ex["rejected_input_ids"] == head + char_ids("22") + [EOS]
+    assert ex["chosen_labels"] == [M] * 5 + char_ids("4") + [EOS]
+    assert ex["rejected_labels"] == [M] * 5 + char_ids("22") + [EOS]
+    assert ex["prompt_len"] == 5
+
+
+def test_kto_example_carries_the_label(tok):
+    ex = kto_example(tok, prompt="q", response="a", label=0, max_len=8, max_prompt_len=4)
+    assert ex["label"] is False and ex["labels"] == [M, M] + char_ids("a") + [EOS]
+    with pytest.raises(ValueError, match="row 9: a KTO label"):
+        kto_example(tok, prompt="q", response="a", label="yes", max_len=8, max_prompt_len=4, where="row 9")
+
+
+def test_prompt_example_is_left_truncated(tok):
+    assert prompt_example(tok, prompt="abc", max_prompt_len=8)["input_ids"] == [BOS] + char_ids("abc")
+    ex = prompt_example(tok, prompt="abcdef", max_prompt_len=3)
+    assert ex == {"input_ids": char_ids("def"), "prompt_len": 3}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prompt_ids_for_generation_match_the_training_prompt(tok, chat):
+    prompt = prompt_example(tok, prompt="7+8", max_prompt_len=32, chat_template=chat)
+    train = sft_example(tok, prompt="7+8", response="15", max_len=64, max_prompt_len=32, chat_template=chat)
+    assert train["input_ids"][:train["prompt_len"]] == prompt["input_ids"]
+
+
+def test_pad_collate_right_pads_ids_mask_and_labels():
+    batch = [{"input_ids": [5, 6, 7], "labels": [M, 6, 7], "prompt_len": 1, "label": True},
+             {"input_ids": [8], "labels": [8], "prompt_len": 0, "label": False}]
+    out = pad_collate(batch, pad_id=0)
+    assert out["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert out["labels"].tolist() == [[M, 6, 7], [8, M, M]]
+    assert out["prompt_lens"].tolist() == [1, 0]
+    assert out["label"].tolist() == [True, False]
+    assert out["input_ids"].dtype == torch.long
+
+
+def test_pad_collate_left_lines_up_the_last_tokens():
+    out = pad_collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8]}], pad_id=0, side="left")
+    assert out["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert "labels" not in out
+
+
+def test_pair_collate_puts_chosen_rows_first_then_rejected():
+    pairs = [{"chosen_input_ids": [1, 2], "chosen_labels": [M, 2], "rejected_input_ids": [1, 3, 3],
+              "rejected_labels": [M, 3, 3], "prompt_len": 1},
+             {"chosen_input_ids": [4, 5], "chosen_labels": [M, 5], "rejected_input_ids": [4, 6],
+              "rejected_labels": [M, 6], "prompt_len": 1}]
+    out = pair_collate(pairs, pad_id=0)
+    assert out["input_ids"].tolist() == [[1, 2, 0], [4, 5, 0], [1, 3, 3], [4, 6, 0]]
+    assert out["labels"].tolist() == [[M, 2, M], [M, 5, M], [M, 3, 3], [M, 6, M]]
+    assert out["prompt_lens"].tolist() == [1, 1, 1, 1]

@@ -1,0 +1,132 @@
+import pytest
+
+from hpc_rlhf.data import synthetic
+from hpc_rlhf.data.synthetic import Problem, exact_match, extract_answer
+
+
+def test_problem_by_hand():
+    assert Problem(17, 25).prompt == "17+25="
+    assert Problem(17, 25).answer == "42"
+    assert Problem(17, 25).carries and Problem(17, 25).dropped_carry_answer == "32"
+    assert Problem(57, 68).dropped_carry_answer == "115"   # 125 with the units' one forgotten
+    assert Problem(95, 9).dropped_carry_answer == "94"     # 104 -> 94
+    assert not Problem(50, 55).carries                     # 105: a carry into the hundreds only
+    assert Problem(5, 5).carries and not Problem(4, 5).carries
+    with pytest.raises(ValueError, match="50\\+55= has no carry"):
+        Problem(50, 55).dropped_carry_answer
+    # Carries happen for 45 of the 100 pairs of units digits.
+    assert sum(p.carries for p in synthetic.all_problems()) == 4500
+
+
+def test_split_is_disjoint_complete_and_seeded():
+    split = synthetic.split_problems(seed=0)
+    assert len(split.heldout) == 500 and len(split.train) == 9500
+    assert not set(split.train) & set(split.heldout)
+    assert set(split.train) | set(split.heldout) == set(synthetic.all_problems())
+    assert synthetic.split_problems(seed=0) == split
+    assert synthetic.split_problems(seed=1).heldout != split.heldout
+    assert len(synthetic.split_problems(seed=0, num_heldout=30).heldout) == 30
+    with pytest.raises(ValueError, match="num_heldout"):
+        synthetic.split_problems(seed=0, num_heldout=0)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.25, 0.6, 1.0])
+def test_sft_mistakes_are_the_set_share_of_carry_problems_only(rate):
+    problems = synthetic.split_problems(seed=3).train
+    rows = synthetic.sft_rows(problems, seed=3, mistake_rate=rate)
+    assert [r["prompt"] for r in rows] == [p.prompt for p in problems]
+    carry_rows = [(p, r) for p, r in zip(problems, rows) if p.carries]
+    wrong = [(p, r) for p, r in carry_rows if r["response"] != p.answer]
+    assert len(wrong) == round(rate * len(carry_rows))
+    # Every mistake is the dropped carry; no problem without a carry is ever wrong.
+    assert all(r["response"] == p.dropped_carry_answer for p, r in wrong)
+    assert all(r["response"] == p.answer for p, r in zip(problems, rows) if not p.carries)
+
+
+def test_sft_mistakes_are_seeded():
+    problems = synthetic.split_problems(seed=0).train
+    assert synthetic.sft_rows(problems, seed=0) == synthetic.sft_rows(problems, seed=0)
+    assert synthetic.sft_rows(problems, seed=0) != synthetic.sft_rows(problems, seed=1)
+    with pytest.raises(ValueError, match="mistake_rate must be between 0 and 1, got 1.5"):
+        synthetic.sft_rows(problems, mistake_rate=1.5)
+
+
+def _digits(n: str) -> tuple[int, int]:
+    value = int(n)
+    return value % 10, value // 10 % 10
+
+
+def test_preference_chosen_right_rejected_wrong_in_the_tens_digit():
+    problems = synthetic.all_problems()
+    rows = synthetic.preference_rows(problems, seed=0)
+    for p, row in zip(problems, rows):
+        assert row["prompt"] == p.prompt and row["chosen"] == p.answer
+        rejected = int(row["rejected"])
+        assert rejected >= 0 and abs(rejected - p.total) == 10
+        units, tens = _digits(row["rejected"])
+        assert units == p.total % 10 and tens != p.total // 10 % 10
+        if p.carries:
+            assert row["rejected"] == p.dropped_carry_answer
+    # Problems without a carry get the tens digit moved both ways, not always the same way.
+    no_carry = [int(r["rejected"]) - p.total for p, r in zip(problems, rows) if not p.carries]
+    assert 0.3 < no_carry.count(10) / len(no_carry) < 0.7
+
+
+def test_kto_rows_are_balanced_and_labelled_by_correctness():
+    problems = synthetic.split_problems(seed=0).heldout
+    rows = synthetic.kto_rows(problems, seed=0)
+    assert sum(r["label"] for r in rows) == len(rows) // 2
+    for p, row in zip(problems, rows):
+        assert isinstance(row["label"], bool)
+        assert row["label"] == (row["completion"] == p.answer)
+        assert exact_match(row["completion"], p.answer) == float(row["label"])
+
+
+def test_prompt_rows():
+    assert synthetic.prompt_rows([Problem(3, 99), Problem(0, 0)]) == [
+        {"prompt": "3+99=", "answer": "102"}, {"prompt": "0+0=", "answer": "0"}]
+
+
+def test_chat_rows_cover_the_problems_in_turns():
+    problems = synthetic.split_problems(seed=0).train[:200]
+    rows = synthetic.chat_rows(problems, seed=0, mistake_rate=0.6)
+    turns = [len(r["messages"]) // 2 for r in rows]
+    assert all(2 <= t <= 3 for t in turns[:-1]) and 1 <= turns[-1] <= 3 and sum(turns) == 200
+    messages = [m for r in rows for m in r["messages"]]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 200
+    assert [m["content"] for m in messages[::2]] == [p.prompt for p in problems]
+    # The assistant's answers are the same imperfect demonstrations as the SFT rows.
+    assert [m["content"] for m in messages[1::2]] == [r["response"] for r in synthetic.sft_rows(problems, seed=0)]
+
+
+@pytest.mark.parametrize("response, answer, reward", [
+    ("42", "42", 1.0),
+    (" 42 \n", "42", 1.0),
+    ("42<eos>", "42", 1.0),
+    ("42 <eos><pad><pad>", "42", 1.0),
+    ("42<eos>7", "42", 0.0),
+    ("32", "42", 0.0),
+    ("042", "42", 0.0),
+    ("42 is it", "42", 0.0),
+    ("", "42", 0.0),
+    ("<eos>", "0", 0.0),
+    ("102</s>", "102", 0.0),
+])
+def test_exact_match(response, answer, reward):
+    assert exact_match(response, answer) == reward
+
+
+def test_exact_match_other_eos_text():
+    assert exact_match("102</s>", "102", eos_text="</s>") == 1.0
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("42", "42"),
+    ("17+25=42<eos><pad>", "42"),
+    (" 105\n3+4=7", "105"),
+    ("the answer is 9", "9"),
+    ("no number", ""),
+    ("1+1=", ""),
+])
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer

@@ -1,0 +1,128 @@
+import pytest
+from tokenizers import Tokenizer, decoders, models, processors
+
+from hpc_rlhf.data.loading import DataError
+from hpc_rlhf.data.templates import (Segment, TemplateError, as_messages, chat_segments, prompt_text, render_chat,
+                                     tokenize_chat)
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+# A ChatML-like template that, like real ones, refuses roles it does not know.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer(chat_template: str | None = CHAT_TEMPLATE, folder=None):
+    """A character-level tokenizer (one id per character, special tokens whole) that adds BOS to plain text.
+
+    With `folder`, it is saved there and reloaded, so that it has a name like a real tokenizer folder.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIALS + CHARS)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.add_special_tokens(SPECIALS)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = chat_template
+    if folder is None:
+        return tokenizer
+    tokenizer.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def char_ids(text: str) -> list[int]:
+    """The ids the tiny tokenizer gives plain characters (no special tokens), computed from its vocabulary."""
+    offset = len(SPECIALS)
+    return [offset + CHARS.index(c) for c in text]
+
+
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "1+1"},
+    {"role": "assistant", "content": "2"},
+    {"role": "user", "content": "2+3"},
+    {"role": "assistant", "content": "5!"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def test_tiny_tokenizer_is_character_level(tok):
+    assert tok("ab", add_special_tokens=False)["input_ids"] == char_ids("ab")
+    assert tok("ab")["input_ids"] == [tok.bos_token_id] + char_ids("ab")
+    assert tok("<|end|>", add_special_tokens=False)["input_ids"] == [SPECIALS.index("<|end|>")]
+
+
+def test_as_messages_turns_a_prompt_into_a_user_turn():
+    assert as_messages("hi", "yo") == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    history = [{"role": "user", "content": "a"}]
+    assert as_messages(history) == history and as_messages(history) is not history
+
+
+def test_prompt_text_plain_is_the_prompt_and_chat_ends_at_the_assistant_turn(tok):
+    assert prompt_text(tok, "3+4=", chat_template=False) == "3+4="
+    assert prompt_text(tok, "3+4=", chat_template=True) == "<s><|user|>3+4=<|end|>\n<|assistant|>"
+
+
+def test_plain_prompt_refuses_a_message_list(tok):
+    with pytest.raises(TemplateError, match=r"data.jsonl, line 4: .*apply_chat_template=true"):
+        prompt_text(tok, CHAT[:2], chat_template=False, where="data.jsonl, line 4")
+
+
+def test_chat_segments_join_to_the_render_and_mark_only_assistant_turns(tok):
+    segments = chat_segments(tok, CHAT)
+    assert "".join(s.text for s in segments) == render_chat(tok, CHAT)
+    assert [s for s in segments if s.trainable] == [Segment("2<|end|>\n", True), Segment("5!<|end|>\n", True)]
+    assert segments[0] == Segment("<s><|system|>be brief<|end|>\n<|user|>1+1<|end|>\n<|assistant|>", False)
+
+
+def test_tokenize_chat_gives_the_token_ranges_of_every_assistant_turn(tok):
+    ids, ranges = tokenize_chat(tok, CHAT)
+    assert ids == tok(render_chat(tok, CHAT), add_special_tokens=False)["input_ids"]
+    end = SPECIALS.index("<|end|>")
+    assert [ids[a:b] for a, b in ranges] == [char_ids("2") + [end] + char_ids("\n"),
+                                             char_ids("5!") + [end] + char_ids("\n")]
+    assert ranges[-1][1] == len(ids)  # the conversation ends with the last assistant turn
+
+
+def test_tokenize_chat_needs_an_assistant_turn(tok):
+    with pytest.raises(TemplateError, match="row 3: .*no assistant turn"):
+        tokenize_chat(tok, CHAT[:2], where="row 3")
+
+
+def test_missing_chat_template_names_the_tokenizer_folder_and_row(tmp_path):
+    tok = tiny_tokenizer(chat_template=None, folder=tmp_path / "tok")
+    with pytest.raises(TemplateError) as err:
+        prompt_text(tok, "hi", chat_template=True, where="train.jsonl, line 7")
+    message = str(err.value)
+    assert "train.jsonl, line 7" in message and str(tmp_path / "tok") in message and "no chat template" in message
+    assert isinstance(err.value, DataError)
+
+
+def test_bad_role_names_the_tokenizer_folder_row_and_template_message(tmp_path):
+    tok = tiny_tokenizer(folder=tmp_path / "tok")
+    with pytest.raises(TemplateError) as err:
+        tokenize_chat(tok, [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}],
+                      where="chats.parquet, row 12")
+    message = str(err.value)
+    for part in ("chats.parquet, row 12", str(tmp_path / "tok"), "unknown role robot", "'robot'"):
+        assert part in message
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
+    # Renders the final assistant turn differently from an earlier one, so prefixes are not prefixes.
+    tok = tiny_tokenizer(chat_template="{% for m in messages %}{% if loop.last %}[{{ m['content'] }}]"
+                                       "{% else %}{{ m['content'] }};{% endif %}{% endfor %}")
+    with pytest.raises(TemplateError, match="growing sequence of turns"):
+        chat_segments(tok, CHAT, where="row 1")
