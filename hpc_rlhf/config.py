@@ -214,7 +214,9 @@ def from_dict(cls, data: Mapping[str, Any], where: str = "config", _prefix: str 
             raise ConfigError(f"{where}: {_unknown(key, root)}")
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = from_dict(tp, value if value is not None else {}, where, key + ".", root)
+            # Start from this mode's default section (it may differ from the section class's defaults).
+            merged = _deep_merge(_default_tree(fields[name]), value if value is not None else {}, where, key)
+            kwargs[name] = from_dict(tp, merged, where, key + ".", root)
         else:
             coerced = _coerce(value, tp, key, where)
             _check_metadata(coerced, fields[name], key, where)
@@ -225,6 +227,23 @@ def from_dict(cls, data: Mapping[str, Any], where: str = "config", _prefix: str 
         raise ConfigError(f"{where}: {exc}") from None
     _check_all(obj, where, _prefix)
     return obj
+
+
+def _default_tree(f: dataclasses.Field) -> dict[str, Any]:
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.asdict(f.default_factory())
+    if dataclasses.is_dataclass(f.default):
+        return dataclasses.asdict(f.default)
+    return {}
+
+
+def _deep_merge(base: dict[str, Any], given: Any, where: str, key: str) -> Any:
+    if not isinstance(given, Mapping):
+        return given  # reported as "must be a mapping" by from_dict
+    out = dict(base)
+    for k, v in given.items():
+        out[k] = _deep_merge(base[k], v, where, f"{key}.{k}") if isinstance(base.get(k), dict) else v
+    return out
 
 
 def _check_all(obj, where: str, prefix: str) -> None:

@@ -90,3 +90,14 @@ def test_shared_sections_load_from_yaml(tmp_path):
 
     cfg = load_config(Mode, write(tmp_path, "train:\n  zero_stage: 3\ndata:\n  train_files: a.jsonl\n"))
     assert cfg.train.zero_stage == 3 and cfg.data.train_files == ["a.jsonl"]
+
+
+def test_section_override_keeps_the_modes_own_section_defaults():
+    import dataclasses as dc
+
+    @dataclass
+    class Mode:
+        train: TrainSection = dc.field(default_factory=lambda: TrainSection(lr=5e-5, warmup_steps=0))
+
+    cfg = load_config(Mode, None, ["train.max_steps=4"])
+    assert (cfg.train.lr, cfg.train.warmup_steps, cfg.train.max_steps) == (5e-5, 0, 4)

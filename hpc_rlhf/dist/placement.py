@@ -452,3 +452,8 @@ def make_plan(spec: str | Mapping | list, world_size: int, ranks_per_node: int) 
                                          nodes=tuple(sorted({r // ranks_per_node for r in role_ranks})),
                                          colocated_with=shares, engines=engines)
     return Plan(world_size=world_size, ranks_per_node=ranks_per_node, roles=placements)
+
+
+def world_size_of(spec: str | Mapping | list) -> int:
+    """How many ranks a placement asks for (colocated and hybrid roles count once)."""
+    return sum(unit.size for unit in _units(parse_spec(spec)))

@@ -1,0 +1,27 @@
+"""Launchers: the local one (ranks on this machine) and the Slurm one (submitit, requeue).
+
+Names are loaded on first use, so a training rank that only needs the local launcher does not import submitit.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "run_or_spawn": "hpc_rlhf.launch.local",
+    "spawn_local": "hpc_rlhf.launch.local",
+    "submit": "hpc_rlhf.launch.slurm",
+    "requeue_self": "hpc_rlhf.launch.slurm",
+    "should_requeue": "hpc_rlhf.launch.slurm",
+    "slurm_parameters": "hpc_rlhf.launch.slurm",
+    "TrainingTask": "hpc_rlhf.launch.slurm",
+    "SlurmLaunchError": "hpc_rlhf.launch.slurm",
+    "PREEMPTED_EXIT_CODE": "hpc_rlhf.launch.slurm",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hpc_rlhf.launch' has no attribute '{name}'")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

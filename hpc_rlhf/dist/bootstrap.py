@@ -1,0 +1,453 @@
+"""Find out how this process was launched and join the one `torch.distributed` world of the job.
+
+`detect_launch(env)` is a pure function of the environment; it recognises, in this order:
+
+1. torchrun (and the local launcher, which sets the same variables): RANK, WORLD_SIZE, LOCAL_RANK, ...
+   It comes first because `srun torchrun ...` is common, and then the Slurm variables describe the torchrun
+   agents, not the ranks.
+2. An MPI launcher whose rank or size differs from Slurm's: `mpirun` inside an allocation starts its daemons
+   with `srun`, so its ranks inherit the daemon step's SLURM_PROCID / SLURM_NTASKS, which are wrong for them.
+3. A Slurm `srun` step, recognised by SLURM_STEP_ID. SLURM_PROCID alone is not enough: slurmstepd also sets
+   SLURM_PROCID=0 for the batch script itself, and a batch script (or an `salloc` shell) is one process;
+   Slurm's special step ids (batch, interactive, extern) do not count as an srun step either.
+4. MPI (Open MPI, MPICH/Hydra PMI, PMIx). The environment does not name a master address there; it is filled
+   in by `init_distributed` through mpi4py.
+5. Otherwise a single process.
+
+`init_distributed` then exports RANK/WORLD_SIZE/... (DeepSpeed and torch read them), checks the world size the
+placement needs, and calls `init_process_group` with a timeout, turning rendezvous failures into one sentence
+that names the address and port. A single process still gets a 1-rank gloo world so that every code path
+(groups, collectives, DeepSpeed) is the same with one rank or a thousand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+from hpc_rlhf.dist.hostlist import expand_hostlist, parse_tasks_per_node
+
+LAUNCHERS = ("slurm", "mpi", "torchrun", "single")
+SLURM_PORT_BASE = 20000
+SLURM_PORT_SPAN = 20000
+SLURM_SPECIAL_STEP_IDS = 0xFFFFFFF0
+LOOPBACK = "127.0.0.1"
+
+
+class BootstrapError(RuntimeError):
+    """The launch environment is inconsistent, or the world could not be formed; the message says which."""
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job. `master_addr`/`master_port` are None until known (MPI, single)."""
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str | None
+    master_port: int | None
+    hostnames: tuple[str, ...] = ()
+    # Ranks on each node, in node order, when the launcher says so (Slurm, MPI after init); else empty.
+    tasks_per_node: tuple[int, ...] = ()
+
+    @property
+    def ranks_per_node(self) -> int | None:
+        """The number of ranks on every node, or None when nodes hold different numbers of ranks."""
+        counts = self.tasks_per_node
+        if counts:
+            return counts[0] if all(c == counts[0] for c in counts) else None
+        if self.local_world_size * self.num_nodes == self.world_size:
+            return self.local_world_size
+        return None
+
+
+# ---------------------------------------------------------------------------------------- reading variables
+def _int(env: Mapping[str, str], name: str, launcher: str, minimum: int = 0) -> int:
+    raw = env[name]
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise BootstrapError(f"launch environment ({launcher}): {name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise BootstrapError(f"launch environment ({launcher}): {name}={value} must be at least {minimum}")
+    return value
+
+
+def _first(env: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    """The first of `names` that is set, so that callers can name it in messages."""
+    return next((n for n in names if env.get(n, "").strip() != ""), None)
+
+
+def _port(env: Mapping[str, str], name: str, launcher: str) -> int:
+    raw = env[name]
+    try:
+        port = int(raw.strip())
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise BootstrapError(f"launch environment ({launcher}): {name}={raw!r} is not a TCP port (1-65535)")
+    return port
+
+
+def _check_below(launcher: str, what: str, value: int, limit_what: str, limit: int) -> None:
+    if value >= limit:
+        bound = f"{limit_what}={limit}" if limit_what.isidentifier() else f"{limit} ({limit_what})"
+        raise BootstrapError(f"launch environment ({launcher}): {what}={value} is not below {bound}")
+
+
+# -------------------------------------------------------------------------------------------------- torchrun
+def _from_torchrun(env: Mapping[str, str]) -> LaunchInfo:
+    name = "torchrun"
+    if "RANK" not in env:
+        raise BootstrapError(f"launch environment ({name}): WORLD_SIZE={env['WORLD_SIZE']!r} is set but RANK is "
+                             f"not; set both (torchrun does) or neither")
+    if "WORLD_SIZE" not in env:
+        raise BootstrapError(f"launch environment ({name}): RANK={env['RANK']!r} is set but WORLD_SIZE is not; "
+                             f"set both (torchrun does) or neither")
+    rank = _int(env, "RANK", name)
+    world = _int(env, "WORLD_SIZE", name, minimum=1)
+    _check_below(name, "RANK", rank, "WORLD_SIZE", world)
+    # Hand-made environments often set only RANK/WORLD_SIZE: then assume one node.
+    local_world = _int(env, "LOCAL_WORLD_SIZE", name, minimum=1) if "LOCAL_WORLD_SIZE" in env else world
+    local_rank = _int(env, "LOCAL_RANK", name) if "LOCAL_RANK" in env else rank % local_world
+    _check_below(name, "LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world)
+    if local_world > world:
+        raise BootstrapError(f"launch environment ({name}): LOCAL_WORLD_SIZE={local_world} is larger than "
+                             f"WORLD_SIZE={world}")
+    num_nodes = (_int(env, "GROUP_WORLD_SIZE", name, minimum=1) if "GROUP_WORLD_SIZE" in env
+                 else -(-world // local_world))
+    node_rank = _int(env, "GROUP_RANK", name) if "GROUP_RANK" in env else rank // local_world
+    _check_below(name, "GROUP_RANK", node_rank, "the number of nodes", num_nodes)
+    if world > 1:
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if not env.get(var, "").strip():
+                raise BootstrapError(f"launch environment ({name}): WORLD_SIZE={world} but {var} is not set")
+    master_addr = env.get("MASTER_ADDR", "").strip() or LOOPBACK
+    master_port = _port(env, "MASTER_PORT", name) if env.get("MASTER_PORT", "").strip() else None
+    per_node = (local_world,) * num_nodes if local_world * num_nodes == world else ()
+    return LaunchInfo(name, rank, world, local_rank, local_world, node_rank, num_nodes, master_addr, master_port,
+                      (), per_node)
+
+
+# ----------------------------------------------------------------------------------------------------- Slurm
+def _from_slurm(env: Mapping[str, str]) -> LaunchInfo:
+    name = "slurm"
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    if "SLURM_PROCID" not in env:
+        raise BootstrapError(f"launch environment ({name}): SLURM_STEP_ID={step} says this is an srun step, but "
+                             f"SLURM_PROCID is not set")
+    ntasks_var = _first(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"))
+    if ntasks_var is None:
+        raise BootstrapError(f"launch environment ({name}): inside an srun step but none of SLURM_STEP_NUM_TASKS, "
+                             f"SLURM_NTASKS, SLURM_NPROCS is set")
+    if "SLURM_LOCALID" not in env:
+        raise BootstrapError(f"launch environment ({name}): inside an srun step but SLURM_LOCALID is not set")
+    rank = _int(env, "SLURM_PROCID", name)
+    world = _int(env, ntasks_var, name, minimum=1)
+    _check_below(name, "SLURM_PROCID", rank, ntasks_var, world)
+    local_rank = _int(env, "SLURM_LOCALID", name)
+
+    # In a step, SLURM_NODELIST (and SLURM_STEP_NODELIST) list the step's nodes, which may be fewer than the job's.
+    list_var = _first(env, ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST"))
+    if list_var is None:
+        raise BootstrapError(f"launch environment ({name}): none of SLURM_STEP_NODELIST, SLURM_NODELIST, "
+                             f"SLURM_JOB_NODELIST is set, so the master node is unknown")
+    try:
+        hosts = tuple(expand_hostlist(env[list_var]))
+    except ValueError as exc:
+        raise BootstrapError(f"launch environment ({name}): {list_var} does not expand: {exc}") from None
+    num_nodes = len(hosts)
+    if "SLURM_NODEID" in env:
+        node_rank = _int(env, "SLURM_NODEID", name)
+    elif num_nodes == 1:
+        node_rank = 0
+    else:
+        raise BootstrapError(f"launch environment ({name}): {num_nodes} nodes in {list_var} but SLURM_NODEID "
+                             f"is not set")
+    _check_below(name, "SLURM_NODEID", node_rank, f"the number of hosts in {list_var}", num_nodes)
+
+    tasks_var = _first(env, ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
+    if tasks_var is not None:
+        try:
+            per_node = tuple(parse_tasks_per_node(env[tasks_var]))
+        except ValueError as exc:
+            raise BootstrapError(f"launch environment ({name}): {tasks_var} does not parse: {exc}") from None
+        if len(per_node) != num_nodes or sum(per_node) != world:
+            raise BootstrapError(f"launch environment ({name}): {tasks_var}={env[tasks_var]!r} gives "
+                                 f"{sum(per_node)} tasks on {len(per_node)} nodes, but {ntasks_var}={world} and "
+                                 f"{list_var} has {num_nodes} nodes")
+    elif num_nodes == 1:
+        per_node = (world,)
+    else:
+        raise BootstrapError(f"launch environment ({name}): {num_nodes} nodes but SLURM_TASKS_PER_NODE is not "
+                             f"set, so the ranks per node are unknown")
+    local_world = per_node[node_rank]
+    _check_below(name, "SLURM_LOCALID", local_rank, f"the tasks on node {node_rank} in {tasks_var or ntasks_var}", local_world)
+
+    # An explicit MASTER_ADDR/MASTER_PORT wins: sites often need a specific (InfiniBand) host name or port.
+    master_addr = env.get("MASTER_ADDR", "").strip() or hosts[0]
+    if env.get("MASTER_PORT", "").strip():
+        master_port = _port(env, "MASTER_PORT", name)
+    elif env.get("SLURM_JOB_ID", "").strip():
+        # Same on every rank without communication; different for jobs that share a master node.
+        master_port = SLURM_PORT_BASE + _int(env, "SLURM_JOB_ID", name) % SLURM_PORT_SPAN
+    else:
+        raise BootstrapError(f"launch environment ({name}): neither MASTER_PORT nor SLURM_JOB_ID is set, so "
+                             f"the rendezvous port is unknown")
+    return LaunchInfo(name, rank, world, local_rank, local_world, node_rank, num_nodes, master_addr, master_port,
+                      hosts, per_node)
+
+
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    """An srun task step, not the batch script, an interactive `salloc` step or the extern step."""
+    step_var = _first(env, ("SLURM_STEP_ID", "SLURM_STEPID"))
+    if step_var is None:
+        return False
+    step = _int(env, step_var, "slurm", minimum=-2**31)
+    # Slurm numbers those special steps from 0xFFFFFFF0 up (printed as negative by older versions).
+    return 0 <= step < SLURM_SPECIAL_STEP_IDS
+
+
+# ------------------------------------------------------------------------------------------------------- MPI
+# (rank variable, size variables, local rank variable, local size variable) per MPI flavour, in order.
+_MPI_FLAVOURS = (
+    ("OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", ("PMI_SIZE",), "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    # PMIx exports the rank but not the size; Open MPI and PMI-compatible launchers export it beside.
+    ("PMIX_RANK", ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"), None, None),
+)
+
+
+def _mpi_flavour(env: Mapping[str, str]):
+    for flavour in _MPI_FLAVOURS:
+        if flavour[0] in env:
+            return flavour
+    for flavour in _MPI_FLAVOURS[:2]:  # a size without its rank: _from_mpi names the missing rank
+        if flavour[1][0] in env:
+            return flavour
+    return None
+
+
+def _from_mpi(env: Mapping[str, str]) -> LaunchInfo:
+    name = "mpi"
+    rank_var, size_vars, local_var, local_size_var = _mpi_flavour(env)
+    size_var = _first(env, size_vars)
+    if rank_var not in env:
+        raise BootstrapError(f"launch environment ({name}): {size_vars[0]} is set but {rank_var} is not")
+    if size_var is None:
+        raise BootstrapError(f"launch environment ({name}): {rank_var}={env[rank_var]!r} is set but no world size "
+                             f"({' or '.join(size_vars)}); start the job with mpirun or srun")
+    rank = _int(env, rank_var, name)
+    world = _int(env, size_var, name, minimum=1)
+    _check_below(name, rank_var, rank, size_var, world)
+    if local_var and local_var in env and local_size_var in env:
+        local_rank = _int(env, local_var, name)
+        local_world = _int(env, local_size_var, name, minimum=1)
+        _check_below(name, local_var, local_rank, local_size_var, local_world)
+    else:
+        local_rank, local_world = rank, world
+    # Provisional layout (ranks filled node by node); init_distributed replaces it with the gathered host names.
+    node_rank, num_nodes = rank // local_world, -(-world // local_world)
+    master_addr = env.get("MASTER_ADDR", "").strip() or None
+    master_port = _port(env, "MASTER_PORT", name) if env.get("MASTER_PORT", "").strip() else None
+    return LaunchInfo(name, rank, world, local_rank, local_world, node_rank, num_nodes, master_addr, master_port)
+
+
+def _mpi_disagrees_with_slurm(env: Mapping[str, str]) -> bool:
+    """True when an MPI launcher's rank/size differ from the Slurm step's (mpirun inside an allocation)."""
+    flavour = _mpi_flavour(env)
+    if flavour is None:
+        return False
+    rank_var, size_vars = flavour[0], flavour[1]
+    size_var = _first(env, size_vars)
+    slurm_size_var = _first(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"))
+    mpi_pairs = [(env.get(rank_var), env.get("SLURM_PROCID"))]
+    if size_var is not None:
+        mpi_pairs.append((env.get(size_var), env.get(slurm_size_var) if slurm_size_var else None))
+    return any(a is None or b is None or a.strip() != b.strip() for a, b in mpi_pairs)
+
+
+# ---------------------------------------------------------------------------------------------------- detect
+def detect_launch(env: Mapping[str, str] = os.environ) -> LaunchInfo:
+    """How this process was started, from the environment alone. Raises BootstrapError if it is inconsistent."""
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return _from_torchrun(env)
+    if _in_slurm_step(env):
+        if _mpi_disagrees_with_slurm(env):
+            return _from_mpi(env)
+        return _from_slurm(env)
+    if _mpi_flavour(env) is not None:
+        return _from_mpi(env)
+    return LaunchInfo("single", 0, 1, 0, 1, 0, 1, LOOPBACK, None)
+
+
+# ------------------------------------------------------------------------------------------------------ init
+_CURRENT: LaunchInfo | None = None
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def layout_from_hostnames(hosts_by_rank: list[str], rank: int) -> dict:
+    """Node layout implied by each rank's host name: nodes in order of first appearance."""
+    nodes = list(dict.fromkeys(hosts_by_rank))
+    mine = hosts_by_rank[rank]
+    return dict(node_rank=nodes.index(mine), num_nodes=len(nodes),
+                local_rank=hosts_by_rank[:rank].count(mine), local_world_size=hosts_by_rank.count(mine),
+                hostnames=tuple(nodes), tasks_per_node=tuple(hosts_by_rank.count(h) for h in nodes))
+
+
+def _complete_with_mpi(info: LaunchInfo) -> LaunchInfo:
+    """Ask MPI for the true rank/size, every rank's host, and (unless given) rank 0's address and a port."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise BootstrapError("launched by MPI (mpirun/mpiexec), which does not tell the master address, and "
+                             "mpi4py is not installed to ask rank 0 for it: install mpi4py built against this "
+                             "MPI, or set MASTER_ADDR and MASTER_PORT, or launch with srun or torchrun") from None
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if (rank, size) != (info.rank, info.world_size):
+        raise BootstrapError(f"MPI says rank {rank} of {size}, but the environment says rank {info.rank} of "
+                             f"{info.world_size}")
+    hosts_by_rank = comm.allgather(socket.gethostname())
+    # Rank 0 hosts the rendezvous store, so only rank 0 can pick a port that is free where it is needed.
+    port = info.master_port if info.master_port is not None else comm.bcast(
+        free_port("") if rank == 0 else None, root=0)
+    layout = layout_from_hostnames(hosts_by_rank, rank)
+    return dataclasses.replace(info, master_addr=info.master_addr or hosts_by_rank[0], master_port=port, **layout)
+
+
+def _choose_backend(backend: str) -> str:
+    import torch
+
+    if backend not in ("auto", "gloo", "nccl"):
+        raise BootstrapError(f"backend '{backend}' is not one of auto, gloo, nccl")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise BootstrapError("backend 'nccl' needs CUDA, but no CUDA device is available to torch here; "
+                             "use backend 'gloo' or 'auto'")
+    return backend
+
+
+def _check_world_size(info: LaunchInfo, expected: int | None) -> None:
+    if expected is not None and expected != info.world_size:
+        raise BootstrapError(f"placement needs {expected} ranks but the job has {info.world_size} (launched by "
+                             f"{info.launcher}): start {expected} ranks (srun --ntasks, torchrun --nnodes x "
+                             f"--nproc_per_node, mpirun -np) or change the placement to fit {info.world_size}")
+
+
+def _export(info: LaunchInfo, env: Mapping[str, str]) -> None:
+    """Write the world into os.environ: torch's env:// rendezvous and DeepSpeed read it from there."""
+    os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
+                      LOCAL_WORLD_SIZE=str(info.local_world_size), GROUP_RANK=str(info.node_rank),
+                      MASTER_ADDR=str(info.master_addr), MASTER_PORT=str(info.master_port))
+    # Under torchrun the agent hosts the store and ranks only connect; anywhere else rank 0 must host it.
+    if info.launcher == "torchrun" and "TORCHELASTIC_USE_AGENT_STORE" in env:
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = env["TORCHELASTIC_USE_AGENT_STORE"]
+    else:
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+
+
+def _check_resolves(info: LaunchInfo) -> None:
+    try:
+        socket.getaddrinfo(info.master_addr, info.master_port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise BootstrapError(f"the master address '{info.master_addr}' (launched by {info.launcher}) does not "
+                             f"resolve on this host ({exc}); set MASTER_ADDR to a name or IP the nodes can reach")
+
+
+def _describe_existing_world(env: Mapping[str, str]) -> LaunchInfo:
+    import torch.distributed as dist
+
+    try:
+        info = detect_launch(env)
+    except BootstrapError:
+        info = LaunchInfo("single", 0, 1, 0, 1, 0, 1, LOOPBACK, None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if (rank, world) != (info.rank, info.world_size):  # someone else made this world: assume one node
+        info = dataclasses.replace(info, rank=rank, world_size=world, local_rank=rank, local_world_size=world,
+                                   node_rank=0, num_nodes=1, tasks_per_node=(world,))
+    return info
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_world_size: int | None = None,
+                     env: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Join (or create) the job's world; return where this process sits in it. Safe to call twice.
+
+    `env` is where the launch variables are read (default os.environ); os.environ is always updated, because
+    torch and DeepSpeed read it. `timeout_s` bounds the rendezvous and every later collective.
+    """
+    global _CURRENT
+    import torch
+    import torch.distributed as dist
+
+    env = os.environ if env is None else env
+    if dist.is_initialized():
+        info = _CURRENT or _describe_existing_world(env)
+        _check_world_size(info, expected_world_size)
+        return info
+
+    info = detect_launch(env)
+    _check_world_size(info, expected_world_size)
+    chosen = _choose_backend(backend)
+    if info.launcher == "mpi":
+        info = _complete_with_mpi(info)
+    pick_port = info.master_port is None  # a one-rank world (single, or torchrun with WORLD_SIZE=1)
+    if info.master_addr is None:
+        info = dataclasses.replace(info, master_addr=LOOPBACK)
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if info.local_rank >= count:
+            raise BootstrapError(f"local rank {info.local_rank} on this node but only {count} CUDA devices are "
+                                 f"visible; start at most {count} ranks per node")
+        torch.cuda.set_device(info.local_rank)
+
+    attempts = 3 if pick_port else 1  # another process may take a picked port before the store binds it
+    for attempt in range(attempts):
+        if pick_port:
+            info = dataclasses.replace(info, master_port=free_port(LOOPBACK))
+        _check_resolves(info)
+        _export(info, env)
+        try:
+            dist.init_process_group(chosen, init_method="env://", rank=info.rank, world_size=info.world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+            break
+        except (RuntimeError, ValueError) as exc:
+            if attempt + 1 < attempts:
+                continue
+            reason = " ".join(str(exc).split())[:400]
+            raise BootstrapError(f"rank {info.rank} of {info.world_size} could not form the world at "
+                                 f"{info.master_addr}:{info.master_port} (launched by {info.launcher}, backend "
+                                 f"{chosen}, timeout {timeout_s:g} s): {reason}") from exc
+    _CURRENT = info
+    return info
+
+
+def current_launch() -> LaunchInfo | None:
+    """What init_distributed returned, while the world exists."""
+    return _CURRENT
+
+
+def shutdown() -> None:
+    """Leave the world (no collective: safe to call when other ranks have failed)."""
+    global _CURRENT
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CURRENT = None

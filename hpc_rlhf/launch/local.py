@@ -1,0 +1,220 @@
+"""Run a training mode on the world we were given, or start that world on this machine.
+
+Under torchrun, srun or mpirun the mode runs on the world the launcher made, after checking that it has as
+many ranks as the configuration needs. Started by hand with no launcher, a mode that needs N > 1 ranks
+starts N copies of itself here with torchrun's variables (`spawn_local`), so `hpc-rlhf ppo --config ...`
+works on a laptop exactly as it does under Slurm.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from hpc_rlhf.config import ConfigError
+from hpc_rlhf.dist.bootstrap import LOOPBACK, BootstrapError, detect_launch, free_port, init_distributed, shutdown
+
+LOCAL_LAUNCH_FLAG = "HPC_RLHF_LOCAL_LAUNCH"
+# Where a locally launched rank records why and when it failed. A rank that fails makes its peers fail a moment
+# later in their next collective, and may even exit after them; the recorded times tell which came first.
+ERROR_FILE_VAR = "HPC_RLHF_ERROR_FILE"
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# Errors that describe bad input rather than a bug: shown as one line, exit code 2, no traceback.
+USER_ERRORS = (ConfigError, BootstrapError, ValueError)
+
+
+def ranks_needed(cfg: Any) -> int:
+    """`cfg.world_size()` when the mode's placement defines it, else `cfg.dist.nproc`."""
+    world_size = getattr(cfg, "world_size", None)
+    return int(world_size()) if callable(world_size) else int(cfg.dist.nproc)
+
+
+def child_command(mode: str, argv: Sequence[str]) -> list[str]:
+    """The command each local rank runs: this same program, mode and arguments."""
+    return [sys.executable, "-m", "hpc_rlhf", mode, *argv]
+
+
+def run_or_spawn(mode: str, cfg: Any, run_fn: Callable[[Any], Any], argv: list[str]) -> int:
+    """Run `run_fn(cfg)` on this rank of the job's world, or start the world locally; return an exit code."""
+    try:
+        needed = ranks_needed(cfg)
+        launch = detect_launch()
+    except USER_ERRORS as exc:
+        print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
+        return 2
+    if launch.launcher == "single" and needed > 1:
+        if os.environ.get(LOCAL_LAUNCH_FLAG):
+            # A child of the local launcher that lost its RANK variables would otherwise start N more ranks.
+            print(f"hpc-rlhf {mode}: started by the local launcher ({LOCAL_LAUNCH_FLAG} is set) but RANK and "
+                  f"WORLD_SIZE are missing; refusing to start {needed} more ranks", file=sys.stderr)
+            return 2
+        print(f"hpc-rlhf {mode}: no launcher found; starting {needed} ranks on this machine", file=sys.stderr)
+        return spawn_local(needed, child_command(mode, argv))
+    return _run_on_this_rank(mode, cfg, run_fn, needed)
+
+
+def _run_on_this_rank(mode: str, cfg: Any, run_fn: Callable[[Any], Any], needed: int) -> int:
+    try:
+        launch = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, expected_world_size=needed)
+    except USER_ERRORS as exc:
+        _record_failure(str(exc))
+        print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run_fn(cfg)
+        import torch.distributed as dist
+
+        # Rank 0 hosts the rendezvous store: it must not leave while other ranks still finish their last step.
+        dist.barrier()
+        return 0
+    except (ConfigError, BootstrapError) as exc:
+        _record_failure(str(exc))
+        print(f"rank {launch.rank}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - any failure of a rank ends that rank with a message
+        _record_failure(f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        print(f"rank {launch.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown()
+
+
+def _record_failure(message: str) -> None:
+    path = os.environ.get(ERROR_FILE_VAR)
+    if path:
+        try:
+            Path(path).write_text(json.dumps({"time": time.time(), "message": message}))
+        except OSError:
+            pass  # reporting must not hide the error being reported
+
+
+def _recorded_failure(path: Path) -> tuple[float, str] | None:
+    try:
+        record = json.loads(path.read_text())
+        return float(record["time"]), str(record["message"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------- local launcher
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A pre-exec hook that makes a child die with the launcher (Linux), so that no rank outlives a kill -9."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: nothing may be loaded after fork
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+
+    return hook
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"failed with exit code {code}"
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the child leads its own process group: this reaches its helpers too
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = None, *,
+                grace_s: float = 5.0, poll_s: float = 0.05) -> int:
+    """Run `cmd` as ranks 0..nproc-1 of a local world (torchrun's variables) and wait for all of them.
+
+    `env` is the ranks' environment (default: this process's), to which the launch variables are added.
+
+    SIGINT, SIGTERM and SIGUSR1 sent to the launcher are passed to every rank. When a rank fails, the others
+    get `grace_s` seconds to stop on their own (they usually notice the lost peer), then they are killed.
+    Returns 0, or the first failed rank's exit code (128 + signal number for a signal), after one line on
+    stderr naming that rank.
+    """
+    if nproc < 1:
+        raise ValueError(f"spawn_local: nproc must be at least 1, got {nproc}")
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    # Variables of an outer torchrun would make rank 0 wait for a store server that is not ours.
+    base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    port = free_port(LOOPBACK)
+    pre_exec = _parent_death_signal()
+    procs: list[subprocess.Popen] = []
+
+    def forward(signum, _frame):
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_group(proc, signum)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS} if in_main_thread else {}
+    failures: dict[int, tuple[float, int]] = {}  # rank -> (time its exit was seen, exit code)
+    killed: set[int] = set()
+    with tempfile.TemporaryDirectory(prefix="hpc_rlhf_ranks_") as error_dir:
+        error_files = [Path(error_dir) / f"rank{rank}.json" for rank in range(nproc)]
+        try:
+            for rank in range(nproc):
+                child_env = dict(base, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
+                                 MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
+                                 **{LOCAL_LAUNCH_FLAG: "1", ERROR_FILE_VAR: str(error_files[rank])})
+                # A session of its own: a terminal's Ctrl-C reaches the launcher only, which forwards it once.
+                procs.append(subprocess.Popen(list(cmd), env=child_env, start_new_session=True,
+                                              preexec_fn=pre_exec))
+            deadline = None
+            while True:
+                codes = [proc.poll() for proc in procs]
+                for rank, code in enumerate(codes):
+                    if code not in (None, 0) and rank not in failures:
+                        failures[rank] = (time.time(), code)
+                        deadline = deadline or time.monotonic() + grace_s
+                if all(code is not None for code in codes):
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    for rank, proc in enumerate(procs):
+                        if proc.poll() is None:
+                            _kill_group(proc, signal.SIGKILL)
+                            killed.add(rank)
+                    for proc in procs:
+                        proc.wait()
+                    break
+                time.sleep(poll_s)
+        finally:
+            for proc in procs:  # only reached with live ranks if the launcher itself failed
+                if proc.poll() is None:
+                    _kill_group(proc, signal.SIGKILL)
+                    proc.wait()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        records = {rank: _recorded_failure(error_files[rank]) for rank in failures}
+
+    if not failures:
+        return 0
+    # The first failure is the earliest recorded one; a rank that recorded nothing failed when its exit was seen.
+    rank = min(failures, key=lambda r: (records[r] or failures[r])[0])
+    code = failures[rank][1]
+    because = f": {' '.join(records[rank][1].split())[:300]}" if records[rank] else ""
+    stopped = f"; killed {len(killed)} rank(s) still running after {grace_s:g} s" if killed else ""
+    print(f"hpc-rlhf: rank {rank} of {nproc} {_describe_exit(code)} (first rank to fail){because}{stopped}",
+          file=sys.stderr, flush=True)
+    return code if code > 0 else 128 + (-code)

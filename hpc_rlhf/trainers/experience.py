@@ -1,0 +1,86 @@
+"""The experience of one RL step as tensors, and the pure conversions between its two shapes.
+
+On the wire (hpc_rlhf.dist.exchange) every per-sample quantity is ragged: one 1-D tensor per sample, as long as
+that sample's response (log-probs, values, KL) or of length 1 (scores). For a forward pass the samples become a
+right-padded batch:
+
+    input_ids      (B, T)    prompt + response, padded on the right
+    attention_mask (B, T)
+    action_mask    (B, T-1)  1 where position t predicts a response token (token t+1 is part of the response)
+
+so a per-token quantity q of sample i lives at `q[i, p_i - 1 : p_i - 1 + r_i]` (p_i prompt length, r_i response
+length) in the (B, T-1) layout. `to_ragged` and `from_ragged` move between the two layouts.
+
+Samples are ordered prompt-major (prompt k, sample j at k * n + j) everywhere, and a role of size m takes
+contiguous shards (`shard_bounds`) so that gathering the shards in group-rank order restores that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+def shard_bounds(count: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of part `index` when `count` items are cut into `parts` contiguous, near-equal parts."""
+    base, extra = divmod(count, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+@dataclass
+class SampleBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    prompt_lens: list[int]
+    response_lens: list[int]
+
+    def to(self, device) -> "SampleBatch":
+        return SampleBatch(self.input_ids.to(device), self.attention_mask.to(device), self.action_mask.to(device),
+                           self.prompt_lens, self.response_lens)
+
+
+def make_batch(prompts: Sequence[Sequence[int]], responses: Sequence[torch.Tensor], pad_id: int) -> SampleBatch:
+    """Prompt + response token ids per sample -> a right-padded batch with its action mask."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    width = max(max(lengths), 2)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    action_mask = torch.zeros((len(prompts), width - 1), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        row = torch.cat([torch.as_tensor(list(p), dtype=torch.long), torch.as_tensor(r, dtype=torch.long)])
+        input_ids[i, :len(row)] = row
+        attention_mask[i, :len(row)] = 1
+        action_mask[i, len(p) - 1:len(p) - 1 + len(r)] = 1
+    return SampleBatch(input_ids, attention_mask, action_mask, [len(p) for p in prompts],
+                       [len(r) for r in responses])
+
+
+def to_ragged(values: torch.Tensor, batch: SampleBatch) -> list[torch.Tensor]:
+    """(B, T-1) per-token values -> one 1-D tensor per sample over its response tokens."""
+    out = []
+    for i, (p, r) in enumerate(zip(batch.prompt_lens, batch.response_lens)):
+        out.append(values[i, p - 1:p - 1 + r].detach().cpu())
+    return out
+
+
+def from_ragged(seqs: Sequence[torch.Tensor], batch: SampleBatch, dtype=torch.float32) -> torch.Tensor:
+    """One 1-D tensor per sample over its response tokens -> (B, T-1), zero outside the responses."""
+    out = torch.zeros(batch.action_mask.shape, dtype=dtype)
+    for i, (p, r, seq) in enumerate(zip(batch.prompt_lens, batch.response_lens, seqs)):
+        if len(seq) != r:
+            raise ValueError(f"sample {i}: {len(seq)} values for a response of {r} tokens")
+        out[i, p - 1:p - 1 + r] = seq.to(dtype)
+    return out
+
+
+def response_logprobs(logits: torch.Tensor, batch: SampleBatch, temperature: float = 1.0) -> torch.Tensor:
+    """(B, T, V) logits -> (B, T-1) log-probs of the next token (meaningful where action_mask is 1)."""
+    from hpc_rlhf.algorithms.logprobs import token_logprobs
+
+    return token_logprobs(logits[:, :-1], batch.input_ids[:, 1:].to(logits.device), temperature=temperature)

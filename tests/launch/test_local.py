@@ -1,0 +1,313 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpc_rlhf.config import ConfigError, DistSection
+from hpc_rlhf.launch import local
+from hpc_rlhf.launch.local import run_or_spawn, spawn_local
+
+THIS = str(Path(__file__).resolve())
+
+
+@dataclass
+class FakeConfig:
+    dist: DistSection = field(default_factory=DistSection)
+
+
+@dataclass
+class PlacedConfig(FakeConfig):
+    """A config whose placement decides the world size, as PPO-style modes do."""
+    ranks: int = 3
+
+    def world_size(self) -> int:
+        if self.ranks < 1:
+            raise ConfigError("placement 'actor=0' gives no ranks")
+        return self.ranks
+
+
+def env_for_children(**extra):
+    from tests.distributed import worker_env
+
+    env = worker_env()
+    env.pop("OMP_NUM_THREADS", None)
+    env.update(extra)
+    return env
+
+
+def alive(pid: int) -> bool:
+    """True for a running process; a zombie (dead, not yet reaped by its new parent) counts as gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def read_json_files(folder: Path, pattern: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob(pattern))]
+
+
+# ------------------------------------------------------------------------------------------------ spawn_local
+def test_spawned_ranks_see_their_own_torchrun_variables(tmp_path):
+    code = spawn_local(3, [sys.executable, THIS, "env", str(tmp_path)], env=env_for_children())
+    assert code == 0
+    seen = read_json_files(tmp_path, "rank*.json")
+    assert [s["RANK"] for s in seen] == ["0", "1", "2"]
+    assert [s["LOCAL_RANK"] for s in seen] == ["0", "1", "2"]
+    assert {s["WORLD_SIZE"] for s in seen} == {"3"} and {s["LOCAL_WORLD_SIZE"] for s in seen} == {"3"}
+    assert {s["MASTER_ADDR"] for s in seen} == {"127.0.0.1"}
+    assert len({s["MASTER_PORT"] for s in seen}) == 1
+    assert {s["OMP_NUM_THREADS"] for s in seen} == {"1"}  # set because the parent environment had none
+    assert {s["HPC_RLHF_LOCAL_LAUNCH"] for s in seen} == {"1"}
+    assert [s["detected"] for s in seen] == [["torchrun", r, 3] for r in range(3)]
+
+
+def test_an_explicit_thread_count_is_kept(tmp_path):
+    cmd = [sys.executable, THIS, "env", str(tmp_path)]
+    assert spawn_local(1, cmd, env=env_for_children(OMP_NUM_THREADS="3")) == 0
+    assert read_json_files(tmp_path, "rank*.json")[0]["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_failing_rank_stops_the_job_and_is_named(tmp_path, capfd):
+    start = time.monotonic()
+    code = spawn_local(3, [sys.executable, THIS, "fail", str(tmp_path)], env=env_for_children(), grace_s=1.0)
+    elapsed = time.monotonic() - start
+    assert code == 3
+    err = capfd.readouterr().err
+    assert "hpc-rlhf: rank 1 of 3 failed with exit code 3" in err
+    assert "killed 2 rank(s)" in err
+    assert elapsed < 30  # the siblings sleep 120 s: they were killed, not waited for
+    pids = [int(p.read_text()) for p in tmp_path.glob("sleeper*.pid")]
+    assert len(pids) == 2
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_a_rank_killed_by_a_signal_is_reported_as_such(tmp_path, capfd):
+    code = spawn_local(2, [sys.executable, THIS, "segv", str(tmp_path)], env=env_for_children(), grace_s=1.0)
+    assert code == 128 + signal.SIGSEGV
+    assert "rank 0 of 2 was killed by signal SIGSEGV" in capfd.readouterr().err
+
+
+def test_the_earliest_recorded_failure_is_named_not_the_first_exit(capfd):
+    # Rank 1 fails first but takes a while to exit; rank 0 then fails because of it and exits at once.
+    code = spawn_local(2, [sys.executable, THIS, "slow-exit", "-"], env=env_for_children(), grace_s=10.0)
+    assert code == 5
+    assert "hpc-rlhf: rank 1 of 2 failed with exit code 5 (first rank to fail): RuntimeError: lost the data" \
+        in capfd.readouterr().err
+
+
+def start_trapping_launcher(folder: Path) -> tuple[subprocess.Popen, list[int]]:
+    """A launcher (in its own process) of 2 ranks that wait for SIGUSR1; returns it and the ranks' pids."""
+    launcher = subprocess.Popen([sys.executable, THIS, "launcher-trap", str(folder)], env=env_for_children())
+    deadline = time.monotonic() + 60
+    while len(list(folder.glob("ready*"))) < 2:
+        assert time.monotonic() < deadline, "ranks did not start"
+        assert launcher.poll() is None, "launcher ended early"
+        time.sleep(0.05)
+    return launcher, [int(p.read_text()) for p in folder.glob("ready*")]
+
+
+def test_signals_to_the_launcher_reach_every_rank(tmp_path):
+    launcher, _ = start_trapping_launcher(tmp_path)
+    try:
+        launcher.send_signal(signal.SIGUSR1)
+        assert launcher.wait(timeout=30) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    got = sorted(p.read_text() for p in tmp_path.glob("got*"))
+    assert got == ["rank 0 got SIGUSR1", "rank 1 got SIGUSR1"]
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    launcher, pids = start_trapping_launcher(tmp_path)
+    launcher.kill()  # SIGKILL: the launcher cannot clean up, the kernel must
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    try:
+        while any(alive(pid) for pid in pids):
+            assert time.monotonic() < deadline, "ranks outlived their launcher"
+            time.sleep(0.05)
+    finally:
+        for pid in filter(alive, pids):
+            os.kill(pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------------- run_or_spawn
+def test_no_launcher_and_one_rank_runs_here_on_a_one_rank_world(monkeypatch):
+    import torch.distributed as dist
+
+    for key in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    seen = {}
+
+    def run(cfg):
+        seen.update(world=dist.get_world_size(), backend=dist.get_backend(), cfg=cfg)
+
+    cfg = FakeConfig()
+    assert run_or_spawn("sft", cfg, run, []) == 0
+    assert seen == dict(world=1, backend="gloo", cfg=cfg)
+    assert not dist.is_initialized()  # shut down afterwards
+
+
+def test_a_failing_run_prints_rank_error_and_traceback(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def run(cfg):
+        raise RuntimeError("boom")
+
+    assert run_or_spawn("sft", FakeConfig(), run, []) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().endswith("rank 0: RuntimeError: boom")
+
+
+def test_a_config_error_during_the_run_is_one_line_and_code_2(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def run(cfg):
+        raise ConfigError("data/train.jsonl row 7: key 'prompt' is missing")
+
+    assert run_or_spawn("sft", FakeConfig(), run, []) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "rank 0: data/train.jsonl row 7: key 'prompt' is missing"
+
+
+def test_an_invalid_placement_is_reported_before_anything_starts(monkeypatch, capsys):
+    monkeypatch.setattr(local, "spawn_local", lambda *a, **k: (_ for _ in ()).throw(AssertionError("spawned")))
+    assert run_or_spawn("ppo", PlacedConfig(ranks=0), lambda cfg: None, []) == 2
+    assert capsys.readouterr().err.strip() == "hpc-rlhf ppo: placement 'actor=0' gives no ranks"
+
+
+def test_a_bad_launch_environment_is_code_2(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    assert run_or_spawn("sft", FakeConfig(), lambda cfg: None, []) == 2
+    assert "WORLD_SIZE='2' is set but RANK is not" in capsys.readouterr().err
+
+
+def test_several_ranks_without_launcher_respawn_this_program(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID", "HPC_RLHF_LOCAL_LAUNCH"):
+        monkeypatch.delenv(key, raising=False)
+    calls = []
+    monkeypatch.setattr(local, "spawn_local", lambda nproc, cmd, env=None: calls.append((nproc, cmd)) or 0)
+    argv = ["--config", "examples/tiny/ppo.yaml", "train.lr=1e-4"]
+    assert run_or_spawn("ppo", PlacedConfig(ranks=3), lambda cfg: None, argv) == 0
+    assert calls == [(3, [sys.executable, "-m", "hpc_rlhf", "ppo", *argv])]
+
+
+def test_nproc_decides_when_there_is_no_placement(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID", "HPC_RLHF_LOCAL_LAUNCH"):
+        monkeypatch.delenv(key, raising=False)
+    calls = []
+    monkeypatch.setattr(local, "spawn_local", lambda nproc, cmd, env=None: calls.append(nproc) or 0)
+    cfg = FakeConfig()
+    cfg.dist.nproc = 4
+    assert run_or_spawn("dpo", cfg, lambda cfg: None, []) == 0
+    assert calls == [4]
+
+
+def test_a_child_without_rank_variables_does_not_spawn_again(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("HPC_RLHF_LOCAL_LAUNCH", "1")
+    monkeypatch.setattr(local, "spawn_local", lambda *a, **k: (_ for _ in ()).throw(AssertionError("spawned")))
+    assert run_or_spawn("ppo", PlacedConfig(ranks=2), lambda cfg: None, []) == 2
+    assert "refusing to start 2 more ranks" in capsys.readouterr().err
+
+
+def test_local_world_end_to_end(monkeypatch, tmp_path, capfd):
+    """run_or_spawn starts 2 ranks, each finds the launcher's variables, joins the world and all-reduces."""
+    for key in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID", "HPC_RLHF_LOCAL_LAUNCH"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PYTHONPATH", env_for_children()["PYTHONPATH"])
+    monkeypatch.setattr(local, "child_command",
+                        lambda mode, argv: [sys.executable, THIS, "mode-child", str(tmp_path), *argv])
+    cfg = FakeConfig()
+    cfg.dist.nproc = 2
+    assert run_or_spawn("fake", cfg, lambda cfg: None, ["fail-rank=1"]) == 1
+    err = capfd.readouterr().err
+    assert "rank 1: RuntimeError: rank 1 was told to fail" in err
+    assert "hpc-rlhf: rank 1 of 2 failed with exit code 1" in err
+
+    assert run_or_spawn("fake", cfg, lambda cfg: None, ["fail-rank=none"]) == 0
+    results = read_json_files(tmp_path, "result*.json")
+    assert results == [{"rank": 0, "world": 2, "sum": 3.0}, {"rank": 1, "world": 2, "sum": 3.0}]
+
+
+def wait_for(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            sys.exit(99)
+        time.sleep(0.02)
+
+
+if __name__ == "__main__":
+    case, folder = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ.get("RANK", "0"))
+    if case == "env":
+        from hpc_rlhf.dist.bootstrap import detect_launch
+
+        info = detect_launch()
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "OMP_NUM_THREADS", "HPC_RLHF_LOCAL_LAUNCH")
+        seen = {k: os.environ.get(k) for k in keys}
+        seen["detected"] = [info.launcher, info.rank, info.world_size]
+        (folder / f"rank{rank}.json").write_text(json.dumps(seen))
+    elif case == "fail":
+        if rank == 1:
+            wait_for(lambda: len(list(folder.glob("sleeper*.pid"))) == 2)
+            sys.exit(3)
+        (folder / f".sleeper{rank}").write_text(str(os.getpid()))
+        os.replace(folder / f".sleeper{rank}", folder / f"sleeper{rank}.pid")
+        time.sleep(120)
+    elif case == "segv":
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(120)
+    elif case == "slow-exit":
+        if rank == 1:
+            local._record_failure("RuntimeError: lost the data")
+            time.sleep(1.5)
+            sys.exit(5)
+        # Rank 0 exits as soon as rank 1 has recorded its failure, so it is the first to exit.
+        wait_for(Path(os.environ[local.ERROR_FILE_VAR]).with_name("rank1.json").exists)
+        sys.exit(7)
+    elif case == "launcher-trap":
+        sys.exit(spawn_local(2, [sys.executable, THIS, "trap", str(folder)], grace_s=1.0))
+    elif case == "trap":
+        def on_signal(signum, _frame):
+            (folder / f"got{rank}").write_text(f"rank {rank} got {signal.Signals(signum).name}")
+            sys.exit(0)
+
+        signal.signal(signal.SIGUSR1, on_signal)
+        (folder / f".ready{rank}").write_text(str(os.getpid()))
+        os.replace(folder / f".ready{rank}", folder / f"ready{rank}")  # the test never sees a half-written file
+        time.sleep(60)
+        sys.exit(1)  # the signal never came
+    elif case == "mode-child":
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        fail_rank = sys.argv[3].split("=", 1)[1]
+
+        def run(cfg):
+            if str(dist.get_rank()) == fail_rank:
+                raise RuntimeError(f"rank {dist.get_rank()} was told to fail")
+            total = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(total)
+            result = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": total.item()}
+            (folder / f"result{dist.get_rank()}.json").write_text(json.dumps(result))
+
+        cfg = FakeConfig()
+        cfg.dist.nproc = 2
+        cfg.dist.timeout_s = 60
+        sys.exit(run_or_spawn("fake", cfg, run, sys.argv[3:]))
