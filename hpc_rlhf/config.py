@@ -384,6 +384,11 @@ class DataSection:
     max_train_rows: int | None = field(None, help="use at most this many training rows", min=1)
     max_eval_rows: int | None = field(256, help="evaluate on at most this many held-out rows", min=1)
 
+    def validate(self) -> None:
+        if self.max_prompt_len >= self.max_len:
+            raise ConfigError(f"data.max_prompt_len ({self.max_prompt_len}) must be smaller than data.max_len "
+                              f"({self.max_len}), which counts prompt and response together")
+
 
 @dataclass
 class TrainSection:

@@ -672,10 +672,10 @@ class RLRecipe:
 
 
 def _ranks_per_node(world_size: int) -> int:
-    from hpc_rlhf.dist.bootstrap import detect_launch
+    from hpc_rlhf.dist.bootstrap import current_launch
 
-    info = detect_launch()
-    return info.ranks_per_node or world_size
+    info = current_launch()  # after init: under MPI the node layout is known only then
+    return (info.ranks_per_node if info is not None else None) or world_size
 
 
 def _hf_names(state: dict[str, torch.Tensor]):

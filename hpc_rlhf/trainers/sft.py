@@ -106,7 +106,8 @@ class SFTRecipe:
         self.stop = common.StopSignal()
         common.open_logger(run, cfg.train.max_steps)
 
-    def _forward_loss(self, batch_examples) -> tuple[torch.Tensor, int]:
+    def _forward_loss(self, batch_examples) -> tuple[torch.Tensor, int, int]:
+        """Mean next-token loss of a micro-batch, its number of label tokens, its number of real tokens."""
         pad = self.tokenizer.pad_token_id
         if self.cfg.data.packing:
             batch = packed_collate(batch_examples, pad)
@@ -117,7 +118,8 @@ class SFTRecipe:
         kwargs = {k: v.to(self.run.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
         labels = batch["labels"].to(self.run.device)
         logits = self.engine(**kwargs).logits
-        return shifted_loss(logits.float(), labels), int((labels[:, 1:] != -100).sum())
+        real_tokens = sum(len(example["input_ids"]) for example in batch_examples)
+        return shifted_loss(logits.float(), labels), int((labels[:, 1:] != -100).sum()), real_tokens
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -128,7 +130,7 @@ class SFTRecipe:
             total = torch.zeros(2, dtype=torch.float64)
             mb = self.cfg.train.micro_batch_size
             for i in range(0, len(mine), mb):
-                loss, tokens = self._forward_loss(mine[i:i + mb])
+                loss, tokens, _ = self._forward_loss(mine[i:i + mb])
                 total += torch.tensor([loss.item() * tokens, tokens], dtype=torch.float64)
             torch.distributed.all_reduce(total)
             out["eval_loss"] = float(total[0] / max(total[1], 1))
@@ -153,7 +155,7 @@ class SFTRecipe:
         for step in range(run.start_step, cfg.train.max_steps):
             indices = common.step_indices(len(self.train_examples), cfg.train.batch_size, step, cfg.train.seed)
             for micro in common.rank_micro_batches(indices, run.rank, run.world_size, cfg.train.micro_batch_size):
-                loss, tokens = self._forward_loss([self.train_examples[i] for i in micro])
+                loss, _, tokens = self._forward_loss([self.train_examples[i] for i in micro])
                 engine.backward(loss)
                 info = engine.step()
                 window_losses.append(loss.item())

@@ -1,0 +1,215 @@
+"""`hpc-rlhf dpo`: direct preference optimisation on chosen/rejected pairs: DPO, IPO and cDPO.
+
+The policy starts from `model.path` (usually an SFT output) and is pushed to raise log pi(chosen) - log
+pi(rejected) relative to a frozen reference (the initial policy; `ref.mode`, see trainers/reference.py).
+`dpo.loss_type=sigmoid` is DPO (with `dpo.label_smoothing` > 0, cDPO), `ipo` is IPO, which compares
+length-averaged log-probs. `dpo.sft_weight` > 0 adds that multiple of the NLL of the chosen responses, as some
+recipes do to keep the chosen answers' likelihood from falling.
+
+Each micro-batch of B pairs is one policy forward pass over 2B rows (chosen then rejected). Logged: loss,
+accuracy (share of pairs whose implied reward beta * log(pi / ref) is higher for the chosen answer), margin (mean
+chosen minus rejected reward), the mean chosen and rejected rewards; on `data.eval_files` the same accuracy,
+margin and loss (eval_accuracy, eval_margin, eval_loss) and, with `eval.prompt_files`, the exact-match accuracy of
+greedy answers (eval_exact_match).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hpc_rlhf.algorithms.losses import DPO_LOSS_TYPES, dpo_loss
+from hpc_rlhf.config import (CheckpointSection, ConfigError, DistSection, LogSection, ModelSection, TrainSection,
+                             field, section)
+from hpc_rlhf.data.examples import pair_collate
+from hpc_rlhf.data.loading import load_rows
+from hpc_rlhf.data.synthetic import exact_match
+from hpc_rlhf.engines.train import TrainEngine
+from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
+from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers.evaluation import generation_accuracy
+from hpc_rlhf.trainers.reference import (MEAN, SUM, Reference, ReferenceSection, balanced_chunks, response_logps)
+from hpc_rlhf.trainers.rm import PreferenceDataSection, load_preference_examples
+from hpc_rlhf.trainers.sft import GenerationEvalSection
+
+
+@dataclass
+class DPOSection:
+    """The direct preference loss."""
+    loss_type: str = field("sigmoid", choices=DPO_LOSS_TYPES, help="sigmoid = DPO (cDPO with label_smoothing); "
+                                                                   "ipo = IPO on length-averaged log-probs")
+    beta: float = field(0.1, min=1e-9, help="strength of the pull towards the reference")
+    label_smoothing: float = field(0.0, min=0, max=0.5, help="cDPO: assumed share of flipped labels, in [0, 0.5)")
+    sft_weight: float = field(0.0, min=0, help="add this multiple of the chosen responses' NLL to the loss")
+
+    def validate(self) -> None:
+        if self.label_smoothing >= 0.5:
+            raise ConfigError(f"dpo.label_smoothing must be below 0.5 (at 0.5 the labels carry no information), "
+                              f"got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ConfigError(f"dpo.label_smoothing (cDPO) applies to dpo.loss_type=sigmoid only, not "
+                              f"{self.loss_type}")
+
+
+@dataclass
+class Config:
+    output_dir: str = field("runs/dpo", help="where metrics, TensorBoard, checkpoints and final/ go")
+    model: ModelSection = section(ModelSection)
+    ref: ReferenceSection = section(ReferenceSection)
+    dpo: DPOSection = section(DPOSection)
+    data: PreferenceDataSection = section(PreferenceDataSection)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+def pair_sequences(example: dict) -> list[dict]:
+    """The two scored sequences of a preference pair, in pair_collate's order (chosen, rejected)."""
+    return [{"input_ids": example[f"{side}_input_ids"], "labels": example[f"{side}_labels"]}
+            for side in ("chosen", "rejected")]
+
+
+def load_prompt_rows(cfg) -> list[dict]:
+    """Held-out prompts with reference answers for the exact-match evaluation ([] when eval.prompt_files is)."""
+    if not cfg.eval.prompt_files:
+        return []
+    rows, _ = load_rows(cfg.eval.prompt_files, required={cfg.data.prompt_key: str, cfg.data.answer_key: str},
+                        where="eval.prompt_files", on_bad_row=cfg.data.on_bad_row, max_rows=cfg.eval.max_rows)
+    return list(rows)
+
+
+def generation_exact_match(engine: TrainEngine, tokenizer, rows: list[dict], cfg) -> float:
+    """Share of `rows` whose greedy answer is exactly the reference answer (parameters gathered under ZeRO-3)."""
+    with engine.gathered_parameters() as model:
+        result = generation_accuracy(model, tokenizer, rows, prompt_key=cfg.data.prompt_key,
+                                     answer_key=cfg.data.answer_key, max_prompt_len=cfg.data.max_prompt_len,
+                                     max_new_tokens=cfg.eval.max_new_tokens, score=exact_match,
+                                     chat_template=cfg.data.apply_chat_template)
+    return result["accuracy"]
+
+
+class DPORecipe:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run = run = common.start_run(cfg, "dpo")
+        common.ensure_tiny_assets_if_used(cfg.model.path, cfg.ref.path, cfg.data.train_files, cfg.data.eval_files,
+                                          cfg.eval.prompt_files)
+        common.check_batch_sizes(cfg.train, run.world_size)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        self.train_examples = load_preference_examples(cfg.data.train_files, cfg.data, self.tokenizer,
+                                                       "data.train_files", cfg.data.max_train_rows)
+        self.eval_examples = (load_preference_examples(cfg.data.eval_files, cfg.data, self.tokenizer,
+                                                       "data.eval_files", cfg.data.max_eval_rows)
+                              if cfg.data.eval_files else [])
+        self.eval_prompts = load_prompt_rows(cfg)
+        self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
+        self.reference = Reference(cfg.ref, cfg.model, cfg.train, self.tokenizer.pad_token_id, run.device)
+        self.reference.prepare({"train": [pair_sequences(ex) for ex in self.train_examples],
+                                "eval": [pair_sequences(ex) for ex in self.eval_examples]})
+        common.resume_if_possible(run, {"model": self.engine})
+        self.bad_steps = common.NonFiniteGuard(cfg.train.max_bad_steps, "dpo")
+        self.stop = common.StopSignal()
+        common.open_logger(run, cfg.train.max_steps)
+
+    def _collate(self, pairs) -> dict[str, torch.Tensor]:
+        batch = pair_collate(pairs, self.tokenizer.pad_token_id)
+        return {k: batch[k].to(self.run.device) for k in ("input_ids", "attention_mask", "labels")}
+
+    def _pair_loss(self, split: str, rows: list[int], examples: list[dict]) -> dict[str, torch.Tensor]:
+        """The loss of B pairs and its figures; one policy forward pass over the 2B rows."""
+        dpo = self.cfg.dpo
+        batch = self._collate([examples[i] for i in rows])
+        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             use_cache=False).logits
+        policy = response_logps(logits, batch["labels"])
+        reference = self.reference.logps(split, rows, batch)
+        column = MEAN if dpo.loss_type == "ipo" else SUM
+        b = len(rows)
+        loss, chosen_rewards, rejected_rewards = dpo_loss(
+            policy[:b, column], policy[b:, column], reference[:b, column], reference[b:, column], beta=dpo.beta,
+            loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing)
+        if dpo.sft_weight:
+            chosen_tokens = (batch["labels"][:b, 1:] != -100).sum().clamp(min=1)
+            loss = loss - dpo.sft_weight * policy[:b, SUM].sum() / chosen_tokens
+        return {"loss": loss, "chosen_reward": chosen_rewards, "rejected_reward": rejected_rewards,
+                "tokens": batch["attention_mask"].sum()}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        self.engine.eval()
+        if self.eval_examples:
+            totals = torch.zeros(4, dtype=torch.float64)  # correct, margin sum, loss sum, pairs
+            for chunk in balanced_chunks(len(self.eval_examples), self.run.rank, self.run.world_size,
+                                         self.cfg.train.micro_batch_size):
+                figures = self._pair_loss("eval", chunk or [0], self.eval_examples)
+                if chunk:
+                    margin = (figures["chosen_reward"] - figures["rejected_reward"]).double().cpu()
+                    totals += torch.tensor([float((margin > 0).sum()), float(margin.sum()),
+                                            figures["loss"].item() * len(chunk), len(chunk)], dtype=torch.float64)
+            correct, margin_sum, loss_sum, count = common.reduce_sum(totals.tolist())
+            out.update(eval_accuracy=correct / count, eval_margin=margin_sum / count, eval_loss=loss_sum / count)
+        if self.eval_prompts:
+            out["eval_exact_match"] = generation_exact_match(self.engine, self.tokenizer, self.eval_prompts, self.cfg)
+        self.engine.train()
+        return out
+
+    def train(self) -> dict[str, float]:
+        cfg, run, engine = self.cfg, self.run, self.engine
+        engine.train()
+        if run.start_step == 0 and cfg.log.eval_every_steps > 0:
+            run.logger.log(0, self.evaluate())
+        last_eval: dict[str, float] = {}
+        names = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
+        window: dict[str, list[float]] = {name: [] for name in names}
+        window_tokens, window_start = 0, time.perf_counter()
+        for step in range(run.start_step, cfg.train.max_steps):
+            indices = common.step_indices(len(self.train_examples), cfg.train.batch_size, step, cfg.train.seed)
+            for micro in common.rank_micro_batches(indices, run.rank, run.world_size, cfg.train.micro_batch_size):
+                figures = self._pair_loss("train", micro, self.train_examples)
+                engine.backward(figures["loss"])
+                info = engine.step()
+                chosen, rejected = figures["chosen_reward"], figures["rejected_reward"]
+                window["loss"].append(figures["loss"].item())
+                window["accuracy"].append((chosen > rejected).float().mean().item())
+                window["margin"].append((chosen - rejected).mean().item())
+                window["chosen_reward"].append(chosen.mean().item())
+                window["rejected_reward"].append(rejected.mean().item())
+                window_tokens += int(figures["tokens"])
+            done = step + 1
+            self.bad_steps.update(info.skipped, done)
+            run.logger.advance()
+            if done % cfg.log.every_steps == 0 or done == cfg.train.max_steps:
+                elapsed = time.perf_counter() - window_start
+                tokens_all = common.reduce_sum([window_tokens])[0]
+                metrics = {name: common.reduce_mean(common.mean_over(values)) for name, values in window.items()}
+                metrics.update(lr=info.lr, grad_norm=info.grad_norm, tokens_per_s=tokens_all / max(elapsed, 1e-9),
+                               skipped_steps=self.bad_steps.total)
+                if cfg.log.eval_every_steps and done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps:
+                    last_eval = self.evaluate()
+                    metrics.update(last_eval)
+                run.logger.log(done, metrics)
+                window = {name: [] for name in names}
+                window_tokens, window_start = 0, time.perf_counter()
+            stopping = self.stop.requested()
+            if stopping or common.should_save(done, cfg.checkpoint.every_steps, cfg.train.max_steps):
+                common.save_checkpoint(run, done, {"model": engine})
+            if stopping:
+                run.logger.close()
+                raise common.Preempted(done)
+        common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
+        run.logger.close()
+        return last_eval
+
+
+def run(cfg: Config) -> dict[str, float]:
+    recipe = DPORecipe(cfg)
+    recipe.setup()
+    return recipe.train()

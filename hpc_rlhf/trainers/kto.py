@@ -1,0 +1,243 @@
+"""`hpc-rlhf kto`: Kahneman-Tversky optimisation on single responses labelled desirable or undesirable.
+
+No pairs are needed: each row is a prompt, a completion and a true/false label. With r = log pi(y|x) -
+log ref(y|x) and the reference point z0, the loss pushes r above z0 for desirable completions and below it
+for undesirable ones (algorithms.losses.kto_loss), weighted by `kto.desirable_weight` / `kto.undesirable_weight`.
+
+z0 estimates KL(pi || ref) on mismatched pairs: every row is also scored with the completion of another row
+(prompt i, completion of its partner). The partner of each row is fixed once for the data set by a seeded
+cycle through all rows, not drawn per batch, so that `ref.mode=precompute` can score the mismatched pairs
+once before training, as it does the matched ones (TRL pairs rows once at data preparation too). Per
+micro-batch, z0 is the mean of r over the mismatched pairs of the batch, averaged over the data-parallel group,
+detached and clamped at 0.
+
+Logged: loss, kl (z0), the mean implied rewards beta * r of desirable and undesirable rows; on
+`data.eval_files` the held-out reward gap (mean desirable minus mean undesirable implied reward) and, with
+`eval.prompt_files`, the exact-match accuracy of greedy answers (eval_exact_match).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.algorithms.losses import kto_loss
+from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, DataSection, DistSection, LogSection, ModelSection,
+                             TrainSection, field, section)
+from hpc_rlhf.data.examples import kto_example, pad_collate
+from hpc_rlhf.data.loading import DataError, load_rows
+from hpc_rlhf.engines.train import TrainEngine
+from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
+from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers.dpo import generation_exact_match, load_prompt_rows
+from hpc_rlhf.trainers.reference import SUM, Reference, ReferenceSection, balanced_chunks, response_logps
+from hpc_rlhf.trainers.sft import GenerationEvalSection
+
+
+@dataclass
+class KTODataSection(DataSection):
+    """Labelled completions: prompt, completion and a desirable (true) / undesirable (false) label."""
+    train_files: list[str] = field([f"{TINY_ASSETS}/data/kto_train.jsonl"], help="training data files or folders")
+    eval_files: list[str] = field([f"{TINY_ASSETS}/data/kto_eval.jsonl"], help="held-out data files or folders")
+    response_key: str = field("completion", help="column with the completion text")
+
+
+@dataclass
+class KTOSection:
+    """The KTO loss."""
+    beta: float = field(0.1, min=1e-9, help="scale of the implied reward beta * log(pi / ref)")
+    desirable_weight: float = field(1.0, min=0, help="lambda_D: weight of desirable rows")
+    undesirable_weight: float = field(1.0, min=0, help="lambda_U: weight of undesirable rows")
+
+
+@dataclass
+class Config:
+    output_dir: str = field("runs/kto", help="where metrics, TensorBoard, checkpoints and final/ go")
+    model: ModelSection = section(ModelSection)
+    ref: ReferenceSection = section(ReferenceSection)
+    kto: KTOSection = section(KTOSection)
+    data: KTODataSection = section(KTODataSection)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+def load_kto_examples(paths, data: DataSection, tokenizer, where: str, max_rows) -> list[dict]:
+    """Rows with prompt/completion/label -> tokenised examples with a bool "label", each bad row named."""
+    required = {data.prompt_key: str, data.response_key: str, data.label_key: (bool, int)}
+    rows, _ = load_rows(paths, required=required, where=where, on_bad_row=data.on_bad_row, max_rows=max_rows)
+    return [kto_example(tokenizer, prompt=row[data.prompt_key], response=row[data.response_key],
+                        label=row[data.label_key], max_len=data.max_len, max_prompt_len=data.max_prompt_len,
+                        chat_template=data.apply_chat_template, where=row["_source"])
+            for row in rows]
+
+
+def kl_partners(num_rows: int, seed: int) -> list[int]:
+    """partner[i]: the row whose completion row i is paired with for the KL estimate. One seeded cycle through
+    all rows, so no row is its own partner and every completion is used exactly once."""
+    if num_rows < 2:
+        raise ValueError(f"the KL reference point needs at least 2 rows to mismatch, got {num_rows}")
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    partners = [0] * num_rows
+    for position, row in enumerate(order):
+        partners[row] = order[(position + 1) % num_rows]
+    return partners
+
+
+def mismatched_example(prompt_from: dict, completion_from: dict, max_len: int) -> dict:
+    """The prompt tokens of one example followed by the completion tokens (and labels) of another, cut at
+    max_len like any example."""
+    cut = prompt_from["prompt_len"]
+    start = completion_from["prompt_len"]
+    ids = prompt_from["input_ids"][:cut] + completion_from["input_ids"][start:]
+    labels = prompt_from["labels"][:cut] + completion_from["labels"][start:]
+    return {"input_ids": ids[:max_len], "labels": labels[:max_len], "prompt_len": cut}
+
+
+class KTORecipe:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run = run = common.start_run(cfg, "kto")
+        common.ensure_tiny_assets_if_used(cfg.model.path, cfg.ref.path, cfg.data.train_files, cfg.data.eval_files,
+                                          cfg.eval.prompt_files)
+        common.check_batch_sizes(cfg.train, run.world_size)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        self.train_examples = load_kto_examples(cfg.data.train_files, cfg.data, self.tokenizer, "data.train_files",
+                                                cfg.data.max_train_rows)
+        if len(self.train_examples) < 2:
+            raise DataError(f"data.train_files: KTO needs at least 2 rows (one is scored with another's "
+                            f"completion for the KL reference point), got {len(self.train_examples)}")
+        partners = kl_partners(len(self.train_examples), cfg.train.seed)
+        self.train_sequences = [
+            [example, mismatched_example(example, self.train_examples[partner], cfg.data.max_len)]
+            for example, partner in zip(self.train_examples, partners)]
+        self.eval_examples = (load_kto_examples(cfg.data.eval_files, cfg.data, self.tokenizer, "data.eval_files",
+                                                cfg.data.max_eval_rows) if cfg.data.eval_files else [])
+        self.eval_prompts = load_prompt_rows(cfg)
+        self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
+        self.reference = Reference(cfg.ref, cfg.model, cfg.train, self.tokenizer.pad_token_id, run.device)
+        self.reference.prepare({"train": self.train_sequences, "eval": [[ex] for ex in self.eval_examples]})
+        common.resume_if_possible(run, {"model": self.engine})
+        self.bad_steps = common.NonFiniteGuard(cfg.train.max_bad_steps, "kto")
+        self.stop = common.StopSignal()
+        common.open_logger(run, cfg.train.max_steps)
+
+    def _collate(self, sequences) -> dict[str, torch.Tensor]:
+        batch = pad_collate([{"input_ids": s["input_ids"], "labels": s["labels"]} for s in sequences],
+                            self.tokenizer.pad_token_id)
+        return {k: batch[k].to(self.run.device) for k in ("input_ids", "attention_mask", "labels")}
+
+    def _policy_logps(self, batch, rows: slice) -> torch.Tensor:
+        logits = self.engine(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
+                             use_cache=False).logits
+        return response_logps(logits, batch["labels"][rows])[:, SUM]
+
+    def _step_loss(self, micro: list[int]) -> dict[str, torch.Tensor]:
+        """Loss and figures of one micro-batch: B matched rows (with gradients) and their B mismatched pairs
+        (for z0, without), collated together so that the reference sees one slot-major batch."""
+        kto = self.cfg.kto
+        b = len(micro)
+        batch = self._collate([self.train_sequences[i][k] for k in (0, 1) for i in micro])
+        policy = self._policy_logps(batch, slice(0, b))
+        with torch.no_grad():
+            policy_mismatched = self._policy_logps(batch, slice(b, 2 * b))
+        reference = self.reference.logps("train", micro, batch)[:, SUM]
+        # Every rank runs the same number of micro-batches, so this all-reduce pairs up across the group.
+        kl = (policy_mismatched - reference[b:]).mean().detach().reshape(1)
+        dist.all_reduce(kl)
+        kl = (kl / dist.get_world_size()).clamp(min=0)
+        desirable = torch.tensor([self.train_examples[i]["label"] for i in micro], device=policy.device)
+        loss, rewards = kto_loss(policy, reference[:b], desirable, kl[0], beta=kto.beta,
+                                 desirable_weight=kto.desirable_weight, undesirable_weight=kto.undesirable_weight)
+        return {"loss": loss, "rewards": rewards, "desirable": desirable, "kl": kl[0],
+                "tokens": batch["attention_mask"][:b].sum()}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        self.engine.eval()
+        if self.eval_examples:
+            totals = torch.zeros(4, dtype=torch.float64)  # desirable reward sum and count, undesirable sum, count
+            for chunk in balanced_chunks(len(self.eval_examples), self.run.rank, self.run.world_size,
+                                         self.cfg.train.micro_batch_size):
+                rows = chunk or [0]
+                batch = self._collate([self.eval_examples[i] for i in rows])
+                policy = self._policy_logps(batch, slice(None))
+                rewards = (self.cfg.kto.beta * (policy - self.reference.logps("eval", rows, batch)[:, SUM])).double()
+                if chunk:
+                    good = torch.tensor([self.eval_examples[i]["label"] for i in chunk], device=rewards.device)
+                    totals += torch.tensor([float(rewards[good].sum()), float(good.sum()),
+                                            float(rewards[~good].sum()), float((~good).sum())], dtype=torch.float64)
+            good_sum, good_count, bad_sum, bad_count = common.reduce_sum(totals.tolist())
+            good_mean = good_sum / max(good_count, 1)
+            bad_mean = bad_sum / max(bad_count, 1)
+            out.update(eval_desirable_reward=good_mean, eval_undesirable_reward=bad_mean,
+                       eval_reward_gap=good_mean - bad_mean)
+        if self.eval_prompts:
+            out["eval_exact_match"] = generation_exact_match(self.engine, self.tokenizer, self.eval_prompts, self.cfg)
+        self.engine.train()
+        return out
+
+    def train(self) -> dict[str, float]:
+        cfg, run, engine = self.cfg, self.run, self.engine
+        engine.train()
+        if run.start_step == 0 and cfg.log.eval_every_steps > 0:
+            run.logger.log(0, self.evaluate())
+        last_eval: dict[str, float] = {}
+        # Sums and counts, not means: a micro-batch may hold no desirable (or no undesirable) row.
+        # loss, kl, micro-batches, desirable reward sum, desirable rows, undesirable reward sum, undesirable rows
+        sums = torch.zeros(7, dtype=torch.float64)
+        window_tokens, window_start = 0, time.perf_counter()
+        for step in range(run.start_step, cfg.train.max_steps):
+            indices = common.step_indices(len(self.train_examples), cfg.train.batch_size, step, cfg.train.seed)
+            for micro in common.rank_micro_batches(indices, run.rank, run.world_size, cfg.train.micro_batch_size):
+                figures = self._step_loss(micro)
+                engine.backward(figures["loss"])
+                info = engine.step()
+                rewards, good = figures["rewards"].double().cpu(), figures["desirable"].cpu()
+                sums += torch.tensor([figures["loss"].item(), figures["kl"].item(), 1.0, float(rewards[good].sum()),
+                                      float(good.sum()), float(rewards[~good].sum()), float((~good).sum())],
+                                     dtype=torch.float64)
+                window_tokens += int(figures["tokens"])
+            done = step + 1
+            self.bad_steps.update(info.skipped, done)
+            run.logger.advance()
+            if done % cfg.log.every_steps == 0 or done == cfg.train.max_steps:
+                elapsed = time.perf_counter() - window_start
+                loss, kl, micro_batches, good_sum, good_count, bad_sum, bad_count, tokens_all = common.reduce_sum(
+                    sums.tolist() + [window_tokens])
+                metrics = {"loss": loss / micro_batches, "kl": kl / micro_batches,
+                           "desirable_reward": good_sum / max(good_count, 1),
+                           "undesirable_reward": bad_sum / max(bad_count, 1), "lr": info.lr,
+                           "grad_norm": info.grad_norm, "tokens_per_s": tokens_all / max(elapsed, 1e-9),
+                           "skipped_steps": self.bad_steps.total}
+                if cfg.log.eval_every_steps and done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps:
+                    last_eval = self.evaluate()
+                    metrics.update(last_eval)
+                run.logger.log(done, metrics)
+                sums.zero_()
+                window_tokens, window_start = 0, time.perf_counter()
+            stopping = self.stop.requested()
+            if stopping or common.should_save(done, cfg.checkpoint.every_steps, cfg.train.max_steps):
+                common.save_checkpoint(run, done, {"model": engine})
+            if stopping:
+                run.logger.close()
+                raise common.Preempted(done)
+        common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
+        run.logger.close()
+        return last_eval
+
+
+def run(cfg: Config) -> dict[str, float]:
+    recipe = KTORecipe(cfg)
+    recipe.setup()
+    return recipe.train()

@@ -1,0 +1,236 @@
+"""`hpc-rlhf rm`: a reward model trained on chosen/rejected pairs with the Bradley-Terry loss.
+
+The reward model is a causal-LM body with a scalar head at every position (hpc_rlhf.models.value_model); a
+sequence's reward is the head's value at its last real token. Started from a causal-LM folder (the SFT output or
+the tiny model) the head is new. Each micro-batch of B pairs is one forward pass over 2B rows, the B chosen rows
+then the B rejected ones, and the loss is -log sigmoid(r_chosen - r_rejected - margin), the margin read from
+`rm.margin_key` when set (Llama 2). Held-out figures on `data.eval_files`: pairwise accuracy (share of pairs with
+r_chosen > r_rejected), mean margin r_chosen - r_rejected, and the loss.
+
+At the end the mean and standard deviation of the rewards of the held-out sequences (chosen and rejected) are
+stored in the model's config (`reward_mean`, `reward_std`), so that a consumer (PPO) can normalise rewards with
+the constants the model was saved with; `final/` loads with `AutoModelForTokenClassification.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hpc_rlhf.algorithms.losses import pairwise_reward_loss
+from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
+                             ModelSection, TrainSection, field, section)
+from hpc_rlhf.data.examples import pair_collate, preference_example
+from hpc_rlhf.data.loading import load_rows
+from hpc_rlhf.engines.train import TrainEngine
+from hpc_rlhf.models.builders import load_tokenizer
+from hpc_rlhf.models.lora import unwrap_model, value_head_name
+from hpc_rlhf.models.value_model import build_value_model, sequence_scores, set_reward_normalization
+from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers.reference import balanced_chunks
+
+
+@dataclass
+class PreferenceDataSection(DataSection):
+    """Preference pairs: prompt, chosen and rejected responses."""
+    train_files: list[str] = field([f"{TINY_ASSETS}/data/pref_train.jsonl"], help="training data files or folders")
+    eval_files: list[str] = field([f"{TINY_ASSETS}/data/pref_eval.jsonl"], help="held-out data files or folders")
+
+
+@dataclass
+class RewardSection:
+    """The reward-model loss."""
+    margin_key: str | None = field(None, help="column with a per-pair margin subtracted inside the loss "
+                                              "(Llama 2); none = no margin")
+
+    def validate(self) -> None:
+        if self.margin_key is not None and not self.margin_key.strip():
+            raise ConfigError("rm.margin_key is empty; give a column name, or null for no margin")
+
+
+@dataclass
+class Config:
+    output_dir: str = field("runs/rm", help="where metrics, TensorBoard, checkpoints and final/ go")
+    model: ModelSection = section(ModelSection)
+    rm: RewardSection = section(RewardSection)
+    data: PreferenceDataSection = section(PreferenceDataSection)
+    train: TrainSection = section(TrainSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+def load_preference_examples(paths, data: DataSection, tokenizer, where: str, max_rows, margin_key: str | None = None):
+    """Rows with prompt/chosen/rejected (and a numeric margin when `margin_key` is set) -> tokenised pairs,
+    each bad row named by file and line."""
+    required = {data.prompt_key: str, data.chosen_key: str, data.rejected_key: str}
+    if margin_key:
+        required[margin_key] = float
+    rows, _ = load_rows(paths, required=required, where=where, on_bad_row=data.on_bad_row, max_rows=max_rows)
+    examples = []
+    for row in rows:
+        example = preference_example(tokenizer, prompt=row[data.prompt_key], chosen=row[data.chosen_key],
+                                     rejected=row[data.rejected_key], max_len=data.max_len,
+                                     max_prompt_len=data.max_prompt_len, chat_template=data.apply_chat_template,
+                                     where=row["_source"])
+        if margin_key:
+            example["margin"] = float(row[margin_key])
+        examples.append(example)
+    return examples
+
+
+class EngineScorer:
+    """What `value_model.sequence_scores` needs from a model, served by the training engine: calling it runs
+    the engine's forward (which keeps DeepSpeed's collectives in the engine's group), and `score` / `config`
+    are the wrapped model's head and config (the head's per-token output is caught on its way out)."""
+
+    def __init__(self, engine: TrainEngine):
+        self.engine = engine
+
+    def __call__(self, **batch):
+        return self.engine(**batch)
+
+    @property
+    def score(self) -> torch.nn.Module:
+        return getattr(unwrap_model(self.engine.module), value_head_name(self.engine.module))
+
+    @property
+    def config(self):
+        return unwrap_model(self.engine.module).config
+
+
+class RewardModelRecipe:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run = run = common.start_run(cfg, "rm")
+        common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.data.eval_files)
+        common.check_batch_sizes(cfg.train, run.world_size)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        margin_key = cfg.rm.margin_key
+        self.train_examples = load_preference_examples(cfg.data.train_files, cfg.data, self.tokenizer,
+                                                       "data.train_files", cfg.data.max_train_rows, margin_key)
+        self.eval_examples = (load_preference_examples(cfg.data.eval_files, cfg.data, self.tokenizer,
+                                                       "data.eval_files", cfg.data.max_eval_rows, margin_key)
+                              if cfg.data.eval_files else [])
+        self.engine = TrainEngine(build_value_model(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
+        self.scorer = EngineScorer(self.engine)
+        common.resume_if_possible(run, {"model": self.engine})
+        self.bad_steps = common.NonFiniteGuard(cfg.train.max_bad_steps, "rm")
+        self.stop = common.StopSignal()
+        common.open_logger(run, cfg.train.max_steps)
+
+    def _pair_scores(self, pairs) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(chosen scores, rejected scores, collated batch) of B pairs, in one forward pass over 2B rows."""
+        batch = pair_collate(pairs, self.tokenizer.pad_token_id)
+        ids, mask = batch["input_ids"].to(self.run.device), batch["attention_mask"].to(self.run.device)
+        scores = sequence_scores(self.scorer, ids, mask)
+        return scores[:len(pairs)], scores[len(pairs):], batch
+
+    def _loss(self, pairs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        chosen, rejected, batch = self._pair_scores(pairs)
+        margin = None
+        if self.cfg.rm.margin_key:
+            margin = torch.tensor([p["margin"] for p in pairs], dtype=chosen.dtype, device=chosen.device)
+        loss, accuracy = pairwise_reward_loss(chosen, rejected, margin)
+        return loss, accuracy, (chosen - rejected).detach().mean(), int(batch["attention_mask"].sum())
+
+    @torch.no_grad()
+    def _held_out_scores(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of `examples` scored: (chosen, rejected). Every rank runs as many passes."""
+        chosen, rejected = [], []
+        chunks = balanced_chunks(len(examples), self.run.rank, self.run.world_size, self.cfg.train.micro_batch_size)
+        for chunk in chunks:
+            c, r, _ = self._pair_scores([examples[i] for i in (chunk or [0])])
+            if chunk:
+                chosen.append(c.double().cpu())
+                rejected.append(r.double().cpu())
+        empty = torch.zeros(0, dtype=torch.float64)
+        return torch.cat(chosen) if chosen else empty, torch.cat(rejected) if rejected else empty
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_examples:
+            return {}
+        self.engine.eval()
+        chosen, rejected = self._held_out_scores(self.eval_examples)
+        self.engine.train()
+        difference = chosen - rejected
+        if self.cfg.rm.margin_key:
+            rows = list(range(self.run.rank, len(self.eval_examples), self.run.world_size))
+            margins = torch.tensor([self.eval_examples[i]["margin"] for i in rows], dtype=torch.float64)
+        else:
+            margins = torch.zeros_like(difference)
+        losses = -torch.nn.functional.logsigmoid(difference - margins)
+        correct, total_margin, total_loss, count = common.reduce_sum(
+            [float((difference > 0).sum()), float(difference.sum()), float(losses.sum()), len(difference)])
+        return {"eval_accuracy": correct / count, "eval_margin": total_margin / count, "eval_loss": total_loss / count}
+
+    def normalization_constants(self) -> tuple[float, float]:
+        """Mean and standard deviation of the rewards of every held-out sequence (chosen and rejected), or of
+        the first data.max_eval_rows training pairs when there is no held-out data."""
+        examples = self.eval_examples or self.train_examples[:self.cfg.data.max_eval_rows or 256]
+        self.engine.eval()
+        chosen, rejected = self._held_out_scores(examples)
+        scores = torch.cat([chosen, rejected])
+        total, squares, count = common.reduce_sum([float(scores.sum()), float((scores ** 2).sum()), len(scores)])
+        mean = total / count
+        std = max(squares / count - mean ** 2, 0.0) ** 0.5
+        return mean, max(std, 1e-6)
+
+    def train(self) -> dict[str, float]:
+        cfg, run, engine = self.cfg, self.run, self.engine
+        engine.train()
+        if run.start_step == 0 and cfg.log.eval_every_steps > 0:
+            run.logger.log(0, self.evaluate())
+        last_eval: dict[str, float] = {}
+        window: dict[str, list[float]] = {"loss": [], "accuracy": [], "margin": []}
+        window_tokens, window_start = 0, time.perf_counter()
+        for step in range(run.start_step, cfg.train.max_steps):
+            indices = common.step_indices(len(self.train_examples), cfg.train.batch_size, step, cfg.train.seed)
+            for micro in common.rank_micro_batches(indices, run.rank, run.world_size, cfg.train.micro_batch_size):
+                loss, accuracy, margin, tokens = self._loss([self.train_examples[i] for i in micro])
+                engine.backward(loss)
+                info = engine.step()
+                window["loss"].append(loss.item())
+                window["accuracy"].append(accuracy.item())
+                window["margin"].append(margin.item())
+                window_tokens += tokens
+            done = step + 1
+            self.bad_steps.update(info.skipped, done)
+            run.logger.advance()
+            if done % cfg.log.every_steps == 0 or done == cfg.train.max_steps:
+                elapsed = time.perf_counter() - window_start
+                tokens_all = common.reduce_sum([window_tokens])[0]
+                metrics = {name: common.reduce_mean(common.mean_over(values)) for name, values in window.items()}
+                metrics.update(lr=info.lr, grad_norm=info.grad_norm, tokens_per_s=tokens_all / max(elapsed, 1e-9),
+                               skipped_steps=self.bad_steps.total)
+                if cfg.log.eval_every_steps and done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps:
+                    last_eval = self.evaluate()
+                    metrics.update(last_eval)
+                run.logger.log(done, metrics)
+                window = {name: [] for name in window}
+                window_tokens, window_start = 0, time.perf_counter()
+            stopping = self.stop.requested()
+            if stopping or common.should_save(done, cfg.checkpoint.every_steps, cfg.train.max_steps):
+                common.save_checkpoint(run, done, {"model": engine})
+            if stopping:
+                run.logger.close()
+                raise common.Preempted(done)
+        mean, std = self.normalization_constants()
+        set_reward_normalization(engine.module, mean, std)
+        last_eval.update(reward_mean=mean, reward_std=std)
+        # Under ZeRO-3 the engine gathers the sharded weights for the leader (save_hf / the LoRA path), and the
+        # config written with them carries the normalisation constants.
+        common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
+        run.logger.close()
+        return last_eval
+
+
+def run(cfg: Config) -> dict[str, float]:
+    recipe = RewardModelRecipe(cfg)
+    recipe.setup()
+    return recipe.train()
