@@ -1,0 +1,38 @@
+import torch
+
+from hpc_rlhf.trainers.experience import from_ragged, make_batch, response_logprobs, shard_bounds, to_ragged
+
+
+def test_shard_bounds_cover_everything_in_order():
+    for count in (0, 1, 7, 16):
+        for parts in (1, 2, 3, 5):
+            bounds = [shard_bounds(count, parts, i) for i in range(parts)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == count
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            sizes = [e - s for s, e in bounds]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_make_batch_layout_and_action_mask():
+    batch = make_batch([[1, 5, 6], [1, 7]], [torch.tensor([8, 2]), torch.tensor([9, 9, 2])], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 5, 6, 8, 2], [1, 7, 9, 9, 2]]
+    # position t predicts token t+1: sample 0's response tokens sit at 3, 4 -> predicted from 2, 3
+    assert batch.action_mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+
+
+def test_ragged_round_trip_puts_values_on_response_positions():
+    batch = make_batch([[1, 5, 6], [1]], [torch.tensor([8, 2]), torch.tensor([4, 4, 4, 2])], pad_id=0)
+    seqs = [torch.tensor([0.5, -1.0]), torch.tensor([1.0, 2.0, 3.0, 4.0])]
+    dense = from_ragged(seqs, batch)
+    assert dense[0].tolist() == [0, 0, 0.5, -1.0] and dense[1].tolist() == [1, 2, 3, 4]
+    assert [t.tolist() for t in to_ragged(dense, batch)] == [s.tolist() for s in seqs]
+
+
+def test_response_logprobs_score_the_next_token():
+    batch = make_batch([[1, 2]], [torch.tensor([3])], pad_id=0)
+    logits = torch.zeros(1, 3, 5)
+    logits[0, 1, 3] = 2.0  # position 1 predicts token 3 (the response)
+    lp = response_logprobs(logits, batch)
+    expected = 2.0 - torch.logsumexp(torch.tensor([0, 0, 0, 2.0, 0]), 0)
+    assert torch.isclose(lp[0, 1], expected)
