@@ -12,13 +12,14 @@ STAMP := $(VENV)/.hpc_rlhf-installed
 venv: $(STAMP)
 
 # torch first (the CPU wheel), then the pinned libraries, then deepspeed built against that torch with its
-# CPU communication op precompiled (otherwise every rank compiles it on first use), then this package.
+# CPU communication and CPU Adam (offload) ops precompiled (otherwise every rank compiles them on first use),
+# then this package.
 $(STAMP): setup.cfg requirements-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -r requirements-cpu.txt
-	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(PIP) install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
+	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 $(PIP) install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

@@ -1,0 +1,369 @@
+"""The training engine: one model trained with DeepSpeed ZeRO (stage 0-3) on a role's process group.
+
+    engine = TrainEngine(model, cfg.train, group=groups.role_group("actor"))
+    for micro_batch in micro_batches:            # gradient_accumulation_steps of them per optimizer step
+        loss = loss_fn(engine(**micro_batch), micro_batch)
+        engine.backward(loss)
+        info = engine.step()                     # info.stepped on the accumulation boundary
+
+Every rank of the role makes the same calls in the same order; ranks of other roles are not involved, not
+even in construction, checkpointing or saving (see deepspeed_compat for how DeepSpeed is kept in the group).
+`backward` takes the mean loss of one micro-batch: DeepSpeed divides it by the accumulation steps and averages
+gradients over the role, so an optimizer step follows the mean over `train.batch_size` sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.config import ConfigError, TrainSection
+from hpc_rlhf.engines import deepspeed_compat
+from hpc_rlhf.engines.schedule import warmup_cosine_scheduler
+
+CHECKPOINT_TAG = "engine"  # deepspeed's sub-folder inside a checkpoint folder; fixed so loading needs no `latest`
+COMPLETE_MARKER = "ENGINE_COMPLETE.json"  # written by the role leader once every rank of the role has saved
+
+
+@dataclasses.dataclass
+class StepInfo:
+    """What `TrainEngine.step()` did.
+
+    stepped: this call ended a gradient-accumulation cycle (an optimizer step was due).
+    grad_norm: global gradient norm before clipping, on stepped calls (None otherwise).
+    lr: learning rate the due update used (or would have used, when skipped).
+    finite: False when the gradients were not finite; DeepSpeed then skipped the update (weights, optimizer and
+        learning-rate schedule unchanged) and the caller decides whether to go on (train.max_bad_steps).
+    """
+    stepped: bool
+    grad_norm: float | None
+    lr: float
+    finite: bool = True
+
+    @property
+    def skipped(self) -> bool:
+        return self.stepped and not self.finite
+
+
+def resolve_dtype(model_dtype: torch.dtype | str | None) -> torch.dtype:
+    """None/"auto" -> bfloat16 on GPU, float32 on CPU; names as in `model.dtype` of the config."""
+    if model_dtype is None or model_dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if isinstance(model_dtype, torch.dtype):
+        return model_dtype
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if model_dtype not in names:
+        raise ConfigError(f"model.dtype must be one of {['auto', *names]}, got {model_dtype!r}")
+    return names[model_dtype]
+
+
+def gradient_accumulation_steps(train_cfg: TrainSection, role_size: int) -> int:
+    per_pass = train_cfg.micro_batch_size * role_size
+    if train_cfg.batch_size % per_pass != 0:
+        raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of train.micro_batch_size "
+                          f"x ranks of the role = {train_cfg.micro_batch_size} x {role_size} = {per_pass}")
+    return train_cfg.batch_size // per_pass
+
+
+def deepspeed_config(train_cfg: TrainSection, role_size: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The DeepSpeed config dict for `train_cfg` on a role of `role_size` ranks."""
+    if train_cfg.adam_offload and train_cfg.zero_stage == 0:
+        raise ConfigError("train.adam_offload=true needs train.zero_stage 1, 2 or 3 (ZeRO-0 has no offload)")
+    accumulation = gradient_accumulation_steps(train_cfg, role_size)
+    zero: dict[str, Any] = {"stage": train_cfg.zero_stage}
+    if train_cfg.zero_stage == 3:
+        zero["stage3_param_persistence_threshold"] = train_cfg.zero3_param_persistence_threshold
+    if train_cfg.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    clips_itself = _clips_itself(train_cfg, dtype)
+    return {
+        "train_batch_size": train_cfg.micro_batch_size * accumulation * role_size,
+        "train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        # ZeRO-0 in fp32 hands our optimizer to torch unchanged: we clip there ourselves (see _check_and_clip).
+        "gradient_clipping": 0.0 if clips_itself else train_cfg.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "checkpoint": dict(deepspeed_compat.CHECKPOINT_CONFIG),
+        "steps_per_print": 2**62,  # progress is ours to log
+        "wall_clock_breakdown": False,
+    }
+
+
+def _clips_itself(train_cfg: TrainSection, dtype: torch.dtype) -> bool:
+    # With ZeRO-0 in fp32 DeepSpeed neither reports the gradient norm nor skips non-finite steps.
+    return train_cfg.zero_stage == 0 and dtype == torch.float32
+
+
+def _optimizer(model: torch.nn.Module, train_cfg: TrainSection):
+    # Decay matrices only: decaying biases and norm gains pulls them towards 0, which they do not need.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train_cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    betas = (train_cfg.adam_beta1, train_cfg.adam_beta2)
+    if train_cfg.adam_offload:
+        # deepspeed refuses a torch optimizer with optimizer offload unless told not to, because torch's Adam
+        # on the CPU is much slower than its cpu_adam op (a C++ op, JIT-compiled on first use unless deepspeed
+        # was installed with DS_BUILD_CPU_ADAM=1).
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=train_cfg.lr, betas=betas, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=betas)
+
+
+class TrainEngine:
+    """A model, its AdamW optimizer and warmup-cosine schedule under DeepSpeed ZeRO, on one role's group.
+
+    group: the role's process group; None = the whole world. torch.distributed must be initialised already
+        (hpc_rlhf.dist.bootstrap); DeepSpeed reuses that world.
+    model_dtype: None/"auto" = bfloat16 on GPU, float32 on CPU.
+    Gradient checkpointing is the model's: turn it on before building the engine. The engine starts in train
+    mode.
+    """
+
+    def __init__(self, model: torch.nn.Module, train_cfg: TrainSection, group=None,
+                 model_dtype: torch.dtype | str | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("TrainEngine needs torch.distributed initialised first (hpc_rlhf.dist.bootstrap)")
+        import deepspeed
+
+        self.train_cfg = train_cfg
+        self.group = dist.GroupMember.WORLD if group is None else group
+        self.dtype = resolve_dtype(model_dtype)
+        self.role_size = dist.get_world_size(self.group)
+        self.role_rank = dist.get_rank(self.group)
+        if self.role_rank < 0:
+            raise ValueError(f"TrainEngine: rank {dist.get_rank()} is not a member of the group it was given")
+        self.config = deepspeed_config(train_cfg, self.role_size, self.dtype)
+        self._clips_itself = _clips_itself(train_cfg, self.dtype)
+
+        model = model.to(self.dtype)
+        self._optimizer = _optimizer(model, train_cfg)
+        scheduler = warmup_cosine_scheduler(self._optimizer, train_cfg.warmup_steps, train_cfg.max_steps,
+                                            train_cfg.min_lr_ratio)
+        with self._in_group():
+            self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self._optimizer,
+                                                        lr_scheduler=scheduler, config=self.config,
+                                                        mpu=deepspeed_compat.RoleMpu(self.group),
+                                                        dist_init_required=False)
+        self.engine.train()  # from_pretrained leaves models in eval mode, where checkpointing is off
+
+    # ---------------------------------------------------------------------------------------------- basics
+    def _in_group(self):
+        return deepspeed_compat.keep_collectives_in_group(self.group)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without the DeepSpeed wrapper (under ZeRO-3 its parameters are partitioned)."""
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def is_leader(self) -> bool:
+        return self.role_rank == 0
+
+    @property
+    def zero_stage(self) -> int:
+        return self.train_cfg.zero_stage
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config["gradient_accumulation_steps"]
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        return float(self._optimizer.param_groups[0]["lr"])
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far, skipped non-finite ones included."""
+        return int(self.engine.global_steps)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.engine.skipped_steps)
+
+    def train(self) -> "TrainEngine":
+        self.engine.train()
+        return self
+
+    def eval(self) -> "TrainEngine":
+        self.engine.eval()
+        return self
+
+    # -------------------------------------------------------------------------------------------- training
+    def forward(self, *args, **batch):
+        with self._in_group():
+            return self.engine(*args, **batch)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self._in_group():
+            self.engine.backward(loss)
+
+    def step(self) -> StepInfo:
+        """End of one micro-batch; on the accumulation boundary, clip and update (or skip if not finite)."""
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        lr = self.lr
+        skipped_before = self.engine.skipped_steps
+        with self._in_group():
+            if boundary and self._clips_itself:
+                self._check_and_clip()
+            self.engine.step()
+        if not boundary:
+            return StepInfo(stepped=False, grad_norm=None, lr=lr)
+        norm = self.engine.get_global_grad_norm()
+        norm = None if norm is None else float(norm)
+        finite = self.engine.skipped_steps == skipped_before and (norm is None or math.isfinite(norm))
+        return StepInfo(stepped=True, grad_norm=norm, lr=lr, finite=finite)
+
+    def _check_and_clip(self) -> None:
+        """ZeRO-0 fp32: clip, report the norm and skip non-finite steps the way DeepSpeed's ZeRO optimizers do.
+
+        DeepSpeed's engine reads `optimizer.overflow` (skip the update and the schedule, count a skipped step)
+        and `optimizer._global_grad_norm` from whatever optimizer it holds; gradients are already averaged over
+        the role here (DeepSpeed all-reduces them in the boundary backward).
+        """
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.train_cfg.max_grad_norm
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = float(norm)
+        overflow = not math.isfinite(norm)
+        if overflow:
+            for p in params:  # torch's AdamW leaves parameters without gradients untouched
+                p.grad = None
+        self._optimizer.overflow = overflow
+        self._optimizer._global_grad_norm = math.inf if overflow else norm
+
+    # ----------------------------------------------------------------------------------------- parameters
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[torch.nn.Module]:
+        """Full parameters inside the block on every rank of the role (ZeRO-3: all gathered at once, read-only;
+        other stages: a no-op). Yields the unwrapped module. Every rank of the role must enter it."""
+        if self.zero_stage != 3:
+            yield self.module
+            return
+        import deepspeed
+
+        with self._in_group(), deepspeed.zero.GatheredParameters(list(self.module.parameters()),
+                                                                 modifier_rank=None):
+            yield self.module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full state dict on CPU at the role leader ({} on the other ranks of the role).
+
+        ZeRO-3 gathers one module's own parameters at a time, so no rank ever holds more than the largest
+        module in full besides the leader's CPU copy. Tied parameters stay one tensor under both names.
+        Every rank of the role must call it.
+        """
+        if self.zero_stage != 3:
+            if not self.is_leader:
+                return {}
+            copies: dict[int, torch.Tensor] = {}
+            # keep_vars: the parameters themselves, so tied ones are recognisably the same object
+            return {name: _cpu_copy(t, copies) for name, t in self.module.state_dict(keep_vars=True).items()}
+        import deepspeed
+
+        state: dict[str, torch.Tensor] = {}
+        copies = {}
+        with self._in_group():
+            for prefix, submodule in self.module.named_modules():
+                own = list(submodule.named_parameters(recurse=False))
+                with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+                    if self.is_leader:
+                        for name, param in own:
+                            state[_join(prefix, name)] = _cpu_copy(param, copies)
+                if self.is_leader:
+                    for name, buffer in submodule.named_buffers(recurse=False):
+                        if buffer is not None and name not in submodule._non_persistent_buffers_set:
+                            state[_join(prefix, name)] = _cpu_copy(buffer, copies)
+        return state
+
+    # -------------------------------------------------------------------------------------------- saving
+    def save_checkpoint(self, directory: str | os.PathLike, client_state: dict | None = None) -> None:
+        """DeepSpeed state (weights, optimizer, schedule, step counters) into `directory`, then the role leader
+        writes COMPLETE_MARKER. Every rank of the role must call it; `directory` is this engine's own folder
+        (one per engine and checkpoint)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)  # deepspeed creates it on global rank 0 only
+        if self.is_leader:  # saving again into the same folder: it is incomplete until the new marker exists
+            (directory / COMPLETE_MARKER).unlink(missing_ok=True)
+        dist.barrier(group=self.group)
+        with self._in_group():
+            self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state=client_state or {},
+                                        save_latest=False)
+            dist.barrier(group=self.group)
+        if self.is_leader:
+            marker = {"tag": CHECKPOINT_TAG, "global_step": self.global_step, "role_size": self.role_size,
+                      "zero_stage": self.zero_stage}
+            tmp = directory / (COMPLETE_MARKER + ".tmp")
+            tmp.write_text(json.dumps(marker))
+            tmp.replace(directory / COMPLETE_MARKER)
+        dist.barrier(group=self.group)
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> dict:
+        """Restore what `save_checkpoint` wrote; returns the client state. Every rank of the role calls it."""
+        directory = Path(directory)
+        marker_path = directory / COMPLETE_MARKER
+        if not marker_path.is_file():
+            raise FileNotFoundError(f"{directory} is not a complete engine checkpoint: {COMPLETE_MARKER} is missing")
+        marker = json.loads(marker_path.read_text())
+        if marker["zero_stage"] != self.zero_stage or marker["role_size"] != self.role_size:
+            # deepspeed can only reshape ZeRO checkpoints offline (zero_to_fp32 / universal checkpoints)
+            raise ValueError(f"{directory}: saved with train.zero_stage={marker['zero_stage']} on "
+                             f"{marker['role_size']} ranks; this engine has zero_stage={self.zero_stage} on "
+                             f"{self.role_size} ranks")
+        with self._in_group():
+            path, client_state = self.engine.load_checkpoint(str(directory), tag=marker["tag"],
+                                                             load_optimizer_states=True,
+                                                             load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"deepspeed found no checkpoint under {directory / marker['tag']}")
+        return client_state or {}
+
+    def save_hf(self, directory: str | os.PathLike, tokenizer=None) -> None:
+        """The role leader writes a Hugging Face folder (safetensors, config, tokenizer) that
+        `from_pretrained` loads unchanged. Models that are not plain transformers models are saved with their
+        own `save_pretrained(directory, state_dict=...)`. Every rank of the role must call it."""
+        state = self.full_state_dict()
+        if self.is_leader:
+            module = self.module
+            save = getattr(module, "save_pretrained", None)
+            if save is None:
+                raise TypeError(f"save_hf: {type(module).__name__} has no save_pretrained(directory, state_dict=)")
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            save(str(directory), state_dict=state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(directory))
+        dist.barrier(group=self.group)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _cpu_copy(tensor: torch.Tensor, copies: dict[int, torch.Tensor]) -> torch.Tensor:
+    # Keyed by the parameter object (alive throughout) so tied weights share one copy, as save_pretrained
+    # expects of them.
+    key = id(tensor)
+    if key not in copies:
+        copies[key] = tensor.detach().to("cpu", copy=True)
+    return copies[key]
