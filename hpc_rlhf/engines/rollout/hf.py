@@ -1,0 +1,207 @@
+"""Rollout with transformers `generate` (KV cache, batched, left padding): the CPU engine, also usable on GPU.
+
+Log-probs: for every sampled token, `log_softmax(logits / T)` over the whole vocabulary, taken from the same
+forward pass that produced the token (T = the sampling temperature, 1 for greedy). Top-k/top-p truncation
+decides which token is drawn but does not renormalise the reported value, so it equals what a teacher-forced
+pass of the same weights at temperature T computes (see `hpc_rlhf.engines.rollout.base`).
+
+How: one logits processor, `_SamplingProcessor`, does the sampling transform itself (temperature, then
+transformers' own top-k and top-p warpers) and remembers the step's log-softmax; on its next call the token just
+sampled is the last column of `input_ids`, so only one vocabulary-sized row per sequence is ever kept (asking
+`generate` for `output_logits` would keep all of them: steps x batch x vocab floats). transformers runs user
+processors before its own warpers, so `generate` is given neutral warper settings (temperature 1, top_k 0,
+top_p 1) and every other processor a model's `generation_config` could switch on is set to its neutral value.
+
+`synced_gpus=False` on every call: under ZeRO-3 transformers would otherwise all-reduce over the whole world at
+every step, and a role that generates alone would hang (DESIGN §9). For a ZeRO-3 actor used in place
+(hybrid rollout), pass `full_params=` a context manager factory that gathers the parameters, e.g.
+`lambda: deepspeed.zero.GatheredParameters(list(model.parameters()))`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from typing import Callable, ContextManager, Iterable
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+
+from hpc_rlhf.engines.rollout.base import (RolloutBatch, RolloutEngine, RolloutError, SamplingParams,
+                                           check_prompts, cut_at_stop)
+
+# Values that switch off every processor a checkpoint's generation_config.json could turn on: generate() fills
+# unset (None) fields from the model's config, so "off" has to be said explicitly.
+_NEUTRAL_GENERATION = dict(temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+                           repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+                           min_new_tokens=0, num_beams=1, renormalize_logits=False,
+                           remove_invalid_values=False)
+
+
+class _SamplingProcessor(LogitsProcessor):
+    """Temperature + top-k + top-p, recording log_softmax(logits / T) of each sampled token."""
+
+    def __init__(self, sampling: SamplingParams):
+        self.temperature = sampling.logprob_temperature
+        self.warpers = []
+        if sampling.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+        self.pending: torch.Tensor | None = None  # log-softmax rows of the step whose token is not yet known
+        self.picked: list[torch.Tensor] = []      # one [rows] tensor per decoded step
+
+    def _take_pending(self, sampled: torch.Tensor) -> None:
+        self.picked.append(self.pending.gather(1, sampled[:, None]).squeeze(1))
+        self.pending = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.pending is not None:
+            self._take_pending(input_ids[:, -1])
+        scaled = scores.float() / self.temperature
+        self.pending = torch.log_softmax(scaled, dim=-1)
+        for warper in self.warpers:
+            scaled = warper(input_ids, scaled)
+        return scaled
+
+    def step_logprobs(self, sequences: torch.Tensor, num_new: int) -> torch.Tensor:
+        """[rows, num_new] log-probs of the generated columns (generate may have run and undone extra steps)."""
+        if len(self.picked) < num_new:
+            self._take_pending(sequences[:, -1])
+        if num_new == 0:
+            return torch.zeros(sequences.shape[0], 0)
+        return torch.stack(self.picked[:num_new], dim=1)
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Generation with a transformers causal LM that lives in this process.
+
+    max_batch_prompts bounds how many prompts share one `generate` call (each expands to n rows); it caps
+    KV-cache memory. Results do not depend on it for greedy decoding; sampled results depend on it through
+    the random stream.
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, *, max_batch_prompts: int = 64,
+                 full_params: Callable[[], ContextManager] | None = None):
+        if max_batch_prompts < 1:
+            raise RolloutError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
+        self.model = model
+        self.pad_id = int(pad_id)
+        # Always given: with no eos of ours, generate() would stop at the checkpoint's own eos behind our back.
+        self.eos_id = int(eos_id)
+        self.max_batch_prompts = max_batch_prompts
+        self.full_params = full_params or contextlib.nullcontext
+        self._home_device: torch.device | None = None  # where the weights go back to on wake()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _stop_ids(self, sampling: SamplingParams) -> list[int]:
+        return [self.eos_id] + [t for t in sampling.stop_token_ids if t != self.eos_id]
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt):] = 1
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams, stop_ids: list[int]):
+        input_ids, attention_mask = self._left_pad(prompts)
+        processor = _SamplingProcessor(sampling)
+        neutral = dict(_NEUTRAL_GENERATION)
+        if sampling.greedy:  # warpers are not applied without sampling, and transformers warns if they are set
+            for key in ("temperature", "top_k", "top_p"):
+                neutral.pop(key)
+        config = GenerationConfig(**{**neutral,
+                                     "do_sample": not sampling.greedy,
+                                     "max_new_tokens": sampling.max_new_tokens,
+                                     "num_return_sequences": sampling.n,
+                                     "eos_token_id": stop_ids,
+                                     "pad_token_id": self.pad_id,
+                                     "use_cache": True,
+                                     "return_dict_in_generate": False})
+        sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                        generation_config=config, logits_processor=LogitsProcessorList([processor]),
+                                        synced_gpus=False)
+        new_tokens = sequences[:, input_ids.shape[1]:]
+        logprobs = processor.step_logprobs(sequences, new_tokens.shape[1])
+        return new_tokens.cpu(), logprobs.float().cpu()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        check_prompts(prompt_ids, getattr(getattr(self.model, "config", None), "vocab_size", None))
+        if self._home_device is not None:
+            raise RolloutError("generate() on a sleeping engine (weights moved to host memory); call wake() first")
+        if sampling.greedy and sampling.n > 1:
+            raise RolloutError(f"greedy decoding (temperature 0) gives n={sampling.n} identical samples; "
+                               "use n=1 or a temperature > 0")
+        stop_ids = self._stop_ids(sampling)
+        was_training = self.model.training
+        self.model.eval()
+        # A seeded call must not move the caller's random stream, so it runs on a forked generator state.
+        cuda_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else []
+        rng = torch.random.fork_rng(devices=cuda_ids) if sampling.seed is not None else contextlib.nullcontext()
+        responses, logprobs, reasons = [], [], []
+        try:
+            with rng, self.full_params():
+                if sampling.seed is not None:
+                    torch.manual_seed(sampling.seed)
+                for start in range(0, len(prompt_ids), self.max_batch_prompts):
+                    chunk = prompt_ids[start:start + self.max_batch_prompts]
+                    tokens, lps = self._generate_chunk(chunk, sampling, stop_ids)
+                    for i in range(len(chunk)):
+                        rows = range(i * sampling.n, (i + 1) * sampling.n)
+                        kept = [cut_at_stop(tokens[r], stop_ids, sampling.max_new_tokens) for r in rows]
+                        responses.append([tokens[r, :k].clone() for r, (k, _) in zip(rows, kept)])
+                        logprobs.append([lps[r, :k].clone() for r, (k, _) in zip(rows, kept)])
+                        reasons.append([reason for _, reason in kept])
+        finally:
+            self.model.train(was_training)
+        return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], responses=responses, logprobs=logprobs,
+                            finish_reasons=reasons)
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy by name into an unpartitioned model (dtype cast allowed, shape must match). A hybrid engine
+        that generates with the actor's own ZeRO-3 module needs no loading at all."""
+        # remove_duplicate=False: a tied lm_head.weight is accepted under either of its names.
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        loaded = 0
+        for name, tensor in named_tensors:
+            target = targets.get(name)
+            if target is None:
+                near = difflib.get_close_matches(name, list(targets), n=1)
+                hint = f"; did you mean '{near[0]}'?" if near else ""
+                raise RolloutError(f"load_weights: the model has no parameter or buffer named '{name}'{hint}")
+            if target.shape != tensor.shape:
+                raise RolloutError(f"load_weights: '{name}' has shape {tuple(target.shape)} in the model but "
+                                   f"{tuple(tensor.shape)} was sent")
+            target.copy_(tensor)
+            loaded += 1
+        return loaded
+
+    def sleep(self) -> None:
+        """On GPU: weights to host memory and the allocator's cache released. On CPU: nothing to free.
+
+        transformers builds a fresh KV cache inside every `generate` call and drops it on return, so between
+        calls only the weights hold device memory.
+        """
+        device = self.device
+        if device.type == "cpu" or self._home_device is not None:
+            return
+        self._home_device = device
+        self.model.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if self._home_device is None:
+            return
+        self.model.to(self._home_device)
+        self._home_device = None

@@ -1,0 +1,191 @@
+"""HFRolloutEngine on a tiny Llama (~20K parameters): what generate returns, and that its log-probs are right."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hpc_rlhf.engines.rollout.base import RolloutBatch, RolloutError, SamplingParams, cut_at_stop
+from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
+
+PAD, BOS, EOS, STOP = 0, 1, 2, 3
+VOCAB = 24
+PROMPTS = [[BOS, 5, 6], [BOS, 7], [BOS, 9, 10, 11, 12, 13], [BOS, 4, 4, 8]]
+
+
+def tiny_llama(seed: int, attn: str = "sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    # A large init range makes the next-token distributions peaked, so stop tokens and repeats actually occur.
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         initializer_range=0.3, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
+                         tie_word_embeddings=False, attn_implementation=attn)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return HFRolloutEngine(model, pad_id=PAD, eos_id=EOS)
+
+
+def teacher_forced_logprobs(model, prompt: list[int], response: torch.Tensor, temperature: float) -> torch.Tensor:
+    ids = torch.tensor([prompt + response.tolist()])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, dim=-1).gather(1, response[:, None]).squeeze(1)
+
+
+def assert_well_formed(batch: RolloutBatch, sampling: SamplingParams, stop_ids: set[int]):
+    assert batch.num_prompts == len(PROMPTS)
+    for per_prompt, lps, reasons in zip(batch.responses, batch.logprobs, batch.finish_reasons):
+        assert len(per_prompt) == len(lps) == len(reasons) == sampling.n
+        for tokens, lp, reason in zip(per_prompt, lps, reasons):
+            assert tokens.dtype == torch.int64 and lp.dtype == torch.float32
+            assert 1 <= len(tokens) <= sampling.max_new_tokens and tokens.shape == lp.shape
+            assert bool((lp <= 0).all())
+            inner_stops = [t for t in tokens[:-1].tolist() if t in stop_ids]
+            assert inner_stops == [], "a response continues past a stop token"
+            if reason == "stop":
+                assert int(tokens[-1]) in stop_ids
+            else:
+                assert reason == "length" and len(tokens) == sampling.max_new_tokens
+                assert int(tokens[-1]) not in stop_ids
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+def test_cut_at_stop_keeps_the_first_stop_token_and_drops_the_rest():
+    row = torch.tensor([5, 7, 3, 0, 0])
+    assert cut_at_stop(row, [2, 3], max_new_tokens=5) == (3, "stop")
+    assert cut_at_stop(torch.tensor([2, 3, 3]), [3], max_new_tokens=3) == (2, "stop")
+    assert cut_at_stop(torch.tensor([5, 7, 8]), [2, 3], max_new_tokens=3) == (3, "length")
+    assert cut_at_stop(torch.tensor([5, 7, 8]), [], max_new_tokens=3) == (3, "length")
+
+
+@pytest.mark.parametrize("bad, word", [(dict(n=0), "n must"), (dict(temperature=-1), "temperature"),
+                                       (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
+                                       (dict(max_new_tokens=0), "max_new_tokens"),
+                                       (dict(stop_token_ids=(-1,)), "stop_token_ids")])
+def test_sampling_params_refuse_bad_values(bad, word):
+    with pytest.raises(RolloutError, match=word):
+        SamplingParams(**bad)
+
+
+def test_bad_prompts_and_greedy_with_several_samples_are_refused(engine):
+    with pytest.raises(RolloutError, match="prompt 1 is empty"):
+        engine.generate([[BOS, 5], []], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RolloutError, match="prompt 0 has token id 99"):
+        engine.generate([[BOS, 99]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RolloutError, match="greedy"):
+        engine.generate([[BOS, 5]], SamplingParams(n=2, temperature=0.0))
+
+
+# ------------------------------------------------------------------------------------------ generation
+def test_n_samples_shapes_and_finish_reasons(engine):
+    sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=0)
+    batch = engine.generate(PROMPTS, sampling)
+    assert_well_formed(batch, sampling, {EOS})
+    assert batch.prompt_ids == PROMPTS
+    flat = batch.flat_responses()
+    assert len(flat) == 3 * len(PROMPTS) and flat[4] is batch.responses[1][1]
+    assert batch.flat_finish_codes().tolist() == [0 if r == "stop" else 1 for rs in batch.finish_reasons for r in rs]
+    # Three samples of the same prompt are drawn independently: not all identical.
+    assert any(len({tuple(t.tolist()) for t in per_prompt}) > 1 for per_prompt in batch.responses)
+
+
+def test_stop_tokens_end_responses_and_leave_no_padding(engine):
+    free = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=12, seed=3))
+    stop_token = max(range(4, VOCAB), key=lambda t: sum(int((r == t).sum()) for r in free.flat_responses()))
+    sampling = SamplingParams(n=4, max_new_tokens=12, stop_token_ids=(stop_token,), seed=3)
+    batch = engine.generate(PROMPTS, sampling)
+    assert_well_formed(batch, sampling, {EOS, stop_token})
+    stopped = [t for t, r in zip(batch.flat_responses(), [r for rs in batch.finish_reasons for r in rs])
+               if r == "stop" and int(t[-1]) == stop_token]
+    assert stopped, "the chosen stop token never ended a response"
+    # Same seed and batch, so the streams agree up to (and including) the stop token.
+    for before, after in zip(free.flat_responses(), batch.flat_responses()):
+        assert torch.equal(before[:len(after)], after)
+
+
+def test_seeded_generation_repeats_and_leaves_the_callers_rng_alone(engine):
+    sampling = SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=8, seed=11)
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    first = engine.generate(PROMPTS, sampling)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    second = engine.generate(PROMPTS, sampling)
+    other = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=8, seed=12))
+    for a, b in zip(first.flat_responses(), second.flat_responses()):
+        assert torch.equal(a, b)
+    for a, b in zip(first.flat_logprobs(), second.flat_logprobs()):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(first.flat_responses(), other.flat_responses()))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.0, 0, 1.0)])
+def test_logprobs_equal_a_teacher_forced_pass_at_the_sampling_temperature(model, engine, temperature, top_k, top_p):
+    n = 1 if temperature == 0 else 2
+    sampling = SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=9, seed=5)
+    batch = engine.generate(PROMPTS, sampling)
+    t = 1.0 if temperature == 0 else temperature
+    for prompt, responses, logprobs in zip(PROMPTS, batch.responses, batch.logprobs):
+        for response, lp in zip(responses, logprobs):
+            expected = teacher_forced_logprobs(model, prompt, response, t)
+            torch.testing.assert_close(lp, expected, atol=2e-5, rtol=1e-5)
+    if temperature == 0:  # greedy: every token is the argmax of its step
+        for prompt, (response,) in zip(PROMPTS, batch.responses):
+            ids = torch.tensor([prompt + response.tolist()])
+            with torch.no_grad():
+                argmax = model(input_ids=ids).logits[0, len(prompt) - 1:-1].argmax(-1)
+            assert torch.equal(argmax, response)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_left_padding_gives_the_same_results_as_one_prompt_at_a_time(attn):
+    model = tiny_llama(1, attn)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=10)
+    batched = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS).generate(PROMPTS, sampling)
+    alone = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, max_batch_prompts=1).generate(PROMPTS, sampling)
+    assert batched.finish_reasons == alone.finish_reasons
+    for a, b in zip(batched.flat_responses(), alone.flat_responses()):
+        assert torch.equal(a, b)
+    for a, b in zip(batched.flat_logprobs(), alone.flat_logprobs()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ weights
+def test_load_weights_then_generate_equals_a_model_built_with_those_weights():
+    target = tiny_llama(7)
+    engine = HFRolloutEngine(tiny_llama(8), pad_id=PAD, eos_id=EOS)
+    reference = HFRolloutEngine(target, pad_id=PAD, eos_id=EOS)
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=4)
+    before = engine.generate(PROMPTS, sampling)
+    # Sent as a stream of (name, tensor), half of them in another dtype: load_weights casts into place.
+    loaded = engine.load_weights((name, t.double() if i % 2 else t) for i, (name, t) in
+                                 enumerate(target.state_dict().items()))
+    assert loaded == len(target.state_dict())
+    after, expected = engine.generate(PROMPTS, sampling), reference.generate(PROMPTS, sampling)
+    for a, b in zip(after.flat_responses(), expected.flat_responses()):
+        assert torch.equal(a, b)
+    for a, b in zip(after.flat_logprobs(), expected.flat_logprobs()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(before.flat_responses(), after.flat_responses()))
+
+
+def test_load_weights_names_the_unknown_or_misshapen_tensor(engine):
+    with pytest.raises(RolloutError, match=r"no parameter or buffer named 'model.layers.0.mlp.up_proj.weigth'.*"
+                                           r"did you mean 'model.layers.0.mlp.up_proj.weight'"):
+        engine.load_weights([("model.layers.0.mlp.up_proj.weigth", torch.zeros(64, 32))])
+    with pytest.raises(RolloutError, match=r"'model.norm.weight' has shape \(32,\) in the model but \(31,\)"):
+        engine.load_weights([("model.norm.weight", torch.zeros(31))])
+
+
+def test_sleep_and_wake_keep_the_weights_on_cpu(engine, model):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.sleep()
+    engine.wake()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert engine.device.type == "cpu"
