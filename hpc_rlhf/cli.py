@@ -25,6 +25,7 @@ COMMANDS = {
     "plan": "hpc_rlhf.dist.plan_cli",
     "assets": "hpc_rlhf.data.assets",
     "demo": "hpc_rlhf.demo",
+    "submit": "hpc_rlhf.launch.slurm",
 }
 DESCRIPTIONS = {
     "sft": "supervised fine-tuning on prompt/response pairs or chats",
@@ -36,6 +37,7 @@ DESCRIPTIONS = {
     "plan": "print the role placement and per-rank memory estimate",
     "assets": "generate the built-in tiny tokenizer, model configs and task data",
     "demo": "the built-in pipeline on CPU: SFT -> reward model -> PPO",
+    "submit": "queue a training mode on Slurm with submitit (requeued on preemption)",
 }
 
 

@@ -22,7 +22,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from hpc_rlhf.config import ConfigError
+from hpc_rlhf.dist import watchdog
 from hpc_rlhf.dist.bootstrap import LOOPBACK, BootstrapError, detect_launch, free_port, init_distributed, shutdown
+
+PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.common.Preempted: checkpoint written, requeue me
 
 LOCAL_LAUNCH_FLAG = "HPC_RLHF_LOCAL_LAUNCH"
 # Where a locally launched rank records why and when it failed. A rank that fails makes its peers fail a moment
@@ -31,6 +34,16 @@ ERROR_FILE_VAR = "HPC_RLHF_ERROR_FILE"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # Errors that describe bad input rather than a bug: shown as one line, exit code 2, no traceback.
 USER_ERRORS = (ConfigError, BootstrapError, ValueError)
+
+
+def run_input_errors() -> tuple[type[Exception], ...]:
+    """Bad input found while a run sets up (data rows, placements, reward functions): one line, exit code 2.
+    Imported here, not at the top, so that the launcher itself stays light."""
+    from hpc_rlhf.data.loading import DataError
+    from hpc_rlhf.dist.placement import PlacementError
+    from hpc_rlhf.rewards import RewardFunctionError
+
+    return ConfigError, BootstrapError, DataError, PlacementError, RewardFunctionError
 
 
 def ranks_needed(cfg: Any) -> int:
@@ -74,15 +87,26 @@ def _run_on_this_rank(mode: str, cfg: Any, run_fn: Callable[[Any], Any], needed:
         run_fn(cfg)
         import torch.distributed as dist
 
+        watchdog.stop()  # failure handling: before the barrier, after which rank 0 may take the store away
         # Rank 0 hosts the rendezvous store: it must not leave while other ranks still finish their last step.
         dist.barrier()
         return 0
-    except (ConfigError, BootstrapError) as exc:
+    except SystemExit as exc:
+        if exc.code != PREEMPTED_EXIT_CODE:
+            raise
+        # Checkpoint written: leave with the requeue code. srun --kill-on-bad-exit SIGTERMs the other ranks
+        # as soon as one exits; a rank still tearing down must not die of it (srun would report 143, not 75).
+        watchdog.stop()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return PREEMPTED_EXIT_CODE
+    except run_input_errors() as exc:
         _record_failure(str(exc))
+        watchdog.report_failure(exc)  # failure handling: tell the other ranks at once
         print(f"rank {launch.rank}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - any failure of a rank ends that rank with a message
         _record_failure(f"{type(exc).__name__}: {exc}")
+        watchdog.report_failure(exc)  # failure handling: tell the other ranks at once
         traceback.print_exc()
         print(f"rank {launch.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

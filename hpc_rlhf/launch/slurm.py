@@ -1,0 +1,289 @@
+"""Submit a training mode to Slurm from Python (submitit), and requeue a preempted job.
+
+    job = submit("sft", "examples/tiny/sft.yaml", ["train.max_steps=50"], nodes=2, tasks_per_node=2)
+    job.results()          # one entry per task, when the job is done
+
+or from a shell (the same arguments; everything after `--` is a key=value override of the mode)::
+
+    python -m hpc_rlhf.launch.slurm sft --config examples/tiny/sft.yaml --nodes 2 --tasks-per-node 2 \
+        --wait -- train.max_steps=50
+
+Inside an srun step, `python -m hpc_rlhf.launch.slurm rank MODE ...` runs one rank (`run_rank`): what the
+sbatch scripts start on every task.
+
+Each Slurm task runs `hpc_rlhf.cli.main([mode, ...])` in submitit's process; our bootstrap recognises the srun
+step from its SLURM_* variables, so submitit jobs form the same world as sbatch jobs.
+
+Preemption and walltime. Slurm sends SIGUSR1 `signal_delay_s` seconds before the time limit (and SIGTERM on
+preemption); the trainers stop every rank after the same step, write a checkpoint and exit with code 75
+(`Preempted`). The task then asks Slurm to requeue the job (`requeue_self`, rank 0 only) and exits without a
+result, so submitit keeps waiting; the requeued job runs the same task again and the trainer resumes from the
+newest checkpoint in its output_dir. The task holds no state of its own: `checkpoint()` (called by submitit's
+own signal handler, which is in charge until the trainer has installed its handlers) resubmits it unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import submitit
+
+PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.common.Preempted.EXIT_CODE (not imported: that pulls in torch)
+STOP_SIGNAL = "USR1"  # what the trainers' StopSignal handles (besides SIGTERM)
+# Slurm needs this much time after the stop signal for the last step, the checkpoint and the exit.
+MIN_SECONDS_AFTER_SIGNAL = 60
+
+
+class SlurmLaunchError(RuntimeError):
+    """A submission that cannot work (bad arguments, not inside a Slurm job); the message says why."""
+
+
+# -------------------------------------------------------------------------------------------------- requeue
+def requeue_self(job_id: str | None = None, *, env: Mapping[str, str] | None = None) -> str:
+    """`scontrol requeue` this job (SLURM_JOB_ID, or `job_id`); returns the job id that was requeued.
+
+    Slurm then ends the running job and queues it again under the same id, with SLURM_RESTART_COUNT + 1.
+    Raises SlurmLaunchError outside a Slurm job or when scontrol refuses (its message is included).
+    """
+    env = os.environ if env is None else env
+    # SLURM_JOB_ID is unique also for each element of a job array, so it names exactly this job.
+    job_id = job_id or env.get("SLURM_JOB_ID")
+    if not job_id:
+        raise SlurmLaunchError("requeue_self: SLURM_JOB_ID is not set, so this process is not inside a Slurm job")
+    try:
+        proc = subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise SlurmLaunchError("requeue_self: scontrol is not on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmLaunchError(f"requeue_self: scontrol requeue {job_id} did not answer within 60 s") from None
+    if proc.returncode != 0:
+        reason = " ".join((proc.stderr or proc.stdout or "").split())
+        raise SlurmLaunchError(f"requeue_self: scontrol requeue {job_id} failed (exit {proc.returncode}): {reason}")
+    return str(job_id)
+
+
+def should_requeue(exit_code: int, restart_count: int, max_restarts: int) -> bool:
+    """True when a step that ended with `exit_code` should be requeued (a checkpoint was written for it)."""
+    return exit_code == PREEMPTED_EXIT_CODE and restart_count < max_restarts
+
+
+# ------------------------------------------------------------------------------------------------ one rank
+def run_rank(argv: Sequence[str]) -> int:
+    """Run `hpc-rlhf ARGV...` as one rank of a Slurm step and return its exit code (75 after a preemption).
+
+    `srun --kill-on-bad-exit=1` answers the first rank that exits 75 by sending SIGTERM to the others. They
+    have written their checkpoint by then and are only exiting, but Python puts the default SIGTERM action
+    back while it shuts down, so a rank still tearing down torch would die by that signal; srun would then
+    report 143 instead of 75 and the batch script would not requeue. A preempted rank therefore ignores
+    SIGTERM from here on (Python leaves an ignored signal ignored at shutdown).
+    """
+    from hpc_rlhf import cli
+
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:  # Preempted is a SystemExit(75); argparse exits with 2
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    if code == PREEMPTED_EXIT_CODE:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return code
+
+
+# --------------------------------------------------------------------------------------------- the job task
+def _global_rank(env: Mapping[str, str]) -> int:
+    return int(env.get("SLURM_PROCID", env.get("RANK", "0")))
+
+
+class TrainingTask(submitit.helpers.Checkpointable):
+    """Runs `hpc-rlhf MODE ARGS...` on one Slurm task; requeues the job when the mode was preempted."""
+
+    def __init__(self, mode: str, args: Sequence[str], max_restarts: int = 100):
+        self.mode = mode
+        self.args = list(args)
+        self.max_restarts = max_restarts
+
+    def __call__(self) -> dict[str, Any]:
+        code = run_rank([self.mode, *self.args])
+        rank = _global_rank(os.environ)
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        if code == PREEMPTED_EXIT_CODE:
+            if not should_requeue(code, restarts, self.max_restarts):
+                raise RuntimeError(f"hpc-rlhf {self.mode} was preempted again after {restarts} restarts "
+                                   f"(max_restarts={self.max_restarts}); not requeueing")
+            if rank == 0:
+                try:
+                    print(f"hpc-rlhf {self.mode}: checkpoint written, requeueing job {requeue_self()} "
+                          f"(restart {restarts + 1})", file=sys.stderr, flush=True)
+                except SlurmLaunchError as exc:
+                    # Slurm may be requeueing the job itself (preemption with PreemptMode=REQUEUE). If not, the
+                    # job ends without a result and the checkpoint waits for a resubmission.
+                    print(f"hpc-rlhf {self.mode}: checkpoint written; {exc}", file=sys.stderr, flush=True)
+            # No return value: submitit would record the job as finished. Slurm ends this run and starts the
+            # requeued one, which resumes from the checkpoint.
+            raise SystemExit(code)
+        if code != 0:
+            raise RuntimeError(f"hpc-rlhf {self.mode} failed on rank {rank} with exit code {code}; its output is "
+                               f"in this job's submitit log")
+        return {"rank": rank, "exit_code": 0, "restarts": restarts}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        # The training state is in output_dir (the trainers resume from it), so the task resubmits unchanged.
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- submission
+def slurm_parameters(*, nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: int = 0, cpus_per_task: int = 1,
+                     time_min: int = 60, partition: str | None = None, account: str | None = None,
+                     signal_delay_s: int = 60, job_name: str = "hpc_rlhf",
+                     extra_slurm: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Our arguments as `submitit.SlurmExecutor.update_parameters` keywords (checked, no cluster needed)."""
+    for name, value, minimum in (("nodes", nodes, 1), ("tasks_per_node", tasks_per_node, 1),
+                                 ("gpus_per_node", gpus_per_node, 0), ("cpus_per_task", cpus_per_task, 1),
+                                 ("time_min", time_min, 1), ("signal_delay_s", signal_delay_s, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise SlurmLaunchError(f"submit: {name} must be an integer of at least {minimum}, got {value!r}")
+    if time_min * 60 < signal_delay_s + MIN_SECONDS_AFTER_SIGNAL:
+        raise SlurmLaunchError(f"submit: time_min={time_min} leaves no room for the stop signal: the time limit "
+                               f"must exceed signal_delay_s ({signal_delay_s} s) by at least "
+                               f"{MIN_SECONDS_AFTER_SIGNAL} s, or the job ends before it can checkpoint")
+    params: dict[str, Any] = {
+        "job_name": job_name,
+        "nodes": nodes,
+        "ntasks_per_node": tasks_per_node,
+        "cpus_per_task": cpus_per_task,
+        "time": time_min,
+        "signal_delay_s": signal_delay_s,
+        # submitit would ask for its own USR2; our trainers checkpoint on USR1 (and SIGTERM). Inside the job,
+        # submitit's handler uses the same signal until the trainer takes it over.
+        "setup": [f"export SUBMITIT_PREEMPT_SIGNAL={STOP_SIGNAL}"],
+        "additional_parameters": {"signal": f"{STOP_SIGNAL}@{signal_delay_s}", "requeue": True},
+    }
+    if gpus_per_node:  # `--gpus-per-node=0` is refused by clusters without GPU resources
+        params["gpus_per_node"] = gpus_per_node
+    if partition:
+        params["partition"] = partition
+    if account:
+        params["account"] = account
+    for key, value in (extra_slurm or {}).items():
+        # Plain sbatch options (e.g. {"qos": "high", "constraint": "a100"}) win over ours.
+        params["additional_parameters"][str(key).replace("_", "-")] = value
+    return params
+
+
+def task_args(config: str | None, overrides: Sequence[str], world_size: int) -> list[str]:
+    """The mode's command-line arguments: config, overrides and, unless given, the world size to expect."""
+    args = ["--config", str(config)] if config else []
+    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
+    if bad:
+        raise SlurmLaunchError(f"submit: override {bad[0]!r} is not key=value")
+    args += list(overrides)
+    # Single-model modes check the world against dist.nproc; placement modes ignore it.
+    if not any(o.startswith("dist.nproc=") for o in overrides):
+        args.append(f"dist.nproc={world_size}")
+    return args
+
+
+def container_python(container: str | None) -> str | None:
+    """The python command of the job: inside `apptainer exec --nv IMAGE` when a container is given."""
+    if not container:
+        return None
+    return f"apptainer exec --nv {shlex.quote(str(container))} python"
+
+
+def submit(mode: str, config: str | None = None, overrides: Sequence[str] = (), nodes: int = 1,
+           tasks_per_node: int = 1, gpus_per_node: int = 0, cpus_per_task: int = 1, time_min: int = 60,
+           partition: str | None = None, account: str | None = None, folder: str | os.PathLike = "runs/submitit",
+           signal_delay_s: int = 60, container: str | None = None,
+           extra_slurm: Mapping[str, Any] | None = None) -> submitit.Job:
+    """Queue `hpc-rlhf MODE` on nodes x tasks_per_node Slurm tasks; returns the submitit Job.
+
+    `folder` receives submitit's pickles and logs (one subfolder per job id; it must be on a file system the
+    nodes share). The job runs in the current directory, so relative config paths work as they do here.
+    """
+    from hpc_rlhf.cli import COMMANDS, TRAINING_MODES
+
+    if mode not in TRAINING_MODES:
+        kind = "a command, not a training mode" if mode in COMMANDS else "not a mode"
+        raise SlurmLaunchError(f"submit: '{mode}' is {kind}; choose one of {', '.join(TRAINING_MODES)}")
+    if config is not None and not Path(config).is_file():
+        raise SlurmLaunchError(f"submit: config file {config} does not exist")
+    params = slurm_parameters(nodes=nodes, tasks_per_node=tasks_per_node, gpus_per_node=gpus_per_node,
+                              cpus_per_task=cpus_per_task, time_min=time_min, partition=partition, account=account,
+                              signal_delay_s=signal_delay_s, job_name=f"hpc_rlhf-{mode}", extra_slurm=extra_slurm)
+    task = TrainingTask(mode, task_args(config, overrides, nodes * tasks_per_node))
+    executor = submitit.SlurmExecutor(folder=Path(folder) / "%j", python=container_python(container))
+    executor.update_parameters(**params)
+    return executor.submit(task)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hpc_rlhf.launch.slurm",
+        description="Queue an hpc-rlhf training mode on Slurm with submitit (requeued on preemption).",
+        epilog="example: python -m hpc_rlhf.launch.slurm sft --config examples/tiny/sft.yaml --nodes 2 "
+               "--tasks-per-node 2 --wait -- train.max_steps=50")
+    parser.add_argument("mode", help="training mode (sft, rm, dpo, kto, ppo, grpo)")
+    parser.add_argument("--config", "-c", default=None, help="YAML config of the mode")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--tasks-per-node", type=int, default=1, help="ranks per node (one per GPU)")
+    parser.add_argument("--gpus-per-node", type=int, default=0)
+    parser.add_argument("--cpus-per-task", type=int, default=1)
+    parser.add_argument("--time-min", type=int, default=60, help="time limit of one run, in minutes")
+    parser.add_argument("--partition", default=None)
+    parser.add_argument("--account", default=None)
+    parser.add_argument("--folder", default="runs/submitit", help="submitit pickles and logs (shared file system)")
+    parser.add_argument("--signal-delay-s", type=int, default=60,
+                        help="SIGUSR1 this many seconds before the time limit: checkpoint and requeue")
+    parser.add_argument("--container", default=None, help="Apptainer image (.sif) to run in, with --nv")
+    parser.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra sbatch option, e.g. --slurm qos=high (repeatable)")
+    parser.add_argument("--wait", action="store_true", help="wait for the job and exit with its outcome")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["rank"]:  # inside an srun step (see sbatch/common.sh): one rank, not a submission
+        return run_rank(argv[1:])
+    own, overrides = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(own)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    extra = {}
+    for item in args.slurm:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"{parser.prog}: --slurm {item!r} is not KEY=VALUE", file=sys.stderr)
+            return 2
+        extra[key] = value
+    try:
+        job = submit(args.mode, args.config, overrides, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
+                     gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time_min=args.time_min,
+                     partition=args.partition, account=args.account, folder=args.folder,
+                     signal_delay_s=args.signal_delay_s, container=args.container, extra_slurm=extra)
+    except SlurmLaunchError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
+    print(f"submitted job {job.job_id} ({args.mode}); logs in {Path(args.folder) / str(job.job_id)}", flush=True)
+    if not args.wait:
+        return 0
+    try:
+        results = job.results()
+    except Exception as exc:  # noqa: BLE001 - submitit re-raises the task's failure; show it as one message
+        print(f"job {job.job_id} failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"job {job.job_id} finished: {len(results)} task(s), restarts {max(r['restarts'] for r in results)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+# Shared logic of the sbatch scripts in this folder; they source it, it is not run on its own.
+#
+# Slurm runs a copy of the batch script from its spool folder, so the scripts find this file through
+# HPC_RLHF_HOME (default: the folder `sbatch` was called from, SLURM_SUBMIT_DIR). Submit from the repository
+# root, or export HPC_RLHF_HOME=/path/to/hpc_rlhf. Jobs run in the submit folder: relative paths in configs
+# (examples/tiny/...) are read from there.
+#
+# Settings every script understands (environment variables, exported before `sbatch` or set in the script):
+#   MODE, CONFIG        the training mode and its YAML config (CONFIG= empty: the mode's defaults)
+#   PLACEMENT           roles on ranks (ppo, grpo), e.g. actor=4,critic=2,ref=1,reward=1,rollout=8,rollout_tp=2;
+#                       checked against the allocation, then passed to the mode as placement=...; single-model
+#                       modes (sft, rm, dpo, kto) use actor=<all ranks>
+#   PYTHON              the interpreter with hpc_rlhf installed (default: python on PATH)
+#   CONTAINER           an Apptainer image (.sif): every rank runs `apptainer exec --nv $CONTAINER python ...`;
+#                       binds come from APPTAINER_BIND (e.g. APPTAINER_BIND=/scratch,/datasets)
+#   MAX_RESTARTS        requeue a preempted job at most this many times (default 20)
+#   MASTER_ADDR/PORT    rendezvous; default: first host of the allocation, port 20000 + job id % 20000
+#   NCCL_*              passed to every rank unchanged when set (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...);
+#                       when unset NCCL picks its own defaults
+
+HPC_PREEMPTED_EXIT_CODE=75  # hpc_rlhf.trainers.common.Preempted: checkpoint written, run me again
+HPC_ROLE_MODES=" ppo grpo "  # modes whose roles are placed on ranks; the others are one data-parallel group
+
+hpc_is_role_mode() { [[ "$HPC_ROLE_MODES" == *" $MODE "* ]]; }
+
+hpc_log() { echo "[$(date +%T) job ${SLURM_JOB_ID:-?} restart ${SLURM_RESTART_COUNT:-0}] $*"; }
+hpc_die() { hpc_log "ERROR: $*" >&2; exit 2; }
+
+# Ranks per node, from SLURM_TASKS_PER_NODE ("4(x2)" or "4,4"): the plan needs nodes of equal size.
+hpc_ranks_per_node() {
+  local first=${SLURM_TASKS_PER_NODE%%,*}
+  echo "${first%%(*}"
+}
+
+# Environment of the job: rendezvous, threads, the python command (local or in the container).
+hpc_setup() {
+  [ -n "${SLURM_JOB_ID:-}" ] || hpc_die "run this script with sbatch (SLURM_JOB_ID is not set)"
+  MODE=${MODE:?MODE must be set (sft, rm, dpo, kto, ppo, grpo)}
+  CONFIG=${CONFIG-}
+  if [ -z "${PLACEMENT:-}" ]; then
+    hpc_is_role_mode && hpc_die "MODE=$MODE places roles on ranks: set PLACEMENT (see hpc-rlhf plan --help)"
+    PLACEMENT=actor=$SLURM_NTASKS
+  fi
+  if [ -n "$CONFIG" ] && [ ! -f "$CONFIG" ]; then
+    hpc_die "CONFIG=$CONFIG does not exist (relative to $(pwd)); set CONFIG to your YAML file"
+  fi
+  # hpc_rlhf's bootstrap derives the same values; exporting them lets other tools (and NCCL's logs) see them.
+  export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+  export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+  export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  if [ -n "${CONTAINER:-}" ]; then
+    [ -f "$CONTAINER" ] || hpc_die "CONTAINER=$CONTAINER is not a file (build it: see containers/README.md)"
+    command -v apptainer >/dev/null || hpc_die "CONTAINER is set but apptainer is not on PATH (module load apptainer?)"
+    # --nv maps the host's NVIDIA driver and GPUs into the container.
+    HPC_PYTHON=(apptainer exec --nv "$CONTAINER" python)
+  else
+    HPC_PYTHON=(${PYTHON:-python})
+  fi
+  hpc_log "mode=$MODE config=${CONFIG:-<defaults>} nodes=$SLURM_JOB_NODELIST tasks=$SLURM_NTASKS" \
+          "(per node $(hpc_ranks_per_node)) master=$MASTER_ADDR:$MASTER_PORT python=${HPC_PYTHON[*]}"
+  local nccl
+  nccl=$(env | grep -E '^NCCL_' | sort | tr '\n' ' ')
+  [ -z "$nccl" ] || hpc_log "NCCL settings: $nccl"
+}
+
+# Check the placement against this allocation before any rank starts: `hpc-rlhf plan` exits non-zero when the
+# roles do not add up to the world or an engine would straddle nodes, so the job ends in seconds, not after
+# every rank has loaded a model. It also prints the memory each rank needs. Usage: hpc_check_plan MODEL [flags]
+# (MODEL: a preset such as 7b or 70b, or a model folder; flags: those of `hpc-rlhf plan`, e.g. --adam-offload).
+hpc_check_plan() {
+  local model=$1
+  shift
+  "${HPC_PYTHON[@]}" -m hpc_rlhf plan --world-size "$SLURM_NTASKS" --gpus-per-node "$(hpc_ranks_per_node)" \
+    --placement "$PLACEMENT" --model "$model" "$@" \
+    || hpc_die "placement '$PLACEMENT' does not fit this allocation ($SLURM_NTASKS ranks," \
+               "$(hpc_ranks_per_node) per node); not starting"
+}
+
+# Run the mode on every task, then requeue the job if it was preempted. Usage: hpc_train [key=value ...]
+#
+# Why the script requeues: `#SBATCH --requeue` only lets Slurm requeue a job after a node failure or a
+# preemption it performs itself. A job that reaches its time limit simply ends (TIMEOUT). Our ranks checkpoint
+# on the early SIGUSR1 (#SBATCH --signal) and exit with code 75; the script then calls `scontrol requeue`, and
+# the job runs again under the same id, appending to the same log (--open-mode=append), and resumes from the
+# newest checkpoint in output_dir.
+hpc_train() {
+  # `hpc_rlhf.launch.slurm rank` is `hpc_rlhf MODE` plus a clean exit code 75 for srun (see run_rank there).
+  local args=(-m hpc_rlhf.launch.slurm rank "$MODE")
+  [ -z "$CONFIG" ] || args+=(--config "$CONFIG")
+  # The placement that was checked is the one the ranks use; single-model modes are told the world size.
+  if hpc_is_role_mode; then args+=("placement=$PLACEMENT"); else args+=("dist.nproc=$SLURM_NTASKS"); fi
+  # When Slurm preempts the job it sends SIGTERM to the batch shell too; the shell must outlive srun so that
+  # the ranks can finish their checkpoint, so it only notes the signal.
+  local signalled=0
+  trap 'signalled=1; hpc_log "SIGTERM: job preempted or cancelled; ranks are checkpointing"' TERM
+  # --kill-on-bad-exit: one failed rank ends the step at once, instead of the others waiting in a collective
+  # until its timeout. Ranks that are already stopping for a checkpoint ignore that SIGTERM and finish.
+  srun --kill-on-bad-exit=1 "${HPC_PYTHON[@]}" "${args[@]}" "$@" &
+  local pid=$! rc
+  wait "$pid"; rc=$?
+  while [ "$signalled" = 1 ]; do signalled=0; wait "$pid"; rc=$?; done
+  trap - TERM
+  if [ "$rc" = "$HPC_PREEMPTED_EXIT_CODE" ]; then
+    local restarts=${SLURM_RESTART_COUNT:-0}
+    if [ "$restarts" -ge "${MAX_RESTARTS:-20}" ]; then
+      hpc_log "preempted after $restarts restarts (MAX_RESTARTS=${MAX_RESTARTS:-20}); not requeueing"
+      return "$rc"
+    fi
+    hpc_log "ranks checkpointed and stopped (exit $rc); requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" \
+      || hpc_log "scontrol requeue failed (already requeued by Slurm?); if the job ends, resubmit it to continue"
+    return "$rc"
+  fi
+  hpc_log "training step ended with exit code $rc"
+  return "$rc"
+}

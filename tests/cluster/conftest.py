@@ -1,0 +1,236 @@
+"""The local Slurm cluster (scripts/local_slurm.sh) and the jobs the cluster tests check.
+
+`cluster` uses a running local cluster, or brings one up once per session when this machine can host it (root
+on Debian) and stops it again at the end (KEEP_LOCAL_SLURM=1 keeps it). Only when neither is possible are the
+tests skipped, with the reason the script gives.
+
+`tiny_jobs` submits every job of the cluster tests at once, at the start of the session, so that they share
+the machine's cores instead of waiting for each other: the built-in tiny SFT (2 nodes x 2 tasks, the
+reference), the same job preempted mid-run, the tiny job under `mpirun` and under `srun --mpi=pmix`, and a
+submitit submission (also preempted). Background threads send the preemption signals as soon as those jobs
+have logged a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import REPO, worker_env
+
+SCRIPT = REPO / "scripts" / "local_slurm.sh"
+STEPS = 30  # long enough that the preemption signal lands mid-run, short enough for a minute-long job
+JOB_TIMEOUT_S = 600
+# Printed by each rank before training: how our bootstrap sees the launch (no torch import).
+PROBE = ("from hpc_rlhf.dist.bootstrap import detect_launch; i = detect_launch(); "
+         "print('PROBE', i.launcher, i.rank, i.world_size, flush=True)")
+
+
+def _script(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class LocalCluster:
+    """Submits and watches jobs of the local cluster, with the environment they need."""
+    env: dict[str, str]
+
+    def run(self, cmd: list[str], timeout: float = 60) -> str:
+        proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise AssertionError(f"{shlex.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return proc.stdout
+
+    def sbatch(self, *args: str, env: dict[str, str] | None = None) -> str:
+        """Submit from the repository root (the sbatch scripts read examples/ and sbatch/ from there)."""
+        proc = subprocess.run(["sbatch", "--parsable", *args], cwd=REPO, env={**self.env, **(env or {})},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, f"sbatch {' '.join(args)} failed: {proc.stderr}"
+        return proc.stdout.strip().split(";")[0]
+
+    def job_fields(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (the record stays MinJobAge=300 s after the end)."""
+        out = self.run(["scontrol", "show", "job", "-o", job_id])
+        return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+    def wait(self, job_id: str, timeout: float = JOB_TIMEOUT_S) -> dict[str, str]:
+        """Wait until the job has left the queue for good (a requeued job stays in it); return its record."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.job_fields(job_id).get("JobState", "")
+            if state not in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "REQUEUE_HOLD",
+                             "SUSPENDED"):
+                return self.job_fields(job_id)
+            time.sleep(1)
+        subprocess.run(["scancel", job_id], env=self.env)
+        raise AssertionError(f"job {job_id} did not finish within {timeout:g} s: {self.job_fields(job_id)}")
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    started_here = False
+    if _script("status", timeout=60).returncode != 0:
+        check = _script("check", timeout=60)
+        if check.returncode != 0:
+            pytest.skip(f"local Slurm cluster is not up and this machine cannot host it: {check.stdout.strip()}")
+        up = _script("up", timeout=900)  # apt-get install the first time: a few minutes
+        assert up.returncode == 0, f"scripts/local_slurm.sh up failed:\n{up.stdout}\n{up.stderr}"
+        print(up.stdout, file=sys.stderr)
+        started_here = True
+    prefix = _status_prefix()
+    env = worker_env({"PATH": f"{Path(sys.executable).parent}:{worker_env()['PATH']}",
+                      "HPC_RLHF_HOME": str(REPO)})
+    # Open MPI settings the script wrote (root, oversubscription, no shared memory across fake nodes).
+    dumped = subprocess.run(["bash", "-c", f"source {shlex.quote(prefix)}/env.sh && env -0"], capture_output=True,
+                            text=True, check=True).stdout
+    env.update(kv.split("=", 1) for kv in dumped.split("\0") if kv.startswith("OMPI_"))
+    yield LocalCluster(env)
+    # Leave the machine as the session found it; KEEP_LOCAL_SLURM=1 keeps it up for the next run.
+    if started_here and os.environ.get("KEEP_LOCAL_SLURM") != "1":
+        _script("down", timeout=120)
+
+
+def _status_prefix() -> str:
+    first = _script("status", timeout=60).stdout.splitlines()[0]  # "local slurm up (prefix /tmp/...)"
+    return first.split("(prefix ", 1)[1].rstrip(")")
+
+
+# ------------------------------------------------------------------------------------------------- the jobs
+@dataclass
+class Submitted:
+    job_id: str
+    output_dir: Path
+    log: Path
+
+    def metrics(self) -> list[dict]:
+        path = self.output_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class Preemption:
+    """What the signalling thread did: the step it had seen when it sent SIGUSR1 (None: it never sent it)."""
+    step_seen: int | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class TinyJobs:
+    config: Path
+    reference: Submitted
+    preempted: Submitted
+    preemption: Preemption
+    mpirun: Submitted
+    srun_pmix: Submitted
+    submitit_job: object
+    submitit_run: Submitted
+    submitit_preemption: Preemption
+
+
+def write_tiny_config(path: Path) -> Path:
+    """The built-in tiny SFT, cut to STEPS logged steps with a short evaluation.
+
+    Paths are absolute: submitit jobs run in the directory pytest was started from, which may not be the root.
+    """
+    from hpc_rlhf.config import TINY_ASSETS
+
+    assets = REPO / TINY_ASSETS
+    path.write_text(f"""\
+model:
+  path: {assets}/models/llama-tiny
+data:
+  train_files: [{assets}/data/sft_train.jsonl]
+  eval_files: [{assets}/data/sft_eval.jsonl]
+  max_eval_rows: 16
+train:
+  max_steps: {STEPS}
+  batch_size: 8
+  micro_batch_size: 2
+  warmup_steps: 2
+eval:
+  prompt_files: [{assets}/data/prompts_eval.jsonl]
+  max_rows: 8
+log:
+  every_steps: 1
+  eval_every_steps: 0
+  progress: false
+  tensorboard: false
+""")
+    return path
+
+
+def _signal_when_running(cluster: LocalCluster, job: Submitted, record: Preemption, min_step: int = 2) -> None:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            try:
+                steps = [row["step"] for row in job.metrics()]
+            except (FileNotFoundError, json.JSONDecodeError):  # not started, or a line half written
+                steps = []
+            if steps and max(steps) >= min_step:
+                cluster.run(["scancel", "--signal=USR1", job.job_id])
+                record.step_seen = max(steps)
+                return
+            if cluster.job_fields(job.job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+                record.error = "the job ended before it could be signalled"
+                return
+            time.sleep(0.1)
+        record.error = "no step was logged in time"
+    except Exception as exc:  # noqa: BLE001 - reported by the test that reads the record
+        record.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        record.done.set()
+
+
+@pytest.fixture(scope="session")
+def tiny_jobs(cluster: LocalCluster, tmp_path_factory) -> TinyJobs:
+    from hpc_rlhf.config import TINY_ASSETS
+    from hpc_rlhf.data.assets import ensure_assets
+
+    ensure_assets(REPO / TINY_ASSETS)  # once here, not by five jobs at the same time
+    root = tmp_path_factory.mktemp("cluster")
+    config = write_tiny_config(root / "sft.yaml")
+
+    def tiny(name: str) -> Submitted:
+        out = root / name
+        job_id = cluster.sbatch(f"--output={root}/{name}-%j.out", "sbatch/tiny_cpu.sbatch", f"output_dir={out}",
+                                env={"MODE": "sft", "CONFIG": str(config)})
+        return Submitted(job_id, out, Path(f"{root}/{name}-{job_id}.out"))
+
+    def wrapped(name: str, nodes: int, tasks: int, command: str) -> Submitted:
+        out = root / name
+        script = command.format(probe=shlex.quote(PROBE), config=config, out=out, py=shlex.quote(sys.executable))
+        job_id = cluster.sbatch(f"--nodes={nodes}", f"--ntasks={tasks}", f"--output={root}/{name}-%j.out",
+                                "--time=15", f"--wrap={script}")
+        return Submitted(job_id, out, Path(f"{root}/{name}-{job_id}.out"))
+
+    preempted = tiny("preempted")  # first: its signal must arrive while it trains
+    record = Preemption()
+    threading.Thread(target=_signal_when_running, args=(cluster, preempted, record), daemon=True).start()
+    reference = tiny("reference")
+    train = "-m hpc_rlhf sft --config {config} output_dir={out} dist.nproc=2 dist.backend=gloo"
+    # One node: mpirun starts both ranks itself, so they carry the batch step's SLURM_PROCID=0 and our
+    # bootstrap must take rank, size and master address from MPI.
+    mpirun = wrapped("mpirun", 1, 2, "mpirun -n 2 {py} -c {probe} && mpirun -n 2 {py} " + train)
+    srun_pmix = wrapped("srun_pmix", 2, 2, "srun --mpi=pmix {py} -c {probe} && "
+                                           "srun --mpi=pmix --kill-on-bad-exit=1 {py} " + train)
+    from hpc_rlhf.launch.slurm import submit
+
+    submitit_dir = root / "submitit"
+    job = submit("sft", str(config), [f"output_dir={root / 'submitit_run'}", "dist.backend=gloo"], nodes=2,
+                 tasks_per_node=1, time_min=15, folder=submitit_dir)
+    # Preempted too: the task itself must requeue the job (rank 0) and submitit must wait for the second run.
+    submitit_run = Submitted(job.job_id, root / "submitit_run", submitit_dir / job.job_id / f"{job.job_id}_0_log.err")
+    submitit_record = Preemption()
+    threading.Thread(target=_signal_when_running, args=(cluster, submitit_run, submitit_record), daemon=True).start()
+    return TinyJobs(config, reference, preempted, record, mpirun, srun_pmix, job, submitit_run, submitit_record)

@@ -1,0 +1,33 @@
+"""`sbatch sbatch/tiny_cpu.sbatch` on the local two-node cluster: 4 ranks on node1 and node2 train and finish."""
+
+import json
+import math
+
+import pytest
+
+from tests.cluster.conftest import STEPS
+
+pytestmark = pytest.mark.cluster
+
+
+def test_tiny_job_trains_across_two_nodes_and_writes_metrics_and_final_model(cluster, tiny_jobs):
+    job = tiny_jobs.reference
+    record = cluster.wait(job.job_id)
+    log = job.log.read_text()
+    assert record["JobState"] == "COMPLETED", f"{record}\n{log[-4000:]}"
+    assert record["ExitCode"] == "0:0" and record["Restarts"] == "0"
+    assert record["NumNodes"] == "2" and record["NumTasks"] == "4" and record["NodeList"] == "node[1-2]"
+    assert "the plan fits" in log  # the placement was checked before the ranks started
+
+    rows = job.metrics()
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    losses = [r["loss"] for r in rows]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses  # it learned, not only ran
+    assert "eval_loss" in rows[-1]
+
+    state = json.loads((job.output_dir / "checkpoints" / f"step_{STEPS:09d}" / "trainer_state.json").read_text())
+    assert state["world_size"] == 4 and state["step"] == STEPS
+    final = job.output_dir / "final"
+    assert json.loads((final / "config.json").read_text())["model_type"] == "llama"
+    assert (final / "model.safetensors").stat().st_size > 0

@@ -1,0 +1,146 @@
+"""containers/hpc_rlhf.def, checked as far as a machine without Apptainer can: its structure, its shell, its
+%files, and that it installs what the Makefile and setup.cfg install, with the same pins."""
+
+from __future__ import annotations
+
+import configparser
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[2]
+DEF = REPO / "containers" / "hpc_rlhf.def"
+# Apptainer's section names (definition file reference); anything else would be a typo the build ignores.
+KNOWN_SECTIONS = {"setup", "files", "post", "environment", "runscript", "startscript", "test", "labels", "help",
+                  "arguments", "pre", "appfiles", "appinstall", "appenv", "apprun", "applabels", "apptest",
+                  "apphelp", "appstart"}
+SHELL_SECTIONS = ("post", "environment", "runscript", "test")
+
+
+def parse_def(text: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(header keywords, section name -> body); comments before the first section are skipped."""
+    header: dict[str, str] = {}
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        match = re.match(r"^%(\w+)\s*$", line)
+        if match:
+            current = match.group(1)
+            assert current not in sections, f"section %{current} appears twice"
+            sections[current] = []
+        elif current is not None:
+            sections[current].append(line)
+        elif line.strip() and not line.lstrip().startswith("#"):
+            key, sep, value = line.partition(":")
+            assert sep, f"header line is not 'Keyword: value': {line!r}"
+            header[key.strip()] = value.strip()
+    return header, {name: "\n".join(body) for name, body in sections.items()}
+
+
+HEADER, SECTIONS = parse_def(DEF.read_text())
+
+
+def makefile_specs() -> dict[str, str]:
+    text = (REPO / "Makefile").read_text()
+    return {name: re.search(rf"^{name}\s*\?=\s*(\S+)", text, re.MULTILINE).group(1)
+            for name in ("TORCH_SPEC", "DEEPSPEED_SPEC")}
+
+
+def _requirements(value: str) -> list[Requirement]:
+    return [Requirement(line) for line in value.strip().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def setup_cfg() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser()
+    parser.read(REPO / "setup.cfg")
+    return parser
+
+
+def setup_cfg_extras() -> dict[str, list[Requirement]]:
+    return {name: _requirements(value) for name, value in setup_cfg()["options.extras_require"].items()}
+
+
+def pip_installs(body: str) -> list[str]:
+    return [line.strip() for line in body.splitlines() if "pip install" in line]
+
+
+def quoted_pins(lines: list[str]) -> list[str]:
+    return [pin for line in lines for pin in re.findall(r'"([A-Za-z0-9_.-]+==[^"]+)"', line)]
+
+
+def test_header_bootstraps_from_a_cuda_pytorch_image_with_the_tested_torch():
+    assert HEADER["Bootstrap"] == "docker"
+    image = HEADER["From"]
+    torch_version = makefile_specs()["TORCH_SPEC"].split("==")[1]
+    assert image.startswith(("pytorch/pytorch:", "nvcr.io/nvidia/pytorch:"))
+    assert "cuda" in image and "devel" in image and torch_version in image, image
+
+
+def test_sections_are_known_and_complete():
+    assert set(SECTIONS) <= KNOWN_SECTIONS, set(SECTIONS) - KNOWN_SECTIONS
+    assert {"labels", "help", "files", "post", "environment", "runscript", "test"} <= set(SECTIONS)
+    assert all(SECTIONS[name].strip() for name in SECTIONS), "an empty section"
+
+
+@pytest.mark.parametrize("name", SHELL_SECTIONS)
+def test_shell_sections_parse(name):
+    proc = subprocess.run(["bash", "-n"], input=SECTIONS[name], capture_output=True, text=True)
+    assert proc.returncode == 0, f"%{name}: {proc.stderr}"
+
+
+def test_runscript_is_the_cli():
+    assert SECTIONS["runscript"].strip() == 'exec python -m hpc_rlhf "$@"'
+
+
+def test_files_sources_exist_in_the_repository():
+    entries = [line.split() for line in SECTIONS["files"].splitlines() if line.strip()]
+    assert entries and all(len(e) == 2 for e in entries), entries
+    for source, destination in entries:
+        assert (REPO / source).exists(), f"%files source {source} is not in the repository"
+        assert destination.startswith("/opt/hpc_rlhf/")
+    sources = {source for source, _ in entries}
+    assert {"setup.cfg", "hpc_rlhf", "requirements-cpu.txt"} <= sources  # what the install lines read
+
+
+def test_pins_and_steps_match_the_makefile():
+    post = SECTIONS["post"]
+    lines = pip_installs(post)
+    specs = makefile_specs()
+    pins = quoted_pins(lines)
+    assert specs["TORCH_SPEC"] in pins and specs["DEEPSPEED_SPEC"] in pins
+    makefile = (REPO / "Makefile").read_text()
+    assert "install -q -r requirements-cpu.txt" in makefile
+    assert any(line.endswith("install -r requirements-cpu.txt") for line in lines)
+    deepspeed_line = next(line for line in lines if specs["DEEPSPEED_SPEC"] in line)
+    assert "DS_BUILD_OPS=0" in deepspeed_line and "--no-build-isolation" in deepspeed_line
+    # Same order as `make venv`: torch, the pinned libraries, DeepSpeed, then the package.
+    order = [post.index(specs["TORCH_SPEC"]), post.index("-r requirements-cpu.txt"),
+             post.index(specs["DEEPSPEED_SPEC"]), post.index('".[')]
+    assert order == sorted(order)
+
+
+def test_extras_are_those_of_setup_cfg_and_pins_satisfy_them():
+    extras = setup_cfg_extras()
+    gpu_extras = {"gpu", "vllm", "mpi"}
+    assert gpu_extras <= set(extras)
+    named = re.findall(r'"\.\[([\w,]+)\]"', SECTIONS["post"])
+    assert named, "the package is not installed with extras"
+    installed = {e for group in named for e in group.split(",")}
+    assert installed <= set(extras), installed - set(extras)
+    assert gpu_extras <= installed
+    # Every pin of the container is allowed by the requirement that setup.cfg states for that package.
+    base = _requirements(setup_cfg()["options"]["install_requires"])
+    requirements = {r.name: r for group in [base, *extras.values()] for r in group}
+    assert {"torch", "deepspeed", "vllm"} <= set(requirements)
+    for pin in quoted_pins(pip_installs(SECTIONS["post"])):
+        name, version = pin.split("==")
+        if name in requirements:
+            assert requirements[name].specifier.contains(version), (pin, str(requirements[name]))
+
+
+def test_environment_keeps_compute_nodes_offline():
+    env = SECTIONS["environment"]
+    assert "export HF_HUB_OFFLINE=1" in env and "export HPC_RLHF_HOME=/opt/hpc_rlhf" in env

@@ -1,0 +1,225 @@
+"""The sbatch scripts without a cluster: syntax, required directives, their placement against their own
+allocation, and the batch logic of sbatch/common.sh run for real with stand-in `srun` and `scontrol`."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_rlhf.dist.placement import make_plan
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "sbatch"
+SCRIPTS = sorted(SBATCH.glob("*.sbatch"))
+NAMES = {p.name for p in SCRIPTS}
+GPU_SCRIPTS = [p for p in SCRIPTS if p.name != "tiny_cpu.sbatch"]
+
+
+def directives(path: Path) -> dict[str, str]:
+    """`#SBATCH --key=value` lines that sbatch reads: those before the first command of the script."""
+    found = {}
+    for line in path.read_text().splitlines()[1:]:
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            break
+        match = re.match(r"#SBATCH\s+--([\w-]+)(?:=(\S+))?", stripped)
+        if match:
+            found[match.group(1)] = match.group(2) or ""
+    return found
+
+
+def default_of(path: Path, variable: str) -> str | None:
+    match = re.search(rf"^{variable}=\$\{{{variable}:-([^}}]*)\}}", path.read_text(), re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def test_the_expected_scripts_exist():
+    assert {"tiny_cpu.sbatch", "ppo_70b.sbatch", "ppo_7b.sbatch", "grpo_7b.sbatch", "sft.sbatch", "rm.sbatch",
+            "dpo.sbatch"} <= NAMES
+
+
+@pytest.mark.parametrize("path", SCRIPTS + [SBATCH / "common.sh"], ids=lambda p: p.name)
+def test_bash_syntax(path):
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_required_directives_come_before_the_first_command(path):
+    found = directives(path)
+    assert re.fullmatch(r"USR1@\d+", found.get("signal", "")), found
+    assert "requeue" in found and found.get("open-mode") == "append"
+    assert int(found["nodes"]) >= 1 and int(found["ntasks-per-node"]) >= 1 and "time" in found
+    if path in GPU_SCRIPTS:
+        assert found["gpus-per-node"] == found["ntasks-per-node"]  # one rank per GPU
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_each_script_checks_the_plan_before_training_through_common_sh(path):
+    text = path.read_text()
+    assert 'source "${HPC_RLHF_HOME:-$SLURM_SUBMIT_DIR}/sbatch/common.sh"' in text
+    calls = [line.split()[0] for line in text.splitlines() if line.startswith("hpc_")]
+    assert calls == ["hpc_setup", "hpc_check_plan", "hpc_train"]
+    # srun, its flags and the requeue live in common.sh only
+    assert not any(line.lstrip().startswith(("srun", "scontrol")) for line in text.splitlines())
+
+
+def test_signal_delay_leaves_room_within_the_time_limit():
+    for path in SCRIPTS:
+        found = directives(path)
+        hours, minutes, seconds = (int(x) for x in found["time"].split(":"))
+        delay = int(found["signal"].split("@")[1])
+        assert delay + 60 <= hours * 3600 + minutes * 60 + seconds, path.name
+
+
+@pytest.mark.parametrize("path", [p for p in SCRIPTS if default_of(p, "PLACEMENT")], ids=lambda p: p.name)
+def test_default_placement_fits_the_scripts_own_allocation(path):
+    found = directives(path)
+    per_node = int(found["ntasks-per-node"])
+    plan = make_plan(default_of(path, "PLACEMENT"), int(found["nodes"]) * per_node, per_node)
+    assert plan.world_size == int(found["nodes"]) * per_node
+
+
+def test_ppo_70b_is_the_32_gpu_layout():
+    path = SBATCH / "ppo_70b.sbatch"
+    found = directives(path)
+    assert (found["nodes"], found["ntasks-per-node"], found["gpus-per-node"]) == ("4", "8", "8")
+    plan = make_plan(default_of(path, "PLACEMENT"), 32, 8)
+    assert {name: role.size for name, role in plan.roles.items()} == {"actor": 4, "critic": 4, "ref": 4,
+                                                                      "reward": 4, "rollout": 16}
+    assert [len(e) for e in plan.role("rollout").engines] == [4, 4, 4, 4]
+
+
+def test_tiny_job_mode_and_config_are_single_variables():
+    text = (SBATCH / "tiny_cpu.sbatch").read_text()
+    assert "MODE=${MODE:-sft}" in text and "CONFIG=${CONFIG-examples/tiny/sft.yaml}" in text
+    found = directives(SBATCH / "tiny_cpu.sbatch")
+    assert (found["nodes"], found["ntasks-per-node"]) == ("2", "2") and "gpus-per-node" not in found
+
+
+def test_common_sh_uses_kill_on_bad_exit_and_requeues_on_75():
+    text = (SBATCH / "common.sh").read_text()
+    assert "srun --kill-on-bad-exit=1" in text
+    assert "HPC_PREEMPTED_EXIT_CODE=75" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert "apptainer exec --nv" in text
+
+
+# ---------------------------------------------------------------------------- common.sh run with stand-ins
+FAKE_SRUN = """#!/bin/bash
+printf 'srun' >> "$FAKE_LOG"; printf ' %q' "$@" >> "$FAKE_LOG"; echo >> "$FAKE_LOG"
+env | grep -E '^(MASTER_ADDR|MASTER_PORT|NCCL_[A-Z_]+)=' | sort >> "$FAKE_LOG"
+exit "${FAKE_SRUN_EXIT:-0}"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+if [ "$1 $2" = "show hostnames" ]; then printf 'node7\\nnode8\\n'; exit 0; fi
+echo "scontrol $*" >> "$FAKE_LOG"
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    log = tmp_path / "calls.log"
+
+    def run(script: str, *args: str, **env_extra: str) -> tuple[subprocess.CompletedProcess, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "MASTER_"))}
+        env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), PYTHON=sys.executable,
+                   SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[7-8]", SLURM_NTASKS="4",
+                   SLURM_TASKS_PER_NODE="2(x2)", SLURM_SUBMIT_DIR=str(REPO), CONFIG="")
+        env.update(env_extra)
+        proc = subprocess.run(["bash", str(SBATCH / script), *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=120)
+        return proc, log.read_text() if log.exists() else ""
+
+    return run
+
+
+def test_a_finished_step_is_not_requeued(fake_slurm):
+    proc, calls = fake_slurm("tiny_cpu.sbatch", "train.max_steps=3")
+    assert proc.returncode == 0, proc.stderr
+    srun = next(line for line in calls.splitlines() if line.startswith("srun"))
+    assert srun.startswith("srun --kill-on-bad-exit=1 ")
+    assert " -m hpc_rlhf.launch.slurm rank sft " in srun
+    # Our settings first, the command line's last (later overrides win), the world size for a 1-group mode.
+    assert srun.index("dist.nproc=4") < srun.index("output_dir=runs/tiny_cpu-4242") < srun.index("max_steps=3")
+    assert "MASTER_ADDR=node7" in calls and f"MASTER_PORT={20000 + 4242}" in calls
+    assert "requeue" not in calls
+
+
+def test_exit_75_requeues_the_job(fake_slurm):
+    proc, calls = fake_slurm("tiny_cpu.sbatch", FAKE_SRUN_EXIT="75")
+    assert proc.returncode == 75
+    assert "scontrol requeue 4242" in calls
+    assert "requeueing job 4242" in proc.stdout
+
+
+def test_a_failure_is_not_requeued(fake_slurm):
+    proc, calls = fake_slurm("tiny_cpu.sbatch", FAKE_SRUN_EXIT="1")
+    assert proc.returncode == 1 and "requeue" not in calls
+
+
+def test_requeues_stop_at_max_restarts(fake_slurm):
+    proc, calls = fake_slurm("tiny_cpu.sbatch", FAKE_SRUN_EXIT="75", SLURM_RESTART_COUNT="3", MAX_RESTARTS="3")
+    assert proc.returncode == 75 and "requeue" not in calls
+    assert "MAX_RESTARTS=3" in proc.stdout
+
+
+def test_a_placement_that_does_not_fit_stops_before_srun(fake_slurm):
+    proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_NTASKS="3", SLURM_TASKS_PER_NODE="2,1",
+                             PLACEMENT="actor=4")
+    assert proc.returncode == 2
+    assert "placement 'actor=4' does not fit this allocation" in proc.stderr
+    assert "srun" not in calls
+
+
+def test_role_modes_get_the_checked_placement(fake_slurm):
+    proc, calls = fake_slurm("tiny_cpu.sbatch", MODE="ppo", PLACEMENT="actor=1,critic=1,ref=1,reward=1")
+    assert proc.returncode == 0, proc.stderr
+    srun = next(line for line in calls.splitlines() if line.startswith("srun"))
+    assert "placement=actor=1\\,critic=1\\,ref=1\\,reward=1" in srun and "dist.nproc" not in srun
+
+
+def test_role_mode_without_placement_is_refused(fake_slurm):
+    proc, calls = fake_slurm("tiny_cpu.sbatch", MODE="grpo")
+    assert proc.returncode == 2 and "set PLACEMENT" in proc.stderr and "srun" not in calls
+
+
+def test_nccl_settings_reach_the_ranks_only_when_set(fake_slurm):
+    proc, calls = fake_slurm("tiny_cpu.sbatch", NCCL_SOCKET_IFNAME="ib0", NCCL_DEBUG="INFO")
+    assert proc.returncode == 0, proc.stderr
+    assert "NCCL_SOCKET_IFNAME=ib0" in calls and "NCCL_DEBUG=INFO" in calls and "NCCL_IB_HCA" not in calls
+    assert "NCCL settings: NCCL_DEBUG=INFO NCCL_SOCKET_IFNAME=ib0" in proc.stdout
+
+
+def test_container_runs_ranks_in_apptainer_with_nv(fake_slurm, tmp_path):
+    image = tmp_path / "hpc_rlhf.sif"
+    image.write_bytes(b"not a real image")
+    fake_apptainer = tmp_path / "bin" / "apptainer"
+    # The plan check runs on the batch host through the same command: pass it on to the real python.
+    fake_apptainer.write_text(f'#!/bin/bash\nshift 4; exec {sys.executable} "$@"\n')
+    fake_apptainer.chmod(stat.S_IRWXU)
+    proc, calls = fake_slurm("tiny_cpu.sbatch", CONTAINER=str(image))
+    assert proc.returncode == 0, proc.stderr
+    srun = next(line for line in calls.splitlines() if line.startswith("srun"))
+    assert f"srun --kill-on-bad-exit=1 apptainer exec --nv {image} python -m hpc_rlhf.launch.slurm rank" in srun
+
+
+def test_missing_container_image_is_refused(fake_slurm, tmp_path):
+    proc, calls = fake_slurm("tiny_cpu.sbatch", CONTAINER=str(tmp_path / "absent.sif"))
+    assert proc.returncode == 2 and "absent.sif is not a file" in proc.stderr and "srun" not in calls
+
+
+@pytest.mark.parametrize("path", GPU_SCRIPTS, ids=lambda p: p.name)
+def test_gpu_scripts_need_a_config(fake_slurm, path):
+    proc, calls = fake_slurm(path.name)
+    assert proc.returncode != 0 and "set CONFIG" in proc.stderr and "srun" not in calls
