@@ -18,6 +18,7 @@ exchange is a collective that all ranks enter in the same order (DESIGN §4):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -36,7 +37,7 @@ from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSe
                              ModelSection, TrainSection, field, section)
 from hpc_rlhf.data.examples import prompt_example
 from hpc_rlhf.data.loading import load_rows
-from hpc_rlhf.dist import exchange, groups
+from hpc_rlhf.dist import exchange, groups, watchdog
 from hpc_rlhf.dist.placement import make_plan, world_size_of
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.train import TrainEngine
@@ -45,6 +46,7 @@ from hpc_rlhf.models.value_model import sequence_scores, token_values
 from hpc_rlhf import rewards as reward_fns
 from hpc_rlhf.trainers import common
 from hpc_rlhf.trainers.experience import from_ragged, make_batch, response_logprobs, shard_bounds, to_ragged
+from hpc_rlhf.utils import faults
 
 log = logging.getLogger("hpc_rlhf")
 
@@ -149,7 +151,9 @@ class Config:
 
     def validate(self) -> None:
         samples = self.rollout.prompts_per_step * self.rollout.n_samples
-        for name, train in (("train", self.train), ("critic_train", self.critic_train)):
+        trained = [("train", self.train)] + ([("critic_train", self.critic_train)] if self.rl.advantage == "gae"
+                                             else [])  # critic-free modes never read critic_train
+        for name, train in trained:
             if samples % train.batch_size:
                 raise ConfigError(f"{name}.batch_size={train.batch_size} must divide the samples of a step "
                                   f"(rollout.prompts_per_step x rollout.n_samples = {samples})")
@@ -164,6 +168,27 @@ class Config:
                               f"{len(self.reward.functions)} reward.functions")
         if not (self.reward.models or self.reward.functions or self.reward.http_url):
             raise ConfigError("no reward: set reward.models, reward.functions or reward.http_url")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        """Input validation up front: the roles and per-role batch sizes follow from the placement alone, so a
+        mismatch is reported before any rank starts (the node layout is checked again at launch)."""
+        from hpc_rlhf.dist.placement import PlacementError
+
+        try:
+            world = world_size_of(self.placement)
+            plan = make_plan(self.placement, world, self.ranks_per_node or world)
+        except PlacementError as exc:
+            raise ConfigError(f"placement '{self.placement}': {exc}") from None
+        check_plan_against_config(plan, self)
+        for role, name, train in (("actor", "train", self.train), ("critic", "critic_train", self.critic_train)):
+            if plan.has(role):
+                size = len(plan.role(role).ranks)
+                per_pass = train.micro_batch_size * size
+                if train.batch_size % per_pass:
+                    raise ConfigError(f"{name}.batch_size={train.batch_size} must be a multiple of "
+                                      f"{name}.micro_batch_size ({train.micro_batch_size}) x ranks of the role "
+                                      f"'{role}' ({size}) = {per_pass}")
 
     def model_weights_given_wrong(self) -> bool:
         return bool(self.reward.model_weights) and len(self.reward.model_weights) != len(self.reward.models)
@@ -214,6 +239,8 @@ class RLRecipe:
             log.info("placement:\n%s", plan.format_table())
         groups.initialize(plan, timeout_s=cfg.dist.timeout_s)
         common.ensure_tiny_assets_if_used(cfg.data.train_files, cfg.data.eval_files, cfg.actor.path)
+        common.check_fits_model(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, cfg.actor.path,
+                                "data.max_prompt_len + rollout.max_new_tokens")  # input validation up front
         self.tokenizer = load_tokenizer(cfg.actor.tokenizer or cfg.actor.path)
         self.prompts = self._load_prompts(cfg.data.train_files, "data.train_files", cfg.data.max_train_rows)
         self.eval_prompts = (self._load_prompts(cfg.data.eval_files, "data.eval_files", cfg.eval.max_rows)
@@ -276,9 +303,7 @@ class RLRecipe:
         cfg = self.cfg
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         if cfg.rollout.backend == "vllm":
-            from hpc_rlhf.engines.rollout.vllm import build_vllm_engine
-
-            return build_vllm_engine(cfg, self.plan, self.tokenizer)
+            return self._build_vllm_engine(eos)
         from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
 
         if self.plan.is_hybrid:  # generate with the actor's own (gathered, under ZeRO-3) parameters
@@ -287,6 +312,24 @@ class RLRecipe:
         model = build_causal_lm(dataclasses.replace(cfg.actor, lora=dataclasses.replace(cfg.actor.lora, rank=0)),
                                 for_training=False, device=self.run.device)
         return HFRolloutEngine(model, pad, eos, max_batch_prompts=cfg.rollout.max_batch_prompts)
+
+    def _build_vllm_engine(self, eos: int):
+        """One vLLM engine per rollout engine, driven by the engine's first rank (DESIGN §9): vLLM runs in
+        processes of its own on the engine's GPUs; the other ranks of the engine leave their GPUs to it."""
+        from hpc_rlhf.engines.rollout.vllm import VLLMRolloutEngine
+
+        cfg = self.cfg
+        engine_ranks = self.plan.role("rollout").engines[groups.rollout_engine_of_rank()]
+        if dist.get_rank() != engine_ranks[0]:
+            return None
+        per_node = self.plan.ranks_per_node
+        return VLLMRolloutEngine(cfg.actor.path, eos, tensor_parallel_size=len(engine_ranks),
+                                 gpu_ids=[r % per_node for r in engine_ranks],
+                                 gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                                 enforce_eager=cfg.rollout.enforce_eager, seed=cfg.train.seed,
+                                 enable_sleep_mode=self.plan.is_hybrid,
+                                 max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+                                 bucket_mb=cfg.rollout.weight_sync_bucket_mb)
 
     def _my_engines(self) -> dict:
         engines = {}
@@ -304,21 +347,44 @@ class RLRecipe:
         if groups.has_role("rollout"):
             e = groups.rollout_engine_of_rank()
             start, end = shard_bounds(len(prompts), len(engines), e)
-            if dist.get_rank() == engines[e][0] and end > start:
-                seeded = dataclasses.replace(sampling, seed=None if sampling.greedy else
-                                             (sampling.seed or 0) * 7919 + e)
-                out = self.rollout.generate(prompts[start:end], seeded)
-                mine = [r for per_prompt in out.responses for r in per_prompt]
-            elif dist.get_rank() == engines[e][0]:
+            if dist.get_rank() == engines[e][0]:
                 mine = []
-            elif end > start and self.cfg.rollout.backend == "vllm":
-                self.rollout.generate(prompts[start:end], sampling)  # tensor-parallel followers take part
+                if end > start:
+                    seeded = dataclasses.replace(sampling, seed=None if sampling.greedy else
+                                                 (sampling.seed or 0) * 7919 + e)
+                    with self._engine_awake():
+                        out = self.rollout.generate(prompts[start:end], seeded)
+                    mine = [r for per_prompt in out.responses for r in per_prompt]
         responses = []
-        for e, engine_ranks in enumerate(engines):
-            sent = mine if dist.get_rank() == engine_ranks[0] else None
-            responses += exchange.broadcast_ragged(sent, src=engine_ranks[0], group=None, tag="responses",
-                                                   dtype=torch.long)
+        with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
+            for e, engine_ranks in enumerate(engines):
+                sent = mine if dist.get_rank() == engine_ranks[0] else None
+                responses += exchange.broadcast_ragged(sent, src=engine_ranks[0], group=None, tag="responses",
+                                                       dtype=torch.long)
         return responses
+
+    @contextlib.contextmanager
+    def _engine_awake(self):
+        """A hybrid vLLM engine sleeps while the actor trains: load the actor's weights, wake, generate, sleep."""
+        if not (self.plan.is_hybrid and self.cfg.rollout.backend == "vllm"):
+            yield
+            return
+        from hpc_rlhf.dist import weight_sync
+
+        with self.actor.gathered_parameters() as module:
+            if self.cfg.actor.lora.rank > 0:
+                from hpc_rlhf.models.lora import merged_state_dict
+
+                state = merged_state_dict(module)
+            else:
+                state = dict(module.state_dict())
+            weight_sync.load_local_weights(_hf_names(state), self.rollout.load_weights,
+                                           bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
+        self.rollout.wake()
+        try:
+            yield
+        finally:
+            self.rollout.sleep()
 
     # ------------------------------------------------------------------------------------------ phase 4-5
     def _score_on_shard(self, role: str, batch_fn, compute) -> list[torch.Tensor] | None:
@@ -398,9 +464,10 @@ class RLRecipe:
                 local[name] = self._score_on_shard(name, batch_fn, scores_of(self.reward_models[name]))
 
         shared = {}
-        for role in ["actor", "critic", "ref", *self.reward_roles]:
-            if self.plan.has(role):
-                shared[role] = self._share(role, local.get(role))
+        with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
+            for role in ["actor", "critic", "ref", *self.reward_roles]:
+                if self.plan.has(role):
+                    shared[role] = self._share(role, local.get(role))
         shared["rules"] = self._rule_scores(texts, answers)
         return shared
 
@@ -422,16 +489,18 @@ class RLRecipe:
             full = [v.reshape(1) for v in total]
         return exchange.broadcast_ragged(full, src=leader, group=None, tag="rule-scores", dtype=torch.float32)
 
+    def _combined_scores(self, shared) -> torch.Tensor:
+        model_scores = [torch.stack([v[0] for v in shared[name]]) for name in self.reward_roles]
+        return combine_scores(torch.stack([v[0] for v in shared["rules"]]), model_scores,
+                              self.cfg.reward.model_weights or [1.0] * len(model_scores))
+
     # -------------------------------------------------------------------------------------------- phase 6
     def _advantages(self, batch, shared) -> dict[str, torch.Tensor]:
         cfg = self.cfg
         rl = cfg.rl
         mask = batch.action_mask
         n = cfg.rollout.n_samples
-        weights = cfg.reward.model_weights or [1.0] * len(self.reward_roles)
-        scores = torch.stack([v[0] for v in shared["rules"]]).float()
-        for name, w in zip(self.reward_roles, weights):
-            scores = scores + w * torch.stack([v[0] for v in shared[name]]).float()
+        scores = self._combined_scores(shared)
         raw_scores = scores.clone()
         if rl.normalize_rewards:
             scores = adv.normalize_rewards(scores)
@@ -496,6 +565,7 @@ class RLRecipe:
                         entropy = masked_mean(entropy_from_logits(logits[:, :-1]), mask)
                     if rl.entropy_coef > 0:
                         loss = loss - rl.entropy_coef * masked_mean(entropy_from_logits(logits[:, :-1]), mask)
+                    loss = faults.poison(loss, step + 1)  # failure handling: HPC_RLHF_FAULT kind=nan
                     self.actor.backward(loss)
                     infos.append(self.actor.step())
                     stats["policy_loss"].append(loss.item())
@@ -529,6 +599,7 @@ class RLRecipe:
                     loss, clip_frac = value_loss(values, _rows(exp["values"], idx, sub),
                                                  _rows(exp["returns"], idx, sub), sub.action_mask,
                                                  clip_eps=rl.value_clip_eps)
+                    loss = faults.poison(loss, step + 1)  # failure handling: HPC_RLHF_FAULT kind=nan
                     self.critic.backward(loss)
                     infos.append(self.critic.step())
                     losses.append(loss.item())
@@ -556,8 +627,9 @@ class RLRecipe:
                                                  bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
                 sent = stats.bytes / 2**20
         if groups.has_role("rollout"):
-            weight_sync.receive_weights(src=src, group=groups.weight_sync_group(),
-                                        load_fn=self.rollout.load_weights)
+            # A vLLM engine's other ranks are in the group but hold no engine: they take part and drop the data.
+            load = self.rollout.load_weights if self.rollout is not None else (lambda named: None)
+            weight_sync.receive_weights(src=src, group=groups.weight_sync_group(), load_fn=load)
         return float(sent)
 
     def _actor_state_for_sync(self) -> dict[str, torch.Tensor]:
@@ -590,9 +662,11 @@ class RLRecipe:
                                   top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens)
         result = {}
         if run.start_step == 0 and cfg.log.eval_every_steps > 0:
-            result["eval_accuracy"] = self.evaluate()
+            with watchdog.phase("eval"):  # failure handling: each phase of the loop is named for the watchdog
+                result["eval_accuracy"] = self.evaluate()
             run.logger.log(0, {"eval_accuracy": result["eval_accuracy"]})
         for step in range(run.start_step, cfg.train.max_steps):
+            watchdog.set_step(step + 1)
             t0 = time.perf_counter()
             chosen = common.step_indices(len(self.prompts), cfg.rollout.prompts_per_step, step, cfg.train.seed)
             step_prompts = [self.prompts[i] for i in chosen]
@@ -600,34 +674,37 @@ class RLRecipe:
             self.step_prompt_texts = [p["text"] for p in step_prompts for _ in range(n)]
             answers = [p["answer"] for p in step_prompts for _ in range(n)]
 
-            responses = self._generate([p["input_ids"] for p in step_prompts],
-                                       dataclasses.replace(sampling, seed=cfg.train.seed * 100003 + step))
+            with watchdog.phase("rollout"):
+                responses = self._generate([p["input_ids"] for p in step_prompts],
+                                           dataclasses.replace(sampling, seed=cfg.train.seed * 100003 + step))
             t_generate = time.perf_counter()
             texts = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
             batch = make_batch(sample_prompts, responses, self.tokenizer.pad_token_id)
-            shared = self._score(sample_prompts, responses, texts, answers)
+            with watchdog.phase("scoring"):
+                shared = self._score(sample_prompts, responses, texts, answers)
             t_score = time.perf_counter()
 
             metrics: dict[str, float] = {}
-            if self.actor is not None or self.critic is not None:
-                exp = self._advantages(batch, shared)
-                if self.actor is not None:
-                    metrics.update(self._train_actor(step, batch, exp))
-                if self.critic is not None:
-                    self._last_critic = self._train_critic(step, batch, exp)
+            with watchdog.phase("training"):
+                if self.actor is not None or self.critic is not None:
+                    exp = self._advantages(batch, shared)
+                    if self.actor is not None:
+                        metrics.update(self._train_actor(step, batch, exp))
+                    if self.critic is not None:
+                        self._last_critic = self._train_critic(step, batch, exp)
             t_train = time.perf_counter()
             metrics.update(self._critic_metrics_to_actor())
-            sync_mb = self._sync_weights()
+            with watchdog.phase("weight_sync"):
+                sync_mb = self._sync_weights()
             t_sync = time.perf_counter()
             done = step + 1
 
-            skipped = bool(metrics.get("actor_skipped", 0.0))
+            # A non-finite step of either trained role counts (each role's ranks skipped it together).
+            skipped = bool(metrics.get("actor_skipped", 0.0)) or bool(self._last_critic.get("critic_skipped", 0.0))
             self.bad_steps.update(_any_rank(skipped), done)
             if run.is_main:
                 mask = batch.action_mask
-                scores = torch.stack([v[0] for v in shared["rules"]])
-                for name, w in zip(self.reward_roles, cfg.reward.model_weights or [1.0] * len(self.reward_roles)):
-                    scores = scores + w * torch.stack([v[0] for v in shared[name]])
+                scores = self._combined_scores(shared)
                 kl = (kl_estimate(from_ragged(shared["actor"], batch), from_ragged(shared["ref"], batch), kind="k1")
                       * mask).sum(1) if "ref" in shared else torch.zeros(1)
                 elapsed = t_sync - t0
@@ -640,20 +717,24 @@ class RLRecipe:
                     "skipped_steps": self.bad_steps.total,
                 })
             if cfg.log.eval_every_steps and (done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps):
-                metrics["eval_accuracy"] = result["eval_accuracy"] = self.evaluate()
+                with watchdog.phase("eval"):
+                    metrics["eval_accuracy"] = result["eval_accuracy"] = self.evaluate()
             if done % cfg.log.every_steps == 0 or "eval_accuracy" in metrics:
                 run.logger.log(done, metrics)
             run.logger.advance()
             stopping = self.stop.requested()
             if stopping or common.should_save(done, cfg.checkpoint.every_steps, cfg.train.max_steps):
-                common.save_checkpoint(run, done, self._my_engines())
+                with watchdog.phase("checkpoint"):
+                    common.save_checkpoint(run, done, self._my_engines())
             if stopping:
                 run.logger.close()
                 raise common.Preempted(done)
-        if self.actor is not None:
-            common.save_final_model(self.actor, run.output_dir / "final", self.tokenizer, cfg.actor.lora)
-        if self.critic is not None:
-            common.save_final_model(self.critic, run.output_dir / "final_critic", self.tokenizer, cfg.critic.lora)
+        with watchdog.phase("checkpoint"):
+            if self.actor is not None:
+                common.save_final_model(self.actor, run.output_dir / "final", self.tokenizer, cfg.actor.lora)
+            if self.critic is not None:
+                common.save_final_model(self.critic, run.output_dir / "final_critic", self.tokenizer,
+                                        cfg.critic.lora)
         dist.barrier()
         run.logger.close()
         return result
@@ -669,6 +750,15 @@ class RLRecipe:
             values = torch.tensor([self._last_critic.get(k, float("nan")) for k in keys], dtype=torch.float64)
         dist.broadcast(values, src=leader)
         return dict(zip(keys, values.tolist()))
+
+
+def combine_scores(rule_scores: torch.Tensor, model_scores: list[torch.Tensor],
+                   model_weights: list[float]) -> torch.Tensor:
+    """One score per sample: the (already weighted) rule/remote rewards plus each reward model's weighted score."""
+    total = rule_scores.float().clone()
+    for scores, weight in zip(model_scores, model_weights, strict=True):
+        total += weight * scores.float()
+    return total
 
 
 def _ranks_per_node(world_size: int) -> int:

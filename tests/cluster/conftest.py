@@ -135,6 +135,7 @@ class TinyJobs:
     submitit_job: object
     submitit_run: Submitted
     submitit_preemption: Preemption
+    ppo: Submitted | None = None  # the default tiny job: SFT -> RM -> PPO on 4 ranks
 
 
 def write_tiny_config(path: Path) -> Path:
@@ -233,4 +234,10 @@ def tiny_jobs(cluster: LocalCluster, tmp_path_factory) -> TinyJobs:
     submitit_run = Submitted(job.job_id, root / "submitit_run", submitit_dir / job.job_id / f"{job.job_id}_0_log.err")
     submitit_record = Preemption()
     threading.Thread(target=_signal_when_running, args=(cluster, submitit_run, submitit_record), daemon=True).start()
-    return TinyJobs(config, reference, preempted, record, mpirun, srun_pmix, job, submitit_run, submitit_record)
+    ppo_out = root / "ppo_job"
+    ppo_id = cluster.sbatch(f"--output={root}/ppo_job-%j.out", "sbatch/tiny_cpu.sbatch", "train.max_steps=3",
+                            "log.eval_every_steps=0", "log.progress=false",
+                            env={"OUT": str(ppo_out), "SFT_STEPS": "20", "RM_STEPS": "10"})
+    ppo = Submitted(ppo_id, ppo_out / "ppo", Path(f"{root}/ppo_job-{ppo_id}.out"))
+    return TinyJobs(config, reference, preempted, record, mpirun, srun_pmix, job, submitit_run, submitit_record,
+                    ppo)

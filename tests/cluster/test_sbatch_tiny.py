@@ -31,3 +31,21 @@ def test_tiny_job_trains_across_two_nodes_and_writes_metrics_and_final_model(clu
     final = job.output_dir / "final"
     assert json.loads((final / "config.json").read_text())["model_type"] == "llama"
     assert (final / "model.safetensors").stat().st_size > 0
+
+
+def test_default_tiny_job_runs_ppo_with_roles_on_both_nodes(cluster, tiny_jobs):
+    """`sbatch sbatch/tiny_cpu.sbatch` as shipped: SFT and RM steps, then PPO with actor, critic, ref+reward and
+    a rollout engine placed across node1 and node2 as `hpc-rlhf plan` printed it."""
+    job = tiny_jobs.ppo
+    record = cluster.wait(job.job_id)
+    log = job.log.read_text()
+    assert record["JobState"] == "COMPLETED", f"{record}\n{log[-4000:]}"
+    assert record["NodeList"] == "node[1-2]" and record["NumTasks"] == "4"
+    assert "the plan fits" in log
+    rows = job.metrics()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["reward"]) and math.isfinite(r["value_loss"]) for r in rows)
+    assert (job.output_dir / "final" / "model.safetensors").is_file()
+    assert (job.output_dir / "final_critic" / "model.safetensors").is_file()
+    state = json.loads((job.output_dir / "checkpoints" / "step_000000003" / "trainer_state.json").read_text())
+    assert state["world_size"] == 4 and state["mode"] == "ppo"
