@@ -102,6 +102,10 @@ def start_run(cfg, mode: str) -> Run:
     """Common first steps of every mode: logging, seeds, output folder, saved config."""
     rank, world = dist.get_rank(), dist.get_world_size()
     configure_logging(rank)
+    # failure handling: a rank that dies or freezes ends the whole job within dist.heartbeat_timeout_s
+    from hpc_rlhf.dist import groups, watchdog
+
+    watchdog.start(groups.my_roles() if groups.is_initialized() else None, watchdog.heartbeat_timeout(cfg))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     seed_everything(cfg.train.seed if hasattr(cfg, "train") else 0)
     output_dir = Path(cfg.output_dir)
@@ -154,6 +158,19 @@ def check_batch_sizes(train_cfg, role_size: int) -> None:
     if train_cfg.batch_size % per_step:
         raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of train.micro_batch_size "
                           f"({train_cfg.micro_batch_size}) x ranks of the role ({role_size}) = {per_step}")
+
+
+def check_fits_model(length: int, model_path: str, key: str) -> None:
+    """Input validation up front: sequences of `length` tokens must fit the positions the model was built for.
+    Past them, rotary models run on positions they never saw (silently worse) and learned-position models fail
+    with an index error in the middle of a step. `key` names the setting that sets the length."""
+    from hpc_rlhf.config import ConfigError
+    from hpc_rlhf.models.builders import check_model_folder, read_model_config
+
+    limit = getattr(read_model_config(check_model_folder(model_path)), "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        raise ConfigError(f"{key}={length} is longer than the {limit} positions of the model in '{model_path}' "
+                          f"(max_position_embeddings in its config.json); lower {key}")
 
 
 # ------------------------------------------------------------------------------------------------ stopping

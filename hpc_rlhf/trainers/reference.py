@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.algorithms.logprobs import sequence_logprob, token_logprobs
-from hpc_rlhf.config import ModelSection, TrainSection, field
+from hpc_rlhf.config import ConfigError, ModelSection, TrainSection, field
 from hpc_rlhf.data.examples import IGNORE_INDEX, pad_collate
 from hpc_rlhf.engines import deepspeed_compat
 from hpc_rlhf.engines.train import resolve_dtype
@@ -97,9 +97,15 @@ class FrozenModel:
         self.group = dist.GroupMember.WORLD if group is None else group
         model_cfg = dataclasses.replace(model_cfg, gradient_checkpointing=False)
         self.dtype = resolve_dtype(model_cfg.dtype)
-        model = build_causal_lm(model_cfg, for_training=False).to(self.dtype)
+        model = build_causal_lm(model_cfg, for_training=False)
+        # A QLoRA run loads the reference in 4 bits too, already placed on its GPU; such a model cannot be cast.
+        quantized = getattr(model, "is_loaded_in_4bit", False)
         self.engine = None
         if train_cfg.zero_stage == 3:
+            if quantized:
+                raise ConfigError("a 4-bit reference model (model.lora.load_in_4bit) cannot be sharded with "
+                                  "train.zero_stage=3; use ZeRO 0-2 with QLoRA")
+            model = model.to(self.dtype)
             import deepspeed
 
             size = dist.get_world_size(self.group)
@@ -118,7 +124,7 @@ class FrozenModel:
             self.engine.eval()
             self.model = self.engine
         else:
-            self.model = model.to(device)
+            self.model = model if quantized else model.to(device=device, dtype=self.dtype)
 
     @torch.no_grad()
     def __call__(self, **batch):

@@ -20,10 +20,12 @@ from hpc_rlhf.data.examples import pad_collate, sft_example
 from hpc_rlhf.data.loading import Messages, load_rows
 from hpc_rlhf.data.packing import pack_examples, packed_collate, packed_model_kwargs
 from hpc_rlhf.data.synthetic import exact_match
+from hpc_rlhf.dist import watchdog
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.trainers import common
 from hpc_rlhf.trainers.evaluation import generation_accuracy
+from hpc_rlhf.utils import faults
 
 
 @dataclass
@@ -88,6 +90,7 @@ class SFTRecipe:
         common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.data.eval_files,
                                           cfg.eval.prompt_files)
         common.check_batch_sizes(cfg.train, run.world_size)
+        common.check_fits_model(cfg.data.max_len, cfg.model.path, "data.max_len")  # input validation up front
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.train_examples = load_sft_examples(cfg.data.train_files, cfg, self.tokenizer, "data.train_files",
                                                 cfg.data.max_train_rows)
@@ -149,17 +152,22 @@ class SFTRecipe:
         cfg, run, engine = self.cfg, self.run, self.engine
         engine.train()
         if run.start_step == 0 and cfg.log.eval_every_steps > 0:
-            run.logger.log(0, self.evaluate())
+            with watchdog.phase("eval"):  # failure handling: each phase of the loop is named for the watchdog
+                run.logger.log(0, self.evaluate())
         last_eval: dict[str, float] = {}
         window_losses, window_tokens, window_start = [], 0, time.perf_counter()
         for step in range(run.start_step, cfg.train.max_steps):
+            watchdog.set_step(step + 1)
             indices = common.step_indices(len(self.train_examples), cfg.train.batch_size, step, cfg.train.seed)
-            for micro in common.rank_micro_batches(indices, run.rank, run.world_size, cfg.train.micro_batch_size):
-                loss, _, tokens = self._forward_loss([self.train_examples[i] for i in micro])
-                engine.backward(loss)
-                info = engine.step()
-                window_losses.append(loss.item())
-                window_tokens += tokens
+            with watchdog.phase("training"):
+                for micro in common.rank_micro_batches(indices, run.rank, run.world_size,
+                                                       cfg.train.micro_batch_size):
+                    loss, _, tokens = self._forward_loss([self.train_examples[i] for i in micro])
+                    loss = faults.poison(loss, step + 1)  # failure handling: HPC_RLHF_FAULT kind=nan
+                    engine.backward(loss)
+                    info = engine.step()
+                    window_losses.append(loss.item())
+                    window_tokens += tokens
             done = step + 1
             self.bad_steps.update(info.skipped, done)
             run.logger.advance()
@@ -170,17 +178,20 @@ class SFTRecipe:
                            "grad_norm": info.grad_norm, "tokens_per_s": tokens_all / max(elapsed, 1e-9),
                            "skipped_steps": self.bad_steps.total}
                 if cfg.log.eval_every_steps and done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps:
-                    last_eval = self.evaluate()
+                    with watchdog.phase("eval"):
+                        last_eval = self.evaluate()
                     metrics.update(last_eval)
                 run.logger.log(done, metrics)
                 window_losses, window_tokens, window_start = [], 0, time.perf_counter()
             stopping = self.stop.requested()
             if stopping or common.should_save(done, cfg.checkpoint.every_steps, cfg.train.max_steps):
-                common.save_checkpoint(run, done, {"model": engine})
+                with watchdog.phase("checkpoint"):
+                    common.save_checkpoint(run, done, {"model": engine})
             if stopping:
                 run.logger.close()
                 raise common.Preempted(done)
-        common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
+        with watchdog.phase("checkpoint"):
+            common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
         run.logger.close()
         return last_eval
 

@@ -1,0 +1,651 @@
+"""Liveness of the job's ranks: heartbeats through the rendezvous store, so that no failure becomes a hang.
+
+Why: when a rank dies or freezes, its peers block in their next collective. gloo gives up after dist.timeout_s
+(minutes), only in ranks that talk to the lost one directly, and a frozen (SIGSTOPped) rank never even closes
+its sockets; ranks of other roles wait on them in turn. A job that should have failed in seconds then holds
+its allocation until the walltime. So every rank runs a small daemon thread that:
+
+- every `interval` (1 s by default) writes its heartbeat `hb/<rank>` (sequence number, role, phase, step,
+  host, pid, state) to the store and reads the heartbeats of the ranks it watches: the next 8 ranks on a ring,
+  and rank 0. Every rank is watched by up to 8 others, and the store does O(1) operations per rank and beat;
+- declares a watched rank failed when its process is gone (same host: seen at once from its pid), or when its
+  heartbeat has not changed for `timeout_s` (a frozen process, a hung node);
+- publishes what it found as a failure record, as a rank whose run raised does (`report_failure`), and reads
+  the record count every beat, so every rank learns of a failure within one interval;
+- treats an unreachable store as the failure of the rank that hosts it (rank 0 under the local launcher, srun
+  and mpirun; torchrun's agent hosts its own store, which outlives the ranks). A store that accepts a request
+  but never answers (its host is frozen) is caught by a second thread that times the store operations.
+
+On a failure the thread prints ONE line to stderr, naming the failed rank, its role and its phase,
+
+    hpc_rlhf: rank 3 (role rollout) failed during scoring: its process (pid 4242) is gone [step 2; seen by rank 0]
+
+records it for the local launcher (HPC_RLHF_ERROR_FILE) and ends the process with os._exit(1): the main thread
+may be blocked inside a collective that will never return, so no orderly exit is possible.
+
+Causes and consequences. When a rank is killed, the ranks in a collective with it fail at once with
+"Connection closed by peer"; those failures are effects. `report_failure` publishes such communication
+errors as secondary and waits a few beats for the cause (a rank seen dead, a primary failure); when one
+arrives, the rank exits with the line that names the cause instead of its own traceback. Other ranks act on a
+secondary record only if no cause appears within the same grace time.
+
+The store connection is a client of its own: the default store's client is used by the main thread to create
+groups, which can block for minutes. Per step the recipes only call `phase()` and `set_step()`, which set two
+attributes; all store traffic happens in the thread.
+
+Timeout: `dist.heartbeat_timeout_s` (default 60 s; 0 turns the watchdog off), or the environment variable
+HPC_RLHF_HEARTBEAT_TIMEOUT_S, which wins (handy to switch it off while a debugger holds a rank).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from hpc_rlhf.utils import faults
+
+log = logging.getLogger("hpc_rlhf")
+
+HEARTBEAT_TIMEOUT_ENV = "HPC_RLHF_HEARTBEAT_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 60.0
+RING_WATCHED = 8
+KEY_PREFIX = "hpc_rlhf/watchdog"
+FAILURE_COUNT, FAILURE_LOG = "failures/count", "failures/log"
+RUNNING, STOPPED, FAILED = "running", "stopped", "failed"
+
+# Errors a collective or the store raises because a peer went away: effects of a failure elsewhere.
+CONSEQUENCE_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                       "timed out waiting", "pair closure", "connection refused", "socket timeout",
+                       "communicator was aborted", "nccl error", "remote process exited")
+
+
+# ============================================================================================= progress
+class Progress:
+    """What this rank is doing: written by the main thread (phase(), set_step()), read by the watchdog."""
+
+    __slots__ = ("stack", "name", "step")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.stack: list[str] = []
+        self.name = "setup"
+        self.step = 0
+
+
+class _Phase:
+    __slots__ = ("progress", "name")
+
+    def __init__(self, progress: Progress, name: str):
+        self.progress, self.name = progress, name
+
+    def __enter__(self) -> "_Phase":
+        progress = self.progress
+        progress.stack.append(self.name)
+        progress.name = self.name
+        try:
+            if faults.active() and _ACTIVE is not None and faults.matching(self.name, progress.step):
+                # An injected death would otherwise be reported with the phase of the last regular heartbeat.
+                _ACTIVE.publish_now()
+            faults.point(self.name, progress.step)
+        except BaseException:
+            progress.stack.pop()  # the name stays: the failure happened in this phase
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        progress = self.progress
+        progress.stack.pop()
+        # Leaving an inner phase returns to the outer one. At the top level, and when leaving by an exception,
+        # the name stays, so that a failure report says where it happened.
+        if exc_type is None and progress.stack:
+            progress.name = progress.stack[-1]
+        return False
+
+
+# ============================================================================================= pure helpers
+def default_interval(timeout_s: float) -> float:
+    """Beat often enough to notice a stale peer several beats before the timeout, but at most once a second."""
+    return min(1.0, max(0.05, timeout_s / 8))
+
+
+def watched_ranks(rank: int, world_size: int, store_host_rank: int | None) -> list[int]:
+    """The next RING_WATCHED ranks on the ring, plus the rank hosting the store (its death takes the store)."""
+    count = min(world_size - 1, RING_WATCHED)
+    ranks = [(rank + i) % world_size for i in range(1, count + 1)]
+    if store_host_rank is not None and store_host_rank != rank and store_host_rank not in ranks:
+        ranks.append(store_host_rank)
+    return ranks
+
+
+def describe_exception(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:400]}" if text else type(exc).__name__
+
+
+def is_consequence(exc: BaseException) -> bool:
+    """True for communication errors that a peer's failure causes (the exception or what it wraps)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__name__ == "DistNetworkError":
+            return True
+        message = str(exc).lower()
+        if any(marker in message for marker in CONSEQUENCE_MARKERS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def failure_record(rank: int, role: str, phase: str, step: int, kind: str, detail: str, *, primary: bool,
+                   by: int) -> dict[str, Any]:
+    """A published failure: `kind` is 'failed' or 'stopped responding'; `by` is the rank that published it."""
+    return {"rank": rank, "role": role, "phase": phase, "step": step, "kind": kind, "detail": detail,
+            "primary": primary, "by": by, "time": time.time()}
+
+
+def format_failure(record: dict[str, Any], seen_by: int | None = None) -> str:
+    """The one line printed for a failure record."""
+    notes = [f"step {record['step']}"]
+    if seen_by is not None and seen_by != record["rank"]:
+        notes.append(f"seen by rank {seen_by}")
+    return (f"hpc_rlhf: rank {record['rank']} (role {record['role']}) {record['kind']} during {record['phase']}: "
+            f"{record['detail']} [{'; '.join(notes)}]")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` on this host still runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def _alive_a_moment_later(pid: int, wait_s: float) -> bool:
+    """A dying process closes its sockets before it is gone: give it `wait_s` to finish dying."""
+    deadline = time.monotonic() + wait_s
+    while process_alive(pid):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _pid_namespace() -> str:
+    # Ranks in separate containers can share a host name but not their pids.
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def exit_with_message(message: str) -> None:
+    """Print the line, record it for the local launcher, end the process at once."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+        from hpc_rlhf.launch.local import _record_failure
+
+        _record_failure(message.removeprefix("hpc_rlhf: "))
+    finally:
+        os._exit(1)
+
+
+class _PeerView:
+    __slots__ = ("rank", "beat", "seq", "changed_at")
+
+    def __init__(self, rank: int, now: float):
+        self.rank, self.beat, self.seq, self.changed_at = rank, None, None, now
+
+
+# ============================================================================================= watchdog
+class Watchdog:
+    """One rank's watchdog. `store` is a Store only this object uses (a client connection of its own).
+
+    store_host_rank: the rank whose process hosts the store (None: an outside process, torchrun's agent).
+    roles: this rank's role names; None = ask hpc_rlhf.dist.groups (once initialised), else "trainer".
+    on_fatal: called once with the line to print; the default prints it and ends the process.
+    """
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float, *, progress: Progress | None = None,
+                 roles: Sequence[str] | None = None, interval_s: float | None = None,
+                 store_host_rank: int | None = 0, store_address: str = "the rendezvous store",
+                 on_fatal: Callable[[str], None] = exit_with_message):
+        if timeout_s <= 0:
+            raise ValueError(f"watchdog timeout must be positive, got {timeout_s}")
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s = float(timeout_s)
+        self.interval = interval_s or default_interval(self.timeout_s)
+        self.grace = 3 * self.interval
+        self.progress = progress or Progress()
+        self.roles = list(roles) if roles else None
+        self.store_host_rank = store_host_rank
+        self.store_address = store_address
+        self.on_fatal = on_fatal
+        self.host, self.pid, self.pidns = socket.gethostname(), os.getpid(), _pid_namespace()
+        now = time.monotonic()
+        self.peers = {r: _PeerView(r, now) for r in watched_ranks(rank, world_size, store_host_rank)}
+        self.records: list[dict[str, Any]] = []  # every published failure, as last read
+        self.reported: set[int] = set()          # peers this rank published a failure of
+        self.fatal_message: str | None = None
+        self._records_read = 0
+        self._seq = 0
+        self._failing: str | None = None  # None, "primary" (own failure) or "secondary" (a peer's effect)
+        self._effect_seen_at: float | None = None
+        self._store_lock = threading.Lock()
+        self._ops_in_flight: dict[int, float] = {}
+        self._fatal_lock = threading.Lock()
+        self._fatal_done = threading.Event()
+        self._halt = threading.Event()      # ends the heartbeat thread (stop or fatal)
+        self._stopped = threading.Event()   # ends the guard thread (stop only)
+        self._stopping = False              # an orderly stop: say so in the last heartbeat
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------------------------------- store
+    def _op(self, fn, *args, patient: bool = True):
+        """One store operation, timed for the guard thread (a frozen store host never answers).
+
+        patient=False: give up (TimeoutError) if another operation holds the connection for an interval;
+        used by the courtesy writes of an exiting rank, which must not wait behind a stuck operation."""
+        if not self._store_lock.acquire(timeout=-1 if patient else self.interval):
+            raise TimeoutError("the watchdog's store connection is busy")
+        me = threading.get_ident()
+        self._ops_in_flight[me] = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._ops_in_flight.pop(me, None)
+            self._store_lock.release()
+
+    def role(self) -> str:
+        if self.roles is None:
+            from hpc_rlhf.dist import groups
+
+            if not groups.is_initialized():
+                return "trainer"
+            self.roles = groups.my_roles() or ["none"]
+        return "+".join(self.roles)
+
+    def _write_own(self, state: str, patient: bool = True) -> None:
+        self._seq += 1
+        beat = {"seq": self._seq, "role": self.role(), "phase": self.progress.name, "step": self.progress.step,
+                "host": self.host, "pid": self.pid, "pidns": self.pidns, "state": state}
+        self._op(self.store.set, f"hb/{self.rank}", json.dumps(beat), patient=patient)
+
+    def publish_now(self) -> None:
+        """This rank's heartbeat, written at once from the calling thread."""
+        self._write_own(FAILED if self._failing else RUNNING)
+
+    def _publish(self, record: dict[str, Any]) -> None:
+        # Appended first, counted second: a reader that sees the count finds the record.
+        self._op(self.store.append, FAILURE_LOG, json.dumps(record) + "\n")
+        self._op(self.store.add, FAILURE_COUNT, 1)
+
+    def _read_failures(self) -> None:
+        count = int(self._op(self.store.add, FAILURE_COUNT, 0))
+        if count <= self._records_read:
+            return
+        raw = self._op(self.store.get, FAILURE_LOG).decode()
+        self.records = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        self._records_read = len(self.records)
+        self._op(self.store.set, f"seen/{self.rank}", str(self._records_read))  # see _linger_for_readers
+
+    def _read_peer(self, peer: _PeerView, now: float) -> None:
+        key = f"hb/{peer.rank}"
+        if not self._op(self.store.check, [key]):
+            return
+        beat = json.loads(self._op(self.store.get, key))
+        if beat["seq"] != peer.seq:
+            peer.seq, peer.changed_at = beat["seq"], now
+        peer.beat = beat
+
+    # --------------------------------------------------------------------------------------------- beat
+    def beat(self) -> None:
+        """One round: publish, read, judge. The thread calls it every interval; tests call it directly."""
+        self._write_own(FAILED if self._failing else RUNNING)
+        self._read_failures()
+        now = time.monotonic()
+        for peer in self.peers.values():
+            self._read_peer(peer, now)
+        # Records first: a peer that exits because of a published failure is not a failure of its own.
+        self._act_on_records(now)
+        if self.fatal_message is None:
+            self._judge_peers(now)
+
+    def _is_local(self, beat: dict[str, Any]) -> bool:
+        return beat["host"] == self.host and beat["pidns"] == self.pidns
+
+    def _judge_peers(self, now: float) -> None:
+        for peer in self.peers.values():
+            beat = peer.beat
+            if peer.rank in self.reported or (beat is not None and beat["state"] != RUNNING):
+                continue  # it stopped in order, or it is failing and says so itself
+            if beat is not None and self._is_local(beat) and not process_alive(beat["pid"]):
+                self._read_peer(peer, now)  # it may have stopped in order a moment ago
+                if peer.beat["state"] == RUNNING:
+                    self._detected(peer, "failed", f"its process (pid {beat['pid']}) is gone")
+                    return
+                continue
+            silent = now - peer.changed_at
+            if silent > self.timeout_s:
+                detail = (f"no heartbeat for {silent:.0f} s (dist.heartbeat_timeout_s={self.timeout_s:g})"
+                          if beat is not None else f"no heartbeat at all in {silent:.0f} s since the start")
+                self._detected(peer, "stopped responding", detail)
+                return
+
+    def _peer_record(self, peer: _PeerView, kind: str, detail: str) -> dict[str, Any]:
+        beat = peer.beat or {}
+        return failure_record(peer.rank, beat.get("role", "unknown"), beat.get("phase", "setup"),
+                              beat.get("step", 0), kind, detail, primary=True, by=self.rank)
+
+    def _detected(self, peer: _PeerView, kind: str, detail: str) -> None:
+        record = self._peer_record(peer, kind, detail)
+        self.reported.add(peer.rank)
+        self._publish(record)
+        self.records.append(record)
+        if self._failing != "primary":
+            self._fatal(format_failure(record, self.rank))
+
+    def _causes(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["primary"] and r["by"] != self.rank]
+
+    def _act_on_records(self, now: float) -> None:
+        if self._failing == "primary":
+            return  # this rank's own failure is being reported by its main thread
+        causes = self._causes()
+        if causes:
+            self._fatal(format_failure(causes[0], self.rank))
+            return
+        effects = [r for r in self.records if r["by"] != self.rank]
+        if not effects or self._failing == "secondary":
+            return
+        # Only effects so far: give the cause a few beats to show up before blaming an effect.
+        self._effect_seen_at = self._effect_seen_at or now
+        if now - self._effect_seen_at >= self.grace:
+            self._fatal(format_failure(effects[0], self.rank))
+
+    # ---------------------------------------------------------------------------------------- failures
+    def _fatal(self, message: str, store_usable: bool = True) -> None:
+        with self._fatal_lock:
+            if self.fatal_message is not None:
+                return
+            self.fatal_message = message
+        self._halt.set()
+        if store_usable:
+            try:  # peers must not take this exit for a failure of its own
+                self._write_own(FAILED, patient=False)
+            except Exception:  # noqa: BLE001 - a courtesy; the report must go on
+                pass
+            self._linger_for_readers()
+        self.on_fatal(message)
+        self._fatal_done.set()
+
+    def _linger_for_readers(self) -> None:
+        """On the store's host: wait (at most 2 x `grace`) until the other live ranks have read every failure
+        record, since this process's exit takes the store and the records with it."""
+        if self.store_host_rank != self.rank:
+            return
+        try:
+            count = int(self._op(self.store.add, FAILURE_COUNT, 0, patient=False))
+            # The failed ranks and those that found a failure need no telling. A rank that published an
+            # effect (a broken collective) is still waiting to read its cause.
+            causes = [r for r in self.records if r["primary"]]
+            informed = {r["rank"] for r in causes} | {r["by"] for r in causes} | {self.rank}
+            waiting = [r for r in range(self.world_size) if r not in informed]
+            deadline = time.monotonic() + 2 * self.grace
+            while waiting and time.monotonic() < deadline:
+                waiting = [r for r in waiting if not self._op(self.store.check, [f"seen/{r}"], patient=False)
+                           or int(self._op(self.store.get, f"seen/{r}", patient=False)) < count]
+                time.sleep(self.interval / 4)
+        except Exception:  # noqa: BLE001 - lingering is a courtesy; the report must go on
+            pass
+
+    def _store_lost(self, exc: BaseException) -> None:
+        """The store failed or stalled: report the cause if one is known, else blame the store's host."""
+        if self._stopping or self._failing == "primary" or self.fatal_message is not None:
+            self._halt.set()
+            return
+        causes = self._causes()
+        if causes:
+            self._fatal(format_failure(causes[0], self.rank), store_usable=False)
+            return
+        error = describe_exception(exc)
+        host = self.store_host_rank
+        peer = self.peers.get(host) if host is not None else None
+        if peer is None:
+            self._fatal(f"hpc_rlhf: the rendezvous store at {self.store_address} became unreachable during "
+                        f"{self.progress.name} of rank {self.rank}: {error} [step {self.progress.step}]",
+                        store_usable=False)
+            return
+        beat = peer.beat or {}
+        if beat.get("state") == STOPPED:
+            self._halt.set()  # rank 0 finished and took the store with it: nothing left to watch
+            return
+        if beat.get("state") == FAILED:
+            detail = (f"it failed or saw a failure, and its exit took down the rendezvous store it hosted at "
+                      f"{self.store_address} before this rank read why (see rank {host}'s output)")
+            kind = "failed"
+        elif beat and self._is_local(beat) and not _alive_a_moment_later(beat["pid"], self.interval):
+            detail = (f"its process (pid {beat['pid']}) is gone, and with it the rendezvous store it hosted at "
+                      f"{self.store_address}")
+            kind = "failed"
+        else:
+            detail = f"the rendezvous store it hosts at {self.store_address} is unreachable ({error})"
+            kind = "stopped responding"
+        self._fatal(format_failure(self._peer_record(peer, kind, detail), self.rank), store_usable=False)
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Publish this rank's failure (called by the main thread with the exception that ends the run).
+
+        A communication error (the effect of a peer's failure) waits a few beats for the cause: if one
+        arrives, the process ends with the line naming it. The store's host waits until the others have read
+        the record (bounded), since its exit takes the store down.
+        """
+        if self.fatal_message is not None:
+            self._fatal_done.wait()
+            return
+        secondary = is_consequence(exc)
+        self._failing = "secondary" if secondary else "primary"
+        record = failure_record(self.rank, self.role(), self.progress.name, self.progress.step, "failed",
+                                describe_exception(exc), primary=not secondary, by=self.rank)
+        try:
+            self._write_own(FAILED)
+            self._publish(record)
+        except Exception as store_exc:  # noqa: BLE001 - the store's host is gone: that may be the cause
+            if secondary:
+                self._store_lost(store_exc)
+            return
+        deadline = time.monotonic() + self.grace
+        while secondary and time.monotonic() < deadline and self.fatal_message is None:
+            time.sleep(self.interval / 4)  # the watchdog thread ends the process if a cause shows up
+        if self.fatal_message is not None:
+            self._fatal_done.wait()  # the watchdog thread is reporting the cause and ending the process
+            return
+        self._linger_for_readers()
+
+    # -------------------------------------------------------------------------------------------- threads
+    def start(self) -> "Watchdog":
+        self._write_own(RUNNING)  # at once, so that peers see this rank before its first interval ends
+        for target, name in ((self._run, "hpc_rlhf-watchdog"), (self._guard, "hpc_rlhf-watchdog-guard")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def _run(self) -> None:
+        from torch.distributed import DistError
+
+        warned = False
+        while not self._halt.wait(self.interval):
+            try:
+                self.beat()
+            except (DistError, OSError) as exc:
+                self._store_lost(exc)
+                return
+            except Exception:  # noqa: BLE001 - a bug here must not end the training run
+                if not warned:
+                    log.exception("watchdog: unexpected error (liveness checks continue)")
+                    warned = True
+        if self._stopping and self.fatal_message is None:
+            try:
+                self._write_own(STOPPED)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _guard(self) -> None:
+        """Times the store operations of both threads: an answer that never comes is a frozen store host."""
+        while not self._stopped.wait(self.interval / 2):
+            started = min(list(self._ops_in_flight.values()), default=None)
+            if started is None or time.monotonic() - started <= self.timeout_s:
+                continue
+            if self.fatal_message is None:
+                self._store_lost(TimeoutError(f"no answer for {self.timeout_s:g} s"))
+            elif not self._fatal_done.is_set():
+                self.on_fatal(self.fatal_message)  # the exit's courtesy writes are stuck: exit anyway
+            return
+
+    def stop(self) -> None:
+        """Orderly end: the last heartbeat says 'stopped', so peers stop watching this rank. Bounded."""
+        if self._stopped.is_set():
+            return
+        self._stopping = True
+        self._halt.set()
+        self._stopped.set()
+        for thread in self._threads:
+            thread.join(timeout=2 * self.interval + 1)
+        if self.store_host_rank == self.rank and self.fatal_message is None:
+            self._wait_for_peers_to_stop()
+
+    def _wait_for_peers_to_stop(self) -> None:
+        """On the store's host: leave only once the others' watchdogs have stopped too (at most 2 x `grace`),
+        or they would take the store vanishing with this process for its failure (e.g. when every rank exits
+        after a preemption checkpoint, with no barrier after the last step)."""
+        deadline = time.monotonic() + 2 * self.grace
+        waiting = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            while waiting and time.monotonic() < deadline:
+                still = []
+                for rank in waiting:
+                    key = f"hb/{rank}"
+                    if self._op(self.store.check, [key], patient=False) and \
+                            json.loads(self._op(self.store.get, key, patient=False))["state"] == RUNNING:
+                        still.append(rank)
+                waiting = still
+                if waiting:
+                    time.sleep(self.interval / 4)
+        except Exception:  # noqa: BLE001 - a courtesy: the exit goes on
+            pass
+
+
+# ============================================================================================= module API
+_PROGRESS = Progress()
+_ACTIVE: Watchdog | None = None
+_ATEXIT_REGISTERED = False
+
+
+def heartbeat_timeout(cfg: Any = None) -> float:
+    """HPC_RLHF_HEARTBEAT_TIMEOUT_S if set, else cfg.dist.heartbeat_timeout_s, else 60 s (0 = off)."""
+    raw = os.environ.get(HEARTBEAT_TIMEOUT_ENV, "").strip()
+    if raw:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{HEARTBEAT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    return float(getattr(getattr(cfg, "dist", None), "heartbeat_timeout_s", DEFAULT_TIMEOUT_S))
+
+
+def store_address() -> tuple[str, int] | None:
+    """Host and port of the TCPStore that init_process_group used (None if it used another kind of store)."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # init_process_group wraps it in PrefixStores
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return (addr, int(port)) if addr and port and port.isdigit() else None
+
+
+def start(role_names: Sequence[str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+          interval_s: float | None = None) -> Watchdog | None:
+    """Start this rank's watchdog (every rank of the world calls it). Returns None where there is nothing to
+    watch: a one-rank world, a timeout of 0, or a world without a TCP rendezvous store."""
+    global _ACTIVE, _ATEXIT_REGISTERED
+    import torch.distributed as dist
+
+    stop()
+    _PROGRESS.reset()
+    faults.active()  # a malformed HPC_RLHF_FAULT fails here, before the first step
+    if timeout_s <= 0 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    address = store_address()
+    if address is None:
+        log.warning("watchdog: no TCP rendezvous store found; rank failures are detected by collective "
+                    "timeouts only")
+        return None
+    host, port = address
+    client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=timeout_s))
+    # torchrun's agent store outlives worker restarts: keep each attempt's records apart.
+    prefix = f"{KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    _ACTIVE = Watchdog(dist.PrefixStore(prefix, client), dist.get_rank(), dist.get_world_size(), timeout_s,
+                       progress=_PROGRESS, roles=role_names, interval_s=interval_s,
+                       store_host_rank=None if agent_store else 0, store_address=f"{host}:{port}")
+    if not _ATEXIT_REGISTERED:
+        atexit.register(stop)  # a normal exit must not look like a death to the peers
+        _ATEXIT_REGISTERED = True
+    return _ACTIVE.start()
+
+
+def phase(name: str) -> _Phase:
+    """`with watchdog.phase("scoring"): ...` - published in the heartbeat; fault injection point."""
+    return _Phase(_PROGRESS, name)
+
+
+def set_step(step: int) -> None:
+    """The optimizer step in progress, counted from 1 (as in metrics.jsonl)."""
+    _PROGRESS.step = int(step)
+
+
+def current_phase() -> str:
+    return _PROGRESS.name
+
+
+def current_step() -> int:
+    return _PROGRESS.step
+
+
+def report_failure(exc: BaseException) -> None:
+    """Tell the other ranks that this rank's run failed with `exc` (no-op without a watchdog)."""
+    if _ACTIVE is not None:
+        _ACTIVE.report_failure(exc)
+
+
+def active() -> Watchdog | None:
+    return _ACTIVE
+
+
+def stop() -> None:
+    """Stop this rank's watchdog in order (call before the final barrier: rank 0's exit ends the store)."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.stop()
+        _ACTIVE = None

@@ -1,0 +1,468 @@
+"""The watchdog: pure helpers, several ranks' watchdogs on one real TCPStore in this process, and whole local
+worlds (torchrun's agent store; the local launcher, where rank 0 hosts the store) that lose a rank."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from hpc_rlhf.dist import watchdog
+from hpc_rlhf.dist.watchdog import (Progress, Watchdog, failure_record, format_failure, is_consequence,
+                                    process_alive, watched_ranks)
+from hpc_rlhf.utils.faults import FAULT_ENV, InjectedFault
+
+TIMEOUT = 0.5     # heartbeat timeout of the in-process watchdogs
+INTERVAL = 0.05
+
+
+# ============================================================================================= pure helpers
+def test_watched_ranks_are_ring_successors_plus_the_store_host():
+    assert watched_ranks(0, 4, 0) == [1, 2, 3]
+    assert watched_ranks(2, 4, 0) == [3, 0, 1]
+    assert watched_ranks(5, 20, 0) == [6, 7, 8, 9, 10, 11, 12, 13, 0]
+    assert watched_ranks(5, 20, None) == [6, 7, 8, 9, 10, 11, 12, 13]
+    assert watched_ranks(0, 1, 0) == []
+
+
+def test_every_rank_is_watched_by_eight_others_in_a_large_world():
+    world = 50
+    watchers = {r: 0 for r in range(world)}
+    for rank in range(world):
+        for peer in watched_ranks(rank, world, None):
+            watchers[peer] += 1
+    assert set(watchers.values()) == {8}
+
+
+def test_the_failure_line_names_rank_role_phase_and_step():
+    record = failure_record(3, "rollout", "scoring", 2, "failed", "RuntimeError: boom", primary=True, by=3)
+    assert format_failure(record, seen_by=0) == \
+        "hpc_rlhf: rank 3 (role rollout) failed during scoring: RuntimeError: boom [step 2; seen by rank 0]"
+    assert format_failure(record, seen_by=3).endswith("[step 2]")
+
+
+def test_communication_errors_are_consequences_other_errors_are_causes():
+    assert is_consequence(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1"))
+    assert is_consequence(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
+    wrapped = ValueError("step failed")
+    wrapped.__cause__ = RuntimeError("Connection reset by peer")
+    assert is_consequence(wrapped)
+    assert not is_consequence(InjectedFault("injected fault"))
+    assert not is_consequence(FloatingPointError("3 optimizer steps in a row had a non-finite loss"))
+
+
+def test_process_alive_sees_a_reaped_and_a_zombie_process():
+    assert process_alive(os.getpid())
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # not reaped yet: a zombie once it has exited
+        with open(f"/proc/{proc.pid}/stat") as handle:
+            if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        time.sleep(0.05)
+    assert not process_alive(proc.pid)
+    proc.wait()
+    assert not process_alive(proc.pid)
+
+
+def test_phases_nest_and_a_failure_keeps_its_phase():
+    progress = Progress()
+    with watchdog._Phase(progress, "training"):
+        assert progress.name == "training"
+        with watchdog._Phase(progress, "exchange"):
+            assert progress.name == "exchange"
+        assert progress.name == "training"
+    assert progress.name == "training"  # stays until the next phase starts
+    with pytest.raises(KeyError):
+        with watchdog._Phase(progress, "scoring"):
+            raise KeyError("x")
+    assert progress.name == "scoring" and progress.stack == []
+
+
+def test_phase_runs_the_fault_point_with_the_step(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "kind=raise,phase=scoring,step=4")
+    monkeypatch.setenv("RANK", "0")
+    watchdog.set_step(3)
+    with watchdog.phase("scoring"):
+        pass
+    watchdog.set_step(4)
+    with pytest.raises(InjectedFault, match="phase scoring, step 4"):
+        with watchdog.phase("scoring"):
+            pass
+    assert watchdog.current_phase() == "scoring" and watchdog.current_step() == 4
+
+
+def test_phase_costs_microseconds(monkeypatch):
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    start = time.perf_counter()
+    for step in range(20000):
+        watchdog.set_step(step)
+        with watchdog.phase("training"):
+            pass
+    per_phase = (time.perf_counter() - start) / 20000
+    assert per_phase < 50e-6, f"{per_phase * 1e6:.1f} us per phase"
+
+
+def test_timeout_comes_from_the_environment_then_the_config(monkeypatch):
+    class Dist:
+        heartbeat_timeout_s = 12.0
+
+    class Cfg:
+        dist = Dist()
+
+    monkeypatch.delenv(watchdog.HEARTBEAT_TIMEOUT_ENV, raising=False)
+    assert watchdog.heartbeat_timeout(Cfg()) == 12.0
+    assert watchdog.heartbeat_timeout(object()) == watchdog.DEFAULT_TIMEOUT_S
+    monkeypatch.setenv(watchdog.HEARTBEAT_TIMEOUT_ENV, "3.5")
+    assert watchdog.heartbeat_timeout(Cfg()) == 3.5
+    monkeypatch.setenv(watchdog.HEARTBEAT_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="HPC_RLHF_HEARTBEAT_TIMEOUT_S='soon' is not a number"):
+        watchdog.heartbeat_timeout(Cfg())
+
+
+# ============================================================================ several ranks on one store
+class Ranks:
+    """Watchdogs of a pretend world, each with its own client of one TCPStore, stepped by hand."""
+
+    def __init__(self, port: int, world: int, roles: list[str], store_host_rank: int | None = 0):
+        from torch.distributed import TCPStore
+
+        self.port = port
+        self.fatal: dict[int, str] = {}
+        self.dogs = []
+        for rank in range(world):
+            client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=5))
+            dog = Watchdog(client, rank, world, TIMEOUT, roles=[roles[rank]], interval_s=INTERVAL,
+                           store_host_rank=store_host_rank, store_address=f"127.0.0.1:{port}",
+                           on_fatal=lambda message, rank=rank: self.fatal.__setitem__(rank, message))
+            self.dogs.append(dog)
+
+    def beat(self, *ranks):
+        for rank in ranks:
+            self.dogs[rank].beat()
+
+
+@pytest.fixture
+def server():
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    yield store.port
+
+
+def test_healthy_ranks_raise_no_alarm(server):
+    world = Ranks(server, 3, ["actor", "ref", "rollout"])
+    for _ in range(12):
+        world.beat(0, 1, 2)
+        time.sleep(INTERVAL)
+    assert world.fatal == {}
+    assert world.dogs[0].peers[2].beat["role"] == "rollout"
+
+
+def test_a_silent_rank_is_reported_with_its_last_phase(server):
+    world = Ranks(server, 3, ["actor", "ref", "rollout"])
+    world.dogs[2].progress.name, world.dogs[2].progress.step = "scoring", 2
+    world.beat(0, 1, 2)
+    deadline = time.monotonic() + TIMEOUT + 1
+    while time.monotonic() < deadline and 0 not in world.fatal:
+        world.beat(0, 1)  # rank 2 has frozen
+        time.sleep(INTERVAL)
+    assert world.fatal[0].startswith("hpc_rlhf: rank 2 (role rollout) stopped responding during scoring: "
+                                     "no heartbeat for")
+    world.beat(1)  # rank 1 learns it from the published record even if it has not waited as long
+    assert world.fatal[1].startswith("hpc_rlhf: rank 2 (role rollout) stopped responding during scoring")
+
+
+def test_a_rank_that_never_beat_is_reported_after_the_timeout(server):
+    world = Ranks(server, 2, ["actor", "ref"])
+    world.beat(0)
+    time.sleep(TIMEOUT + 0.1)
+    world.beat(0)
+    assert "rank 1 (role unknown) stopped responding during setup: no heartbeat at all" in world.fatal[0]
+
+
+def test_a_dead_process_on_this_host_is_reported_at_once(server):
+    world = Ranks(server, 3, ["actor", "ref", "rollout"])
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    world.dogs[1].pid = victim.pid  # rank 1 "runs" in that process
+    world.dogs[1].progress.name = "weight_sync"
+    world.beat(0, 1, 2)
+    assert world.fatal == {}
+    victim.kill()
+    victim.wait()
+    world.beat(2)
+    assert world.fatal[2] == (f"hpc_rlhf: rank 1 (role ref) failed during weight_sync: its process (pid "
+                              f"{victim.pid}) is gone [step 0; seen by rank 2]")
+    world.beat(0)
+    assert "rank 1 (role ref) failed during weight_sync" in world.fatal[0]
+
+
+def test_a_rank_that_stopped_in_order_is_not_a_failure(server):
+    world = Ranks(server, 2, ["actor", "ref"])
+    victim = subprocess.Popen([sys.executable, "-c", "pass"])
+    world.dogs[1].pid = victim.pid
+    world.beat(0, 1)
+    world.dogs[1]._write_own(watchdog.STOPPED)
+    victim.wait()
+    time.sleep(TIMEOUT + 0.1)
+    world.beat(0)
+    assert world.fatal == {}
+
+
+def test_a_reported_exception_reaches_every_rank(server):
+    world = Ranks(server, 3, ["actor", "ref", "rollout"])
+    world.beat(0, 1, 2)
+    world.dogs[1].progress.name, world.dogs[1].progress.step = "training", 7
+    world.dogs[1].report_failure(FloatingPointError("3 optimizer steps in a row had a non-finite loss"))
+    world.beat(0, 1, 2)
+    expected = ("hpc_rlhf: rank 1 (role ref) failed during training: FloatingPointError: 3 optimizer steps in a "
+                "row had a non-finite loss [step 7; seen by rank {}]")
+    assert world.fatal == {0: expected.format(0), 2: expected.format(2)}  # rank 1 itself prints its traceback
+
+
+def test_an_effect_waits_for_its_cause(server):
+    world = Ranks(server, 4, ["actor", "ref", "rollout", "rollout"])
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    world.dogs[3].pid = victim.pid
+    world.dogs[3].progress.name = "exchange"
+    del world.dogs[0].peers[3]  # as in a world of more than 9 ranks, rank 0 does not watch rank 3 itself
+    world.beat(0, 1, 2, 3)
+    victim.kill()
+    victim.wait()
+    # rank 1's collective with rank 3 broke: an effect, published as such
+    world.dogs[1].report_failure(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    world.beat(0)
+    assert world.fatal == {}, "an effect alone must not be blamed before the grace time"
+    world.beat(2)  # rank 2 watches rank 3 and sees its process gone: the cause
+    world.beat(0)
+    assert world.fatal[0].startswith("hpc_rlhf: rank 3 (role rollout) failed during exchange: its process")
+
+
+def test_an_effect_is_blamed_when_no_cause_shows_up(server):
+    world = Ranks(server, 3, ["actor", "ref", "rollout"])
+    world.beat(0, 1, 2)
+    world.dogs[1].report_failure(RuntimeError("Connection reset by peer"))
+    world.beat(0)
+    assert world.fatal == {}
+    time.sleep(world.dogs[0].grace + 0.05)
+    world.beat(0)
+    assert world.fatal[0].startswith("hpc_rlhf: rank 1 (role ref) failed during setup: RuntimeError: "
+                                     "Connection reset by peer")
+
+
+def _store_host_process():
+    """A process that hosts the store, standing in for rank 0."""
+    code = ("import sys, time; from datetime import timedelta; from torch.distributed import TCPStore; "
+            "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)); "
+            "print(s.port, flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
+@pytest.fixture
+def host_process():
+    proc, port = _store_host_process()
+    yield proc, port
+    proc.kill()
+    proc.wait()
+
+
+def _threaded_world(port: int, host_pid: int):
+    world = Ranks(port, 3, ["actor", "ref", "rollout"])
+    world.dogs[0].pid = host_pid
+    world.dogs[0].progress.name = "checkpoint"
+    done = threading.Event()
+    for dog in world.dogs:
+        dog.on_fatal = lambda message, rank=dog.rank: (world.fatal.__setitem__(rank, message), done.set())
+    world.dogs[0].beat()  # once by hand: rank 0's own watchdog "dies" with its process
+    for dog in world.dogs[1:]:
+        dog.start()
+    return world, done
+
+
+def test_the_store_host_dying_is_named(host_process):
+    proc, port = host_process
+    world, done = _threaded_world(port, proc.pid)
+    time.sleep(3 * INTERVAL)
+    proc.kill()
+    assert done.wait(TIMEOUT + 5)
+    time.sleep(0.2)
+    for rank in (1, 2):
+        assert world.fatal[rank].startswith(
+            f"hpc_rlhf: rank 0 (role actor) failed during checkpoint: its process (pid {proc.pid}) is gone, and "
+            f"with it the rendezvous store it hosted at 127.0.0.1:{port}")
+
+
+def test_a_frozen_store_host_is_named_after_the_timeout(host_process):
+    proc, port = host_process
+    world, done = _threaded_world(port, proc.pid)
+    time.sleep(3 * INTERVAL)
+    start = time.monotonic()
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert done.wait(TIMEOUT + 5)
+    assert time.monotonic() - start < TIMEOUT + 2
+    message = next(iter(world.fatal.values()))
+    assert message.startswith("hpc_rlhf: rank 0 (role actor) stopped responding during checkpoint")
+    os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_the_store_host_stopping_in_order_is_no_failure(host_process):
+    proc, port = host_process
+    world, done = _threaded_world(port, proc.pid)
+    world.dogs[0]._write_own(watchdog.STOPPED)
+    time.sleep(3 * INTERVAL)
+    proc.kill()
+    assert not done.wait(TIMEOUT + 1)
+    assert world.fatal == {}
+    assert all(dog._halt.is_set() for dog in world.dogs[1:])
+
+
+def test_stop_writes_the_last_heartbeat(server):
+    world = Ranks(server, 2, ["actor", "ref"])
+    world.dogs[1].start()
+    world.dogs[1].stop()
+    world.beat(0)
+    assert world.dogs[0].peers[1].beat["state"] == watchdog.STOPPED
+    assert not any(t.is_alive() for t in world.dogs[1]._threads)
+
+
+def test_the_store_host_leaves_only_after_the_others_stopped(server):
+    world = Ranks(server, 2, ["actor", "ref"])
+    host = world.dogs[0]
+    host.interval = 0.2  # waits at most 2 x grace = 1.2 s
+    host.grace = 3 * host.interval
+    world.beat(0, 1)
+    threading.Timer(0.3, lambda: world.dogs[1]._write_own(watchdog.STOPPED)).start()
+    start = time.monotonic()
+    host.stop()
+    waited = time.monotonic() - start
+    assert 0.25 < waited < 2 * host.grace - 0.05, waited
+
+
+# ============================================================================================ whole worlds
+from tests.distributed import REPO, run_ranks, worker_env  # noqa: E402
+
+
+def _spawn_local(nproc: int, case: str, fault: str = "",
+                 timeout_s: float = 3) -> tuple[subprocess.CompletedProcess, float]:
+    """`case` on `nproc` ranks started by our local launcher (rank 0 hosts the store), timed."""
+    code = ("import sys; from hpc_rlhf.launch.local import spawn_local; "
+            f"sys.exit(spawn_local({nproc}, [sys.executable, {str(__file__)!r}, {case!r}]))")
+    env = worker_env({FAULT_ENV: fault, watchdog.HEARTBEAT_TIMEOUT_ENV: str(timeout_s)})
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    return proc, time.monotonic() - start
+
+
+def test_local_world_a_frozen_rank_is_named_by_the_others():
+    proc, elapsed = _spawn_local(3, "phases", fault="rank=2,phase=scoring,step=2,kind=freeze")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "hpc_rlhf: rank 2 (role rollout) stopped responding during scoring: no heartbeat for" in proc.stderr
+    assert elapsed < 60
+
+
+def test_local_world_the_store_host_killed_is_named():
+    proc, elapsed = _spawn_local(3, "phases", fault="rank=0,phase=training,step=2,kind=kill")
+    assert proc.returncode != 0
+    assert re.search(r"hpc_rlhf: rank 0 \(role actor\) failed during (rollout|scoring|training): its process \(pid "
+                     r"\d+\) is gone, and with it the rendezvous store it hosted at 127.0.0.1:\d+", proc.stderr), \
+        proc.stderr[-3000:]
+    assert elapsed < 60
+
+
+def test_local_world_finishing_at_different_times_is_no_failure():
+    proc, _ = _spawn_local(3, "uneven")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hpc_rlhf: rank" not in proc.stderr
+
+
+def test_torchrun_a_killed_rank_is_named_by_the_others():
+    env = {FAULT_ENV: "rank=2,phase=training,step=1,kind=kill", watchdog.HEARTBEAT_TIMEOUT_ENV: "3"}
+    proc = run_ranks(3, __file__, "phases", env=env, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "hpc_rlhf: rank 2 (role rollout) failed during training: its process" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_gloo_collectives_honour_the_timeout():
+    proc = run_ranks(2, __file__, "collective_timeout", check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0: RuntimeError after 2 s: " in proc.stdout and "Timed out waiting 2000ms" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- workers
+ROLES = ["actor", "ref", "rollout"]
+
+
+def _phases_worker() -> None:
+    """Three steps of phases with a collective in each, as a recipe would run them."""
+    import torch
+    import torch.distributed as dist
+
+    from hpc_rlhf.config import DistSection
+    from hpc_rlhf.launch.local import run_or_spawn
+    from hpc_rlhf.trainers.common import StopSignal
+
+    class Cfg:
+        dist = DistSection(timeout_s=120, nproc=int(os.environ["WORLD_SIZE"]))
+
+    def run(cfg):
+        rank = dist.get_rank()
+        StopSignal()  # as in the recipes: torchrun's SIGTERM to the survivors only asks for a stop
+        dog = watchdog.start([ROLES[rank]], watchdog.heartbeat_timeout(cfg))
+        for step in range(1, 4):
+            watchdog.set_step(step)
+            for name in ("rollout", "scoring", "training"):
+                with watchdog.phase(name):
+                    time.sleep(2 * dog.interval)  # phases long enough for the peers to read their heartbeats
+                    dist.all_reduce(torch.ones(1))
+
+    sys.exit(run_or_spawn("test", Cfg(), run, []))
+
+
+def _uneven_worker() -> None:
+    import torch.distributed as dist
+
+    from hpc_rlhf.config import DistSection
+    from hpc_rlhf.launch.local import run_or_spawn
+
+    class Cfg:
+        dist = DistSection(timeout_s=120, nproc=int(os.environ["WORLD_SIZE"]))
+
+    def run(cfg):
+        rank = dist.get_rank()
+        watchdog.start([ROLES[rank]], 1.0)
+        # Rank 0 (the store's host) finishes first, the others over several heartbeat timeouts.
+        time.sleep([0.0, 1.5, 3.0][rank])
+
+    sys.exit(run_or_spawn("test", Cfg(), run, []))
+
+
+def _collective_timeout_worker() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hpc_rlhf.dist.bootstrap import init_distributed
+
+    init_distributed("gloo", timeout_s=2)
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1))
+        except RuntimeError as exc:
+            print(f"rank 0: RuntimeError after {time.monotonic() - start:.0f} s: {exc}", flush=True)
+    else:
+        time.sleep(4)
+    # A gloo group with a timed-out operation can abort in its destructor at interpreter exit: skip that.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    {"phases": _phases_worker, "uneven": _uneven_worker,
+     "collective_timeout": _collective_timeout_worker}[sys.argv[1]]()

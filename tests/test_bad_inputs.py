@@ -1,0 +1,280 @@
+"""Bad input, one table: every mistake a user can make in a config, a data file, a model folder or a reward
+function is refused with one message that names where it is (key, flag, file, row), never with a bare traceback.
+
+Most cases go through `hpc_rlhf.cli.main([...])` as a user would, and expect exit code 2 and the message on
+stderr. Cases that get past the configuration run on a one-rank world in this process and fail while the run
+sets up (before any model is trained). Reward functions are checked by the functions the recipes call.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hpc_rlhf.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+QUIET = ["log.progress=false", "log.tensorboard=false", "data.eval_files=[]"]
+
+
+# ================================================================================================ inputs
+def _write_rows(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def _model_folder(folder: Path, model_class: str = "AutoModelForCausalLM", max_positions: int = 64) -> Path:
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    from hpc_rlhf.models.tiny import copy_tokenizer
+
+    arch = {"AutoModelForCausalLM": "LlamaForCausalLM",
+            "AutoModelForTokenClassification": "LlamaForTokenClassification"}[model_class]
+    config = AutoConfig.for_model("llama", vocab_size=104, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                  max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, architectures=[arch], num_labels=1)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        getattr(transformers, model_class).from_config(config).save_pretrained(folder)
+    copy_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory) -> Path:
+    """A folder of bad (and a few good) inputs, built once."""
+    root = tmp_path_factory.mktemp("inputs")
+    good = {"prompt": "1+2=", "response": "3"}
+    _model_folder(root / "model")
+    _model_folder(root / "classifier", "AutoModelForTokenClassification")
+    (root / "no_config").mkdir()
+    from hpc_rlhf.models.tiny import copy_tokenizer
+
+    copy_tokenizer(root / "no_config")
+    shutil.copytree(root / "model", root / "no_weights")
+    (root / "no_weights" / "model.safetensors").unlink()
+    copy_tokenizer(root / "no_pad")
+    tok_config = json.loads((root / "no_pad" / "tokenizer_config.json").read_text())
+    tok_config.pop("pad_token", None)
+    (root / "no_pad" / "tokenizer_config.json").write_text(json.dumps(tok_config))
+
+    _write_rows(root / "sft.jsonl", [good, good])
+    (root / "empty.jsonl").write_text("")
+    _write_rows(root / "malformed.jsonl", [good, '{"prompt": "1+2=", "response": "3"'])
+    _write_rows(root / "missing_key.jsonl", [{"prompt": "1+2="}])
+    _write_rows(root / "wrong_type.jsonl", [{"prompt": 12, "response": "3"}])
+    _write_rows(root / "blank.jsonl", [{"prompt": "1+2=", "response": "  "}])
+    _write_rows(root / "not_object.jsonl", [["1+2=", "3"]])
+    (root / "rows.txt").write_text("1+2=3\n")
+    (root / "no_response.csv").write_text("prompt,answer\n1+2=,3\n")
+    _write_rows(root / "chat_no_role.jsonl", [{"messages": [{"content": "hi"}, {"role": "assistant",
+                                                                              "content": "yo"}]}])
+    _write_rows(root / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": "yo"}]}])
+    _write_rows(root / "chat_robot.jsonl", [{"messages": [{"role": "robot", "content": "hi"},
+                                                          {"role": "assistant", "content": "yo"}]}])
+
+    (root / "not_yaml.yaml").write_text("train: {lr: 1e-3\n")
+    (root / "list.yaml").write_text("- train.lr=1\n")
+    (root / "typo.yaml").write_text("train:\n  lr: 0.001\n  max_stesp: 3\n")
+    (root / "flat_section.yaml").write_text("train: 5\n")
+
+    (root / "syntax_error.py").write_text("def score(prompts, responses, answers)\n    return []\n")
+    (root / "import_error.py").write_text("import not_installed_xyz\n")
+    (root / "rewards.py").write_text(
+        "def too_few(p, r, a):\n    return [1.0]\n"
+        "def text(p, r, a):\n    return 'good'\n"
+        "def nones(p, r, a):\n    return [None] * len(r)\n"
+        "def nan(p, r, a):\n    return [float('nan')] * len(r)\n"
+        "def broken(p, r, a):\n    return 1 / 0\n")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, d):
+    """Each case runs from the repository (relative asset paths) without any launcher in its environment."""
+    monkeypatch.chdir(REPO)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_ID", "SLURM_PROCID",
+                "SLURM_NTASKS", "TORCHELASTIC_USE_AGENT_STORE", "HPC_RLHF_LOCAL_LAUNCH"):
+        monkeypatch.delenv(key, raising=False)
+    # One process: a mode that needs more ranks must fail before it would start them here.
+    monkeypatch.setattr("hpc_rlhf.launch.local.spawn_local",
+                        lambda *a, **k: pytest.fail("a bad input got as far as starting ranks"))
+
+
+# ================================================================================== through the CLI
+SFT = ["sft", "model.path={d}/model", "data.train_files=[{d}/sft.jsonl]", "output_dir={d}/out", "eval.prompt_files=[]",
+       *QUIET]
+GRPO = ["grpo", "actor.path={d}/model", "output_dir={d}/out", *QUIET]
+
+# (id, argv, text the message must contain, environment)
+CLI_CASES = [
+    # ---- configuration keys, types and ranges
+    ("unknown key", [*SFT, "train.lrr=1e-4"], "command line: unknown key 'train.lrr'; did you mean 'train.lr'?"),
+    ("key in the wrong section", [*SFT, "lr=1e-4"], "unknown key 'lr'; did you mean 'train.lr'?"),
+    ("misspelt section", [*SFT, "trian.max_steps=3"], "unknown key 'trian.max_steps'; did you mean "
+                                                     "'train.max_steps'?"),
+    ("text for an integer", [*SFT, "train.max_steps=abc"], "key 'train.max_steps' must be an integer, got 'abc'"),
+    ("fraction for an integer", [*SFT, "train.max_steps=2.5"], "key 'train.max_steps' must be an integer, got 2.5"),
+    ("text for a boolean", [*SFT, "log.tensorboard=maybe"], "key 'log.tensorboard' must be true or false"),
+    ("text for a number", [*SFT, "train.lr=fast"], "key 'train.lr' must be a number, got 'fast'"),
+    ("below the minimum", [*SFT, "train.lr=-1"], "key 'train.lr' must be >= 0, got -1.0"),
+    ("above the maximum", [*SFT, "train.adam_beta1=1.5"], "key 'train.adam_beta1' must be <= 1, got 1.5"),
+    ("not a choice", [*SFT, "train.zero_stage=5"], "key 'train.zero_stage' must be one of [0, 1, 2, 3], got 5"),
+    ("not a dtype", [*SFT, "model.dtype=float8"], "key 'model.dtype' must be one of"),
+    ("no ranks", [*SFT, "dist.nproc=0"], "key 'dist.nproc' must be >= 1, got 0"),
+    ("prompt limit not below the length limit", [*SFT, "data.max_prompt_len=64", "data.max_len=64"],
+     "data.max_prompt_len (64) must be smaller than data.max_len (64)"),
+    ("override without a value", [*SFT, "train.lr"], "override 'train.lr' is not of the form key=value"),
+    ("unknown flag", [*SFT, "--lr", "1"], "unknown option --lr (settings are given as key=value"),
+    ("unknown mode", ["stf"], "unknown mode 'stf'; did you mean 'sft'?"),
+    # ---- configuration files
+    ("missing config file", [*SFT, "--config", "{d}/nope.yaml"], "config file '{d}/nope.yaml' does not exist"),
+    ("config file not YAML", [*SFT, "--config", "{d}/not_yaml.yaml"], "{d}/not_yaml.yaml: not valid YAML"),
+    ("config file not a mapping", [*SFT, "--config", "{d}/list.yaml"],
+     "{d}/list.yaml: the top level must be a mapping of keys, got list"),
+    ("unknown key in a config file", [*SFT, "--config", "{d}/typo.yaml"],
+     "{d}/typo.yaml: unknown key 'train.max_stesp'; did you mean 'train.max_steps'?"),
+    ("a value where a section belongs", [*SFT, "--config", "{d}/flat_section.yaml"],
+     "{d}/flat_section.yaml: section 'train' must be a mapping, got 5"),
+    # ---- batch sizes and placements (RL modes: all before any rank starts)
+    ("batch does not divide the micro-batches", [*SFT, "train.micro_batch_size=5"],
+     "train.batch_size=32 must be a multiple of train.micro_batch_size (5) x ranks of the role (1) = 5"),
+    ("batch does not divide the samples of a step", [*GRPO, "train.batch_size=48"],
+     "train.batch_size=48 must divide the samples of a step (rollout.prompts_per_step x rollout.n_samples = 64)"),
+    ("batch does not divide across the role's ranks", [*GRPO, "placement=actor=2,ref=1,rollout=1",
+                                                       "train.micro_batch_size=64"],
+     "train.batch_size=64 must be a multiple of train.micro_batch_size (64) x ranks of the role 'actor' (2) = 128"),
+    ("group baseline with one sample", [*GRPO, "rollout.n_samples=1", "rollout.prompts_per_step=64"],
+     "rl.advantage=grpo compares samples of one prompt: rollout.n_samples must be at least 2"),
+    ("misspelt role", [*GRPO, "placement=actor=1,ref=1,rolout=2"],
+     "placement 'actor=1,ref=1,rolout=2': unknown role 'rolout'; did you mean 'rollout'?"),
+    ("role without ranks", [*GRPO, "placement=actor=1,ref=0,rollout=2"], "'ref=0': the count must be at least 1"),
+    ("placement lacks a role the config needs", [*GRPO, "placement=actor=1,rollout=2"],
+     "placement 'actor=1,rollout=2': the placement has no 'ref' role, which this config needs"),
+    ("placement lacks the critic of GAE", ["ppo", "placement=actor=1,ref=1,reward=1,rollout=2", *QUIET],
+     "the placement has no 'critic' role, which this config needs"),
+    ("tensor parallelism the backend cannot do", [*GRPO, "placement=actor=1,ref=1,rollout=2,rollout_tp=2"],
+     "the hf rollout backend does no tensor parallelism"),
+    ("reward weights of the wrong length", [*GRPO, "reward.function_weights=[1.0,2.0]"],
+     "reward.function_weights has 2 entries for 1 reward.functions"),
+    ("no reward at all", [*GRPO, "reward.functions=[]"],
+     "no reward: set reward.models, reward.functions or reward.http_url"),
+    ("world smaller than the placement (torchrun)", GRPO,
+     "placement needs 4 ranks but the job has 2 (launched by torchrun)",
+     {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}),
+    ("world smaller than the placement (srun)", GRPO,
+     "placement needs 4 ranks but the job has 3 (launched by slurm)",
+     {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0",
+      "SLURM_NODELIST": "node1", "SLURM_JOB_ID": "42"}),
+    ("inconsistent launch variables", SFT, "WORLD_SIZE='2' is set but RANK is not", {"WORLD_SIZE": "2"}),
+    # ---- data files (found while the run sets up, before the model is built)
+    ("missing data file", [*SFT, "data.train_files=[{d}/nope.jsonl]"],
+     "data.train_files: file '{d}/nope.jsonl' does not exist"),
+    ("empty data file", [*SFT, "data.train_files=[{d}/empty.jsonl]"],
+     "data.train_files: file '{d}/empty.jsonl' is empty"),
+    ("malformed row", [*SFT, "data.train_files=[{d}/malformed.jsonl]"], "{d}/malformed.jsonl, line 2: malformed JSON"),
+    ("row without a required key", [*SFT, "data.train_files=[{d}/missing_key.jsonl]"],
+     "{d}/missing_key.jsonl, line 1: key 'response' is missing (the row has keys: prompt)"),
+    ("value of the wrong type", [*SFT, "data.train_files=[{d}/wrong_type.jsonl]"],
+     "{d}/wrong_type.jsonl, line 1: key 'prompt' must be str, got int"),
+    ("blank text", [*SFT, "data.train_files=[{d}/blank.jsonl]"], "{d}/blank.jsonl, line 1: key 'response' is empty"),
+    ("row that is not an object", [*SFT, "data.train_files=[{d}/not_object.jsonl]"],
+     "{d}/not_object.jsonl, line 1: a row must be a JSON object with keys, got list"),
+    ("unknown file format", [*SFT, "data.train_files=[{d}/rows.txt]"], "'{d}/rows.txt' has an unknown format"),
+    ("table without a required column", [*SFT, "data.train_files=[{d}/no_response.csv]"],
+     "{d}/no_response.csv, row 1: key 'response' is missing (the row has keys: prompt, answer)"),
+    ("key name the data does not use", [*SFT, "data.prompt_key=question"],
+     "{d}/sft.jsonl, line 1: key 'question' is missing"),
+    ("bad row in the held-out data", [*SFT, "data.eval_files=[{d}/wrong_type.jsonl]"],
+     "{d}/wrong_type.jsonl, line 1: key 'prompt' must be str, got int"),
+    ("chat message without a role", [*SFT, "data.train_files=[{d}/chat_no_role.jsonl]",
+                                     "data.apply_chat_template=true"],
+     "{d}/chat_no_role.jsonl, line 1: key 'messages' item 0 lacks role"),
+    ("chat without the chat template", [*SFT, "data.train_files=[{d}/chat.jsonl]"],
+     "{d}/chat.jsonl, line 1: a list of messages needs the chat template (data.apply_chat_template=true)"),
+    ("role the chat template refuses", [*SFT, "data.train_files=[{d}/chat_robot.jsonl]",
+                                        "data.apply_chat_template=true"],
+     "{d}/chat_robot.jsonl, line 1: the chat template of tokenizer"),
+    ("sequences longer than the model's positions", [*SFT, "data.max_len=128"],
+     "data.max_len=128 is longer than the 64 positions of the model in '{d}/model'"),
+    # ---- model folders
+    ("missing model folder", [*SFT, "model.path={d}/nope"], "model folder '{d}/nope' does not exist"),
+    ("model folder without config.json", [*SFT, "model.path={d}/no_config"],
+     "model folder '{d}/no_config' has no config.json"),
+    ("model folder without weights", [*SFT, "model.path={d}/no_weights"],
+     "model folder '{d}/no_weights' has a config.json but no weights"),
+    ("architecture the mode cannot use", [*SFT, "model.path={d}/classifier"],
+     "model folder '{d}/classifier' holds a LlamaForTokenClassification, which is not a causal language model"),
+    ("tokenizer without a pad token", [*SFT, "model.tokenizer={d}/no_pad"],
+     "tokenizer in '{d}/no_pad' has no pad token"),
+    ("missing tokenizer folder", [*SFT, "model.tokenizer={d}/nope"], "tokenizer folder '{d}/nope' does not exist"),
+    ("attention kernel not installed", [*SFT, "model.attn_implementation=flash_attention_2"],
+     "model.attn_implementation=flash_attention_2 needs"),
+]
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_cli_refuses_bad_input_with_one_clear_message(case, d, capsys, monkeypatch):
+    _, argv, expected, *env = case
+    for key, value in (env[0] if env else {}).items():
+        monkeypatch.setenv(key, value)
+    code = main([arg.format(d=d) for arg in argv])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert expected.format(d=d) in err, err[-3000:]
+    assert "Traceback" not in err
+
+
+# ================================================================================= reward functions
+def _load(spec: str):
+    from hpc_rlhf.rewards import load_reward_function
+
+    return load_reward_function(spec)
+
+
+def _call(spec: str):
+    from hpc_rlhf.rewards import call_reward_function
+
+    return call_reward_function(_load(spec), spec, ["1+2=", "2+2="], ["3", "4"], ["3", "4"])
+
+
+REWARD_CASES = [
+    ("reward file missing", lambda d: _load(f"{d}/nope.py:score"), "file {d}/nope.py does not exist"),
+    ("reward spec without a function", lambda d: _load(f"{d}/rewards.py"),
+     "must look like path/to/file.py:function or package.module:function"),
+    ("reward file with a syntax error", lambda d: _load(f"{d}/syntax_error.py:score"),
+     "importing {d}/syntax_error.py failed: SyntaxError"),
+    ("reward file importing what is not installed", lambda d: _load(f"{d}/import_error.py:score"),
+     "importing {d}/import_error.py failed: ModuleNotFoundError: No module named 'not_installed_xyz'"),
+    ("reward module not installed", lambda d: _load("not_installed_xyz.rewards:score"),
+     "reward function 'not_installed_xyz.rewards:score': importing not_installed_xyz.rewards failed"),
+    ("reward function name missing", lambda d: _load(f"{d}/rewards.py:score"),
+     "{d}/rewards.py has no callable 'score'"),
+    ("too few rewards", lambda d: _call(f"{d}/rewards.py:too_few"), "returned 1 rewards for 2 responses"),
+    ("rewards not a list", lambda d: _call(f"{d}/rewards.py:text"), "returned str; it must return a list of 2 floats"),
+    ("rewards not numbers", lambda d: _call(f"{d}/rewards.py:nones"),
+     "returned None (NoneType) for response 0; rewards must be numbers"),
+    ("rewards not finite", lambda d: _call(f"{d}/rewards.py:nan"),
+     "returned nan for response 0; rewards must be finite"),
+    ("reward function raising", lambda d: _call(f"{d}/rewards.py:broken"),
+     "raised ZeroDivisionError: division by zero"),
+]
+
+
+@pytest.mark.parametrize("case", REWARD_CASES, ids=[c[0] for c in REWARD_CASES])
+def test_reward_functions_are_refused_with_their_name(case, d):
+    from hpc_rlhf.rewards import RewardFunctionError
+
+    _, action, expected = case
+    with pytest.raises(RewardFunctionError) as info:
+        action(d)
+    assert expected.format(d=d) in str(info.value)
+    assert "reward function '" in str(info.value)
+

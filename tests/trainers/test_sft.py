@@ -1,0 +1,182 @@
+"""The SFT recipe on the built-in addition task: it learns, packing changes nothing, resume is exact, final/ loads.
+
+In-process tests share a one-rank gloo world; the two-rank ZeRO-2 run goes through torchrun (worker code at the
+bottom of this file).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.config import TINY_ASSETS, load_config
+from hpc_rlhf.utils.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = f"{TINY_ASSETS}/data"
+QUIET = ["log.progress=false", "log.tensorboard=false"]
+
+
+def one_rank_world():
+    """A one-rank gloo world for in-process runs (kept for the whole session; re-made if a test ended it)."""
+    if dist.is_initialized():
+        return
+    from hpc_rlhf.dist.bootstrap import free_port
+    from hpc_rlhf.engines import deepspeed_compat
+
+    deepspeed_compat._SINGLETON.clear()  # groups cached from an earlier world are dead
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+@pytest.fixture
+def world(monkeypatch):
+    monkeypatch.chdir(REPO)  # the configs' asset paths are relative to the repository
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed insists on it; torchrun would have set it
+    one_rank_world()
+    from hpc_rlhf.data.assets import ensure_assets
+
+    ensure_assets(TINY_ASSETS)
+    # The CLI leaves the world when a run ends; here the world belongs to the test session.
+    monkeypatch.setattr("hpc_rlhf.launch.local.shutdown", lambda: None)
+
+
+def sft_config(out: Path, *overrides: str):
+    from hpc_rlhf.trainers import sft
+
+    return load_config(sft.Config, None, [f"output_dir={out}", *QUIET, *overrides])
+
+
+_WARM_START: list[Path] = []
+
+
+def sft_warm_start() -> Path:
+    """A briefly fine-tuned model (a final/ folder), made once per test process and shared by the RM, DPO and KTO
+    tests: preferences over sums teach a random model very slowly, but sharpen one that has begun to add."""
+    if not _WARM_START:
+        from hpc_rlhf.trainers import sft
+
+        folder = Path(tempfile.mkdtemp(prefix="hpc_rlhf_sft_warm_"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        sft.run(sft_config(folder, *WARM_START_SETTINGS))
+        _WARM_START.append(folder / "final")
+    return _WARM_START[0]
+
+
+WARM_START_SETTINGS = ("train.max_steps=300", "train.batch_size=64", "train.micro_batch_size=64", "train.lr=3e-3",
+                       "train.warmup_steps=20", "log.every_steps=100", "log.eval_every_steps=0",
+                       "data.max_eval_rows=8", "eval.prompt_files=[]", "checkpoint.resume=false")
+
+
+def test_sft_learns_and_final_model_generates(world, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpc_rlhf.trainers import sft
+
+    out = tmp_path / "sft"
+    cfg = sft_config(out, "train.max_steps=120", "train.batch_size=64", "train.micro_batch_size=64", "train.lr=3e-3",
+                     "train.warmup_steps=10", "log.every_steps=60", "log.eval_every_steps=120",
+                     "data.max_eval_rows=128", "eval.max_rows=100")
+    sft.run(cfg)
+    rows = read_metrics(out)
+    start, end = rows[0], rows[-1]
+    assert start["step"] == 0 and end["step"] == 120
+    assert start["eval_accuracy"] == 0.0 and start["eval_loss"] > 4.0  # random weights over a 104-token vocabulary
+    assert end["eval_loss"] < 0.5 * start["eval_loss"]
+    assert end["eval_accuracy"] > 0.0
+    assert rows[1]["loss"] > end["loss"] and rows[1]["tokens_per_s"] > 0
+
+    final = out / "final"
+    model = AutoModelForCausalLM.from_pretrained(final)
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    prompt = tokenizer("12+34=", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    answer = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert answer and answer[0].isdigit()  # it learnt the answer format: a number right after "="
+
+
+def test_packing_gives_the_same_loss_on_a_fixed_batch(world, tmp_path):
+    from hpc_rlhf.data.packing import pack_examples
+    from hpc_rlhf.trainers import sft
+
+    recipe = sft.SFTRecipe(sft_config(tmp_path / "pack", "data.max_train_rows=64", "data.max_eval_rows=8",
+                                      "eval.prompt_files=[]", "train.batch_size=16", "train.micro_batch_size=16"))
+    recipe.setup()
+    examples = recipe.train_examples[:16]
+    packed = pack_examples(examples, recipe.cfg.data.max_len)
+    assert len(packed) < len(examples)  # several examples really share a row
+    with torch.no_grad():
+        recipe.cfg.data.packing = False
+        padded_loss, padded_labels, _ = recipe._forward_loss(examples)
+        recipe.cfg.data.packing = True
+        packed_loss, packed_labels, _ = recipe._forward_loss(packed)
+    assert packed_labels == padded_labels
+    torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-5, atol=1e-5)
+
+
+def test_resume_from_a_checkpoint_repeats_the_uninterrupted_run(world, tmp_path):
+    from hpc_rlhf.trainers import sft
+
+    common = ["train.max_steps=6", "train.batch_size=8", "train.micro_batch_size=4", "train.warmup_steps=2",
+              "log.every_steps=1", "log.eval_every_steps=0", "checkpoint.every_steps=3", "checkpoint.keep=5",
+              "data.max_train_rows=200", "data.max_eval_rows=16", "eval.max_rows=8", "model.dtype=float32"]
+    whole = tmp_path / "whole"
+    sft.run(sft_config(whole, *common))
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    # The state a job preempted after step 3 leaves behind: its step-3 checkpoint.
+    shutil.copytree(whole / "checkpoints" / "step_000000003", resumed / "checkpoints" / "step_000000003")
+    sft.run(sft_config(resumed, *common))
+
+    keys = ("loss", "lr", "grad_norm")
+    expected = {r["step"]: [r[k] for k in keys] for r in read_metrics(whole) if r["step"] > 3}
+    got = {r["step"]: [r[k] for k in keys] for r in read_metrics(resumed)}
+    assert sorted(got) == [4, 5, 6]
+    assert got == expected  # bit for bit: fp32 on the CPU
+    final_eval = {k: v for k, v in read_metrics(whole)[-1].items() if k.startswith("eval_")}
+    assert final_eval and final_eval == {k: v for k, v in read_metrics(resumed)[-1].items() if k.startswith("eval_")}
+
+
+def test_cli_names_a_bad_key_and_a_bad_row(world, tmp_path, capsys):
+    from hpc_rlhf.cli import main
+
+    assert main(["sft", "train.lrr=1e-3"]) == 2
+    assert "did you mean 'train.lr'" in capsys.readouterr().err
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
+    code = main(["sft", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]", *QUIET])
+    assert code != 0
+    err = capsys.readouterr().err
+    assert f"{bad}, line 2: key 'response' is missing" in err
+
+
+def test_two_ranks_zero2(tmp_path):
+    from tests.distributed import run_ranks
+
+    run_ranks(2, __file__, "zero2", str(tmp_path / "sft2"), timeout=240)
+    rows = read_metrics(tmp_path / "sft2")
+    assert rows[-1]["step"] == 4 and rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+    assert (tmp_path / "sft2" / "final" / "model.safetensors").is_file()
+
+
+if __name__ == "__main__":
+    from hpc_rlhf.dist.bootstrap import init_distributed
+    from hpc_rlhf.trainers import sft
+
+    case, out = sys.argv[1], sys.argv[2]
+    assert case == "zero2"
+    init_distributed("gloo", 120, expected_world_size=2)
+    sft.run(load_config(sft.Config, None, [
+        f"output_dir={out}", *QUIET, "train.zero_stage=2", "train.max_steps=4", "train.batch_size=16",
+        "train.micro_batch_size=4", "train.lr=3e-3", "log.every_steps=2", "log.eval_every_steps=4",
+        "data.max_train_rows=256", "data.max_eval_rows=32", "eval.max_rows=16"]))
+    dist.barrier()
+    dist.destroy_process_group()
