@@ -18,7 +18,6 @@ Logged: loss, kl (z0), the mean implied rewards beta * r of desirable and undesi
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 

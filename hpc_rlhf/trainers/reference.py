@@ -81,14 +81,6 @@ def balanced_chunks(num_items: int, rank: int, world: int, chunk_size: int) -> l
     return [mine[i * chunk_size:(i + 1) * chunk_size] for i in range(num_chunks)]
 
 
-def slot_major(rows: Sequence[Sequence[Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
-    """[[row0 slot0, row0 slot1], [row1 slot0, ...]] -> [row0 slot0, row1 slot0, ..., row0 slot1, ...]."""
-    slots = {len(r) for r in rows}
-    if len(slots) != 1:
-        raise ValueError(f"every row needs the same number of sequences, got {sorted(slots)}")
-    return [row[k] for k in range(slots.pop()) for row in rows]
-
-
 # ------------------------------------------------------------------------------------------ frozen model
 class FrozenModel:
     """The reference model, frozen, on every rank of `group` (sharded under ZeRO-3; see the module docstring)."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hpc_rlhf.config import ConfigError, load_config
-from hpc_rlhf.trainers.reference import balanced_chunks, response_logps, slot_major
+from hpc_rlhf.trainers.reference import balanced_chunks, response_logps
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.trainers.test_sft import QUIET, sft_warm_start, world  # noqa: F401 (world is a fixture)
 
@@ -46,12 +46,6 @@ def test_balanced_chunks_give_every_rank_the_same_number_of_passes():
     assert balanced_chunks(0, 0, 2, 4) == []
     every = sorted(i for rank in range(3) for chunk in balanced_chunks(10, rank, 3, 2) for i in chunk)
     assert every == list(range(10))
-
-
-def test_slot_major_puts_each_slot_of_all_rows_together():
-    assert slot_major([["c0", "r0"], ["c1", "r1"]]) == ["c0", "c1", "r0", "r1"]
-    with pytest.raises(ValueError, match="same number"):
-        slot_major([["a"], ["b", "c"]])
 
 
 def test_dpo_config_checks_relations_between_keys():
