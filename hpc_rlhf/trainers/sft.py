@@ -25,6 +25,7 @@ from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.trainers import common
 from hpc_rlhf.trainers.evaluation import generation_accuracy
+from hpc_rlhf.trainers.reference import balanced_chunks
 from hpc_rlhf.utils import faults
 
 
@@ -129,12 +130,14 @@ class SFTRecipe:
         out = {}
         self.engine.eval()
         if self.eval_examples:
-            mine = self.eval_examples[self.run.rank::self.run.world_size]
             total = torch.zeros(2, dtype=torch.float64)
-            mb = self.cfg.train.micro_batch_size
-            for i in range(0, len(mine), mb):
-                loss, tokens, _ = self._forward_loss(mine[i:i + mb])
-                total += torch.tensor([loss.item() * tokens, tokens], dtype=torch.float64)
+            # Every rank makes the same number of forward passes (ZeRO-3 gathers parameters collectively in each):
+            # a rank out of examples runs a dummy pass whose result it drops.
+            for chunk in balanced_chunks(len(self.eval_examples), self.run.rank, self.run.world_size,
+                                         self.cfg.train.micro_batch_size):
+                loss, tokens, _ = self._forward_loss([self.eval_examples[i] for i in chunk or [0]])
+                if chunk:
+                    total += torch.tensor([loss.item() * tokens, tokens], dtype=torch.float64)
             torch.distributed.all_reduce(total)
             out["eval_loss"] = float(total[0] / max(total[1], 1))
         if self.eval_prompts:
