@@ -45,7 +45,9 @@ from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.value_model import sequence_scores, token_values
 from hpc_rlhf import rewards as reward_fns
 from hpc_rlhf.trainers import common
+from hpc_rlhf.engines import deepspeed_compat
 from hpc_rlhf.trainers.experience import from_ragged, make_batch, response_logprobs, shard_bounds, to_ragged
+from hpc_rlhf.trainers.reference import FrozenModel
 from hpc_rlhf.utils import faults
 
 log = logging.getLogger("hpc_rlhf")
@@ -259,16 +261,18 @@ class RLRecipe:
 
             self.critic = TrainEngine(build_value_model(cfg.critic), self._engine_train_cfg(cfg.critic_train),
                                       group=groups.role_group("critic"), model_dtype=cfg.critic.dtype)
+        # Frozen roles: whole on each rank, or sharded over their role's ranks under train.zero_stage=3.
         if groups.has_role("ref"):
             ref_cfg = dataclasses.replace(cfg.actor, path=cfg.ref_path or cfg.actor.path,
                                           lora=dataclasses.replace(cfg.actor.lora, rank=0))
-            self.ref = build_causal_lm(ref_cfg, for_training=False, device=run.device)
+            self.ref = FrozenModel(ref_cfg, cfg.train, run.device, group=groups.role_group("ref"))
         for name, path in zip(self.reward_roles, cfg.reward.models):
             if groups.has_role(name):
                 from hpc_rlhf.models.value_model import build_value_model
 
-                self.reward_models[name] = build_value_model(ModelSection(path=path, dtype=cfg.actor.dtype),
-                                                             for_training=False, device=run.device)
+                self.reward_models[name] = FrozenModel(ModelSection(path=path, dtype=cfg.actor.dtype), cfg.train,
+                                                       run.device, group=groups.role_group(name),
+                                                       build=build_value_model)
         self.rule_functions = [(spec, reward_fns.load_reward_function(spec)) for spec in cfg.reward.functions]
         if groups.has_role("rollout"):
             self.rollout = self._build_rollout_engine()
@@ -393,7 +397,11 @@ class RLRecipe:
             return None
         size, index = len(groups.role_ranks(role)), groups.rank_in_role(role)
         start, end = shard_bounds(self.samples_per_step, size, index)
-        results = compute(batch_fn(start, end)) if end > start else []
+        self._largest_shard = math.ceil(self.samples_per_step / size)
+        self._dummy_batch = batch_fn(0, 1)
+        results = compute(batch_fn(start, end) if end > start else self._dummy_batch.__class__(
+            *[t[:0] for t in (self._dummy_batch.input_ids, self._dummy_batch.attention_mask,
+                              self._dummy_batch.action_mask)], [], []))
         gathered = exchange.gather_ragged(results, dst=groups.role_leader(role), group=groups.role_group(role),
                                           tag=f"{role}-scores", dtype=torch.float32)
         return exchange.flatten_ranks(gathered) if gathered is not None else None
@@ -405,10 +413,17 @@ class RLRecipe:
                                          tag=f"{role}-shared", dtype=torch.float32)
 
     def _micro(self, fn, batch, micro: int):
+        """`fn` over micro-batches; every rank of a role runs as many passes as the one with the largest shard
+        (a ZeRO-3 model gathers parameters collectively in each), the extra ones on a dummy row, dropped."""
+        count = batch.input_ids.shape[0]
+        passes = math.ceil(self._largest_shard / micro)
         outs = []
-        for i in range(0, batch.input_ids.shape[0], micro):
-            sub = _slice_batch(batch, i, i + micro)
-            outs += fn(sub)
+        for p in range(passes):
+            start = p * micro
+            if start < count:
+                outs += fn(_slice_batch(batch, start, start + micro))
+            else:
+                fn(_slice_batch(self._dummy_batch, 0, 1))
         return outs
 
     @torch.no_grad()
@@ -458,10 +473,13 @@ class RLRecipe:
                 local["critic"] = self._score_on_shard("critic", batch_fn, values_of(module))
                 module.train(was)
         if self.ref is not None:
-            local["ref"] = self._score_on_shard("ref", batch_fn, logps_of(self.ref))
+            with deepspeed_compat.keep_collectives_in_group(self.ref.group):
+                local["ref"] = self._score_on_shard("ref", batch_fn, logps_of(self.ref.model))
         for name in self.reward_roles:
             if name in self.reward_models:
-                local[name] = self._score_on_shard(name, batch_fn, scores_of(self.reward_models[name]))
+                frozen = self.reward_models[name]
+                with deepspeed_compat.keep_collectives_in_group(frozen.group):
+                    local[name] = self._score_on_shard(name, batch_fn, scores_of(frozen.model))
 
         shared = {}
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection

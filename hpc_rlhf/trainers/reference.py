@@ -85,11 +85,14 @@ def balanced_chunks(num_items: int, rank: int, world: int, chunk_size: int) -> l
 class FrozenModel:
     """The reference model, frozen, on every rank of `group` (sharded under ZeRO-3; see the module docstring)."""
 
-    def __init__(self, model_cfg: ModelSection, train_cfg: TrainSection, device: torch.device, group=None):
+    def __init__(self, model_cfg: ModelSection, train_cfg: TrainSection, device: torch.device, group=None,
+                 build=build_causal_lm):
+        """`build(model_cfg, for_training=False)` makes the model: a causal LM (reference) by default, or
+        `hpc_rlhf.models.value_model.build_value_model` for a frozen reward model."""
         self.group = dist.GroupMember.WORLD if group is None else group
         model_cfg = dataclasses.replace(model_cfg, gradient_checkpointing=False)
         self.dtype = resolve_dtype(model_cfg.dtype)
-        model = build_causal_lm(model_cfg, for_training=False)
+        model = build(model_cfg, for_training=False)
         # A QLoRA run loads the reference in 4 bits too, already placed on its GPU; such a model cannot be cast.
         quantized = getattr(model, "is_loaded_in_4bit", False)
         self.engine = None
@@ -122,6 +125,11 @@ class FrozenModel:
     def __call__(self, **batch):
         with deepspeed_compat.keep_collectives_in_group(self.group):
             return self.model(**batch)
+
+    @property
+    def config(self):
+        """The model's Hugging Face config (also behind a DeepSpeed engine)."""
+        return getattr(self.model, "module", self.model).config
 
     def close(self) -> None:
         """Free the model (and the engine's partitions and hooks)."""

@@ -93,8 +93,8 @@ def test_combine_scores_weights_each_source():
 
 
 def test_two_reward_models_and_a_rule_reward_are_summed_with_weights(base, tmp_path):
-    """Two reward-model roles plus a rule function: step 1 draws the same samples whatever the weights, so two
-    runs that differ only in the rule's weight differ in mean reward by exactly that weight (the rule gives 1)."""
+    """Two reward-model roles plus a rule function, under ZeRO-3: step 1 draws the same samples whatever the
+    weights, so two runs that differ only in the rule's weight differ in mean reward by exactly that weight."""
     rule = tmp_path / "rule.py"
     rule.write_text("def one(prompts, responses, answers):\n    return [1.0] * len(responses)\n")
     rewards = {}
@@ -104,6 +104,7 @@ def test_two_reward_models_and_a_rule_reward_are_summed_with_weights(base, tmp_p
                  "placement=actor+ref=1,reward=1,reward2=1,rollout@actor",
                  f"reward.models=[{base}/rm/final,{base}/rm/final]", "reward.model_weights=[0.5,0.25]",
                  f"reward.functions=[{rule}:one]", f"reward.function_weights=[{weight}]", "train.max_steps=1",
+                 "train.zero_stage=3",  # frozen reward models sharded, hybrid generation on gathered weights
                  "log.eval_every_steps=0", *QUIET)
         rewards[weight] = read_metrics(out)[0]["reward"]
     assert rewards[3.0] - rewards[0.0] == pytest.approx(3.0, abs=1e-4)
