@@ -38,3 +38,9 @@ test-fast: venv
 
 clean-venv:
 	rm -rf $(VENV)
+
+.PHONY: bench
+# Side-by-side benchmarks against TRL (CPU, ~10-20 min). TRL goes in without dependencies so nothing else moves.
+bench: venv
+	$(PIP) install -q --no-deps -r benchmarks/requirements.txt
+	PY=$(PY) bash benchmarks/run_all.sh

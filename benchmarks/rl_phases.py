@@ -1,0 +1,177 @@
+"""Where a PPO step's time goes, for the disjoint 6-rank tiny layout (actor, critic, ref, reward, 2 rollout).
+
+Runs `hpc-rlhf ppo --config examples/tiny/ppo.yaml` under torchrun (6 local ranks, one thread each) and reads
+the per-step phase times the recipe logs in metrics.jsonl: time_generate, time_score, time_train, time_sync,
+time_step (as seen by rank 0, the actor's leader). The models are RANDOM-INIT folders (the shipped llama-tiny
+config, 1M parameters; the critic and reward model are the same body with a new scalar head): the timing does
+not depend on what the weights have learnt, so no SFT or RM run is needed first.
+
+Data movement: every experience exchange the recipe makes (`exchange.broadcast_ragged`, `gather_ragged`) is
+wrapped, in the ranks of this benchmark only, by a barrier on the same group followed by the call itself. The
+barrier absorbs the time a rank waits for slower roles ("wait"), so the call's own time is the transfer
+("move"). The share of the step spent moving data is (move + time_sync) / time_step on rank 0; time_sync
+covers gathering the actor's weights and broadcasting them to both rollout engines. The barriers cost a few
+ms each; their measured latency and count are printed, so their effect on time_step can be judged.
+
+    .venv/bin/python benchmarks/rl_phases.py
+    .venv/bin/python benchmarks/rl_phases.py --steps 30 --placement actor=2,critic=1,ref=1,reward=1,rollout=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+benchlib.single_thread_env()
+
+PHASES = ("time_generate", "time_score", "time_train", "time_sync")
+EXCHANGE_FILE = "exchange_rank{rank}.json"
+
+
+# ------------------------------------------------------------------------------------------------ worker
+def worker(out_dir: Path, ppo_args: list[str]) -> int:
+    """One rank under torchrun: instrument the exchanges, run the PPO mode, write this rank's figures."""
+    import torch.distributed as dist
+
+    from hpc_rlhf import cli
+    from hpc_rlhf.dist import exchange
+    from hpc_rlhf.trainers import ppo
+    from hpc_rlhf.utils import metrics
+
+    totals = {"wait": 0.0, "move": 0.0, "calls": 0}
+    per_step: list[dict] = []
+
+    def instrumented(fn):
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            t0 = time.perf_counter()
+            dist.barrier(group=group)
+            t1 = time.perf_counter()
+            result = fn(*args, **kwargs)
+            totals["wait"] += t1 - t0
+            totals["move"] += time.perf_counter() - t1
+            totals["calls"] += 1
+            return result
+        return call
+
+    exchange.broadcast_ragged = instrumented(exchange.broadcast_ragged)
+    exchange.gather_ragged = instrumented(exchange.gather_ragged)
+    advance = metrics.MetricsLogger.advance
+
+    def advance_and_record(self, n: int = 1) -> None:  # every rank calls it once per RL step
+        per_step.append(dict(totals))
+        advance(self, n)
+
+    metrics.MetricsLogger.advance = advance_and_record
+    run_ppo = ppo.run
+
+    def run_and_write(cfg, mode: str = "ppo"):
+        result = run_ppo(cfg, mode)
+        # every rank has left the recipe's final barrier: the ranks are in step for timing bare barriers
+        start = time.perf_counter()
+        for _ in range(20):
+            dist.barrier()
+        barrier_s = (time.perf_counter() - start) / 20
+        steps = [{k: s[k] - (per_step[i - 1][k] if i else 0) for k in s} for i, s in enumerate(per_step)]
+        (out_dir / EXCHANGE_FILE.format(rank=dist.get_rank())).write_text(
+            json.dumps({"steps": steps, "barrier_s": barrier_s}))
+        return result
+
+    ppo.run = run_and_write  # the CLI looks the mode's run function up when it starts it
+    return cli.main(["ppo", *ppo_args])
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def make_models(folder: Path) -> tuple[Path, Path]:
+    """Random-init actor (llama-tiny) and a value-model folder (the same body, new scalar head)."""
+    from hpc_rlhf.config import ModelSection
+    from hpc_rlhf.models.builders import load_tokenizer
+    from hpc_rlhf.models.tiny import make_model_folder
+    from hpc_rlhf.models.value_model import build_value_model, save_value_model
+
+    actor = make_model_folder("llama-tiny", folder / "actor-random", seed=0)
+    value = folder / "value-random"
+    model = build_value_model(ModelSection(path=str(actor), dtype="float32"), for_training=False)
+    save_value_model(model, value, tokenizer=load_tokenizer(actor))
+    return actor, value
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return worker(Path(argv[1]), argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12, help="RL steps in the run")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    parser.add_argument("--placement", default="actor=1,critic=1,ref=1,reward=1,rollout=2")
+    parser.add_argument("--rows", type=int, default=1024, help="prompts loaded (set-up cost only)")
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error("--steps must be larger than --warmup")
+    benchlib.ensure_assets()
+    from hpc_rlhf.dist.placement import world_size_of
+
+    nproc = world_size_of(args.placement)
+    benchlib.header(f"PPO step phases, placement {args.placement} ({nproc} ranks, 1 thread each)")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        actor, value = make_models(tmp)
+        out = tmp / "ppo"
+        out.mkdir()
+        ppo_args = ["--config", str(benchlib.REPO / "examples/tiny/ppo.yaml"), f"output_dir={out}",
+                    f"placement={args.placement}", f"actor.path={actor}", f"critic.path={value}",
+                    f"reward.models=[{value}]", f"train.max_steps={args.steps}", f"critic_train.max_steps={args.steps}",
+                    f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", f"data.max_train_rows={args.rows}",
+                    "data.eval_files=[]", "log.every_steps=1", "log.eval_every_steps=0", "log.tensorboard=false",
+                    "log.progress=false", "checkpoint.resume=false"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "--max_restarts=0", str(Path(__file__).resolve()), "--worker", str(out), *ppo_args]
+        started = time.perf_counter()
+        benchlib.run_command(cmd, what="6-rank PPO", timeout=1200)
+        wall = time.perf_counter() - started
+        metrics = sorted((r for r in benchlib.read_jsonl(out / "metrics.jsonl") if "time_step" in r),
+                         key=lambda r: r["step"])
+        ranks = [json.loads((out / EXCHANGE_FILE.format(rank=r)).read_text()) for r in range(nproc)]
+    report(args, metrics, ranks, wall)
+    return 0
+
+
+def report(args, metrics: list[dict], ranks: list[dict], wall: float) -> None:
+    timed = metrics[args.warmup:]
+    steady = range(args.warmup, len(metrics))
+    med = {key: benchlib.median(r[key] for r in timed) for key in (*PHASES, "time_step", "samples_per_s")}
+    move0 = benchlib.median(ranks[0]["steps"][i]["move"] for i in steady)
+    wait0 = benchlib.median(ranks[0]["steps"][i]["wait"] for i in steady)
+    move_max = benchlib.median(max(rk["steps"][i]["move"] for rk in ranks) for i in steady)
+    calls = ranks[0]["steps"][args.warmup]["calls"]
+    barrier = benchlib.median(rk["barrier_s"] for rk in ranks)
+    step = med["time_step"]
+    print(f"   models: random init (llama-tiny actor/ref, value-model critic/reward) - timing only, not learning")
+    print(f"   {len(metrics)} RL steps ({len(timed)} after warmup), 16 prompts x 4 samples, 6 new tokens; "
+          f"whole run {wall:.0f} s wall (start-up included)")
+    print(f"   machine after: {benchlib.machine_state()}\n")
+    rows = [[name.removeprefix("time_"), med[name], benchlib.ratio(med[name], step)] for name in PHASES]
+    rows.append(["step (total)", step, benchlib.ratio(sum(med[n] for n in PHASES), step)])
+    print(benchlib.table(["phase (rank 0)", "seconds (median)", "share of step"], rows))
+    print()
+    moving = move0 + med["time_sync"]
+    rows = [["experience exchange, transfer (rank 0)", move0, benchlib.ratio(move0, step)],
+            ["experience exchange, transfer (slowest rank)", move_max, benchlib.ratio(move_max, step)],
+            ["weight sync (time_sync)", med["time_sync"], benchlib.ratio(med["time_sync"], step)],
+            ["moving data: exchange + sync (rank 0)", moving, benchlib.ratio(moving, step)],
+            ["waiting for other roles at exchanges (rank 0)", wait0, benchlib.ratio(wait0, step)]]
+    print(benchlib.table(["data movement per step", "seconds (median)", "share of step"], rows))
+    print(f"\n   {calls} exchange calls per step, each preceded by a barrier of ~{barrier * 1e3:.1f} ms "
+          f"(~{calls * barrier:.3f} s per step added by the instrumentation); "
+          f"{med['samples_per_s']:.1f} samples/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

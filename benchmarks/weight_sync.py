@@ -1,0 +1,162 @@
+"""Weight-sync bandwidth: hpc_rlhf's bucketed send_weights/receive_weights against plain broadcasts.
+
+Three gloo ranks (torchrun, one thread each): rank 0 holds ~40 MB of fp32 weights named and shaped like a
+small Llama (hidden 320, 4 layers, vocabulary 8000: 10.1M parameters); ranks 1 and 2 hold a model of the same
+shapes and load what they receive into it. Methods, all over the whole 3-rank group:
+
+  bucketed N MB   hpc_rlhf.dist.weight_sync.send_weights / receive_weights with bucket_mb=N; the receiver's
+                  load_fn copies every view into its own tensor of that name (what a rollout engine does)
+  per tensor      one dist.broadcast per tensor, straight into the receiver's tensor (no copies; the way
+                  DESIGN §9 measured 0.6 GB/s)
+  one flat        a single dist.broadcast of one flat tensor of the same bytes (the floor: no names, no
+                  metadata, no copies)
+
+Each repetition runs every method once, in a rotated order, each started after a barrier and timed until the
+last rank finishes (max over ranks). GB/s = model bytes / median seconds (each receiver gets all the bytes);
+the ratios are medians of the per-repetition ratios.
+The received weights are checked against the sender's after the first bucketed run.
+
+    .venv/bin/python benchmarks/weight_sync.py
+    .venv/bin/python benchmarks/weight_sync.py --buckets 0.5 2 8 32 128 --repeats 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+benchlib.single_thread_env()
+
+SHAPES_CONFIG = {"hidden_size": 320, "intermediate_size": 864, "num_hidden_layers": 4, "num_attention_heads": 4,
+                 "num_key_value_heads": 4, "vocab_size": 8000, "tie_word_embeddings": False}
+
+
+def llama_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the benchmark-sized Llama, built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES_CONFIG))
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+# ------------------------------------------------------------------------------------------------ worker
+def worker(result_file: Path, buckets: list[float], repeats: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from hpc_rlhf.dist.bootstrap import init_distributed
+    from hpc_rlhf.dist.weight_sync import receive_weights, send_weights
+
+    benchlib.set_torch_threads()
+    init_distributed("gloo")
+    rank = dist.get_rank()
+    src = 0
+    generator = torch.Generator().manual_seed(0)
+    # The sender's weights are random; receivers start from zeros so the check below means something.
+    weights = {name: (torch.randn(shape, generator=generator) if rank == src else torch.zeros(shape))
+               for name, shape in llama_shapes()}
+    total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    flat = torch.randn(total_bytes // 4, generator=generator) if rank == src else torch.empty(total_bytes // 4)
+
+    def load(pairs):
+        for name, view in pairs:
+            weights[name].copy_(view)
+
+    def bucketed(bucket_mb):
+        def run():
+            if rank == src:
+                send_weights(iter(weights.items()), src=src, group=None, bucket_mb=bucket_mb)
+            else:
+                receive_weights(src=src, group=None, load_fn=load)
+        return run
+
+    def per_tensor():
+        for tensor in weights.values():
+            dist.broadcast(tensor, src=src)
+
+    def one_flat():
+        dist.broadcast(flat, src=src)
+
+    methods = {f"bucketed {b:g} MB": bucketed(b) for b in buckets}
+    methods["per tensor"] = per_tensor
+    methods["one flat"] = one_flat
+    names = list(methods)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # done when the slowest rank is done
+        return float(elapsed.item())
+
+    timed(methods[names[0]])  # warm-up: first-use costs (gloo buffers, allocator) stay out of the figures
+    checksum = torch.tensor([sum(float(t.double().sum()) for t in weights.values())], dtype=torch.float64)
+    sums = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sums, checksum)
+    verified = all(abs(float(s) - float(sums[src])) <= 1e-6 * abs(float(sums[src])) for s in sums)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            seconds[name].append(timed(methods[name]))
+    if rank == src:
+        result_file.write_text(json.dumps({"bytes": total_bytes, "tensors": len(weights), "seconds": seconds,
+                                           "verified": verified}))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--buckets", nargs="+", type=float, default=[1, 4, 16, 64, 256], help="bucket sizes, MB")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--ranks", type=int, default=3, help="1 sender + (ranks - 1) receivers")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(Path(args.worker), args.buckets, args.repeats)
+    if args.ranks < 2:
+        parser.error("--ranks must be at least 2")
+
+    benchlib.header(f"Weight sync over {args.ranks} gloo ranks (1 sender, {args.ranks - 1} receivers), "
+                    f"1 thread each")
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
+               "--max_restarts=0", str(Path(__file__).resolve()), "--worker", str(result_file),
+               "--repeats", str(args.repeats), "--buckets", *map(str, args.buckets)]
+        benchlib.run_command(cmd, what="weight-sync ranks", timeout=900)
+        result = json.loads(result_file.read_text())
+    size = result["bytes"]
+    print(f"   payload: {result['tensors']} fp32 tensors, {size / 1e6:.1f} MB; {args.repeats} repeats, median; "
+          f"received weights {'verified equal to the sender' if result['verified'] else 'DIFFER FROM THE SENDER'}")
+    print(f"   machine after: {benchlib.machine_state()}\n")
+    seconds = result["seconds"]
+    rows = []
+    for name, values in seconds.items():
+        # a repetition runs every method once, back to back: ratios within one repetition share its load
+        vs_flat = [f / v for f, v in zip(seconds["one flat"], values)]
+        vs_tensor = [t / v for t, v in zip(seconds["per tensor"], values)]
+        med = benchlib.median(values)
+        rows.append([name, med * 1e3, benchlib.spread([v * 1e3 for v in values]), size / med / 1e9,
+                     f"{benchlib.median(vs_flat):.2f}", f"{benchlib.median(vs_tensor):.2f}"])
+    print(benchlib.table(["method", "ms (median)", "ms (min-max)", "GB/s", "vs one flat", "vs per tensor"], rows))
+    print("\n   'vs' columns: speed relative to that method, median of the per-repetition ratios (above 1 = faster)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
