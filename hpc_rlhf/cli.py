@@ -19,6 +19,10 @@ TRAINING_MODES = {
     "kto": "hpc_rlhf.trainers.kto",
     "ppo": "hpc_rlhf.trainers.ppo",
     "grpo": "hpc_rlhf.trainers.grpo",
+    "generate": "hpc_rlhf.trainers.generate",
+    "rs": "hpc_rlhf.trainers.rejection",
+    "csft": "hpc_rlhf.trainers.conditional",
+    "idpo": "hpc_rlhf.trainers.iterative_dpo",
 }
 # command -> module defining main(argv) -> int
 COMMANDS = {
@@ -26,6 +30,7 @@ COMMANDS = {
     "assets": "hpc_rlhf.data.assets",
     "demo": "hpc_rlhf.demo",
     "submit": "hpc_rlhf.launch.slurm",
+    "chat": "hpc_rlhf.chat",
 }
 DESCRIPTIONS = {
     "sft": "supervised fine-tuning on prompt/response pairs or chats",
@@ -34,6 +39,11 @@ DESCRIPTIONS = {
     "kto": "Kahneman-Tversky optimisation on labelled responses",
     "ppo": "PPO with a critic, on role process groups",
     "grpo": "critic-free RL: GRPO, Dr. GRPO, RLOO, REINFORCE++",
+    "generate": "batch generation to JSONL, resumable, optionally scored",
+    "rs": "rejection sampling: best-of-n fine-tuning in rounds",
+    "csft": "conditional SFT on score-labelled responses (SteerLM style)",
+    "idpo": "iterative DPO: generate, score, pair best/worst, DPO, in rounds",
+    "chat": "chat with a model folder in the terminal",
     "plan": "print the role placement and per-rank memory estimate",
     "assets": "generate the built-in tiny tokenizer, model configs and task data",
     "demo": "the built-in pipeline on CPU: SFT -> reward model -> PPO",

@@ -64,8 +64,9 @@ def test_required_directives_come_before_the_first_command(path):
 def test_each_script_checks_the_plan_before_training_through_common_sh(path):
     text = path.read_text()
     assert 'source "${HPC_RLHF_HOME:-$SLURM_SUBMIT_DIR}/sbatch/common.sh"' in text
-    calls = [line.split()[0] for line in text.splitlines() if line.startswith("hpc_")]
-    assert calls == ["hpc_setup", "hpc_check_plan", "hpc_train"]
+    calls = [line.strip().split()[0] for line in text.splitlines() if line.strip().startswith("hpc_")]
+    # set-up, the plan check, then one or more training steps (tiny_cpu makes its starting models first)
+    assert calls[:2] == ["hpc_setup", "hpc_check_plan"] and len(calls) >= 3 and set(calls[2:]) == {"hpc_train"}
     # srun, its flags and the requeue live in common.sh only
     assert not any(line.lstrip().startswith(("srun", "scontrol")) for line in text.splitlines())
 
@@ -98,7 +99,7 @@ def test_ppo_70b_is_the_32_gpu_layout():
 
 def test_tiny_job_mode_and_config_are_single_variables():
     text = (SBATCH / "tiny_cpu.sbatch").read_text()
-    assert "MODE=${MODE:-sft}" in text and "CONFIG=${CONFIG-examples/tiny/sft.yaml}" in text
+    assert "MODE=${MODE:-ppo}" in text and "CONFIG=${CONFIG-examples/tiny/$MODE.yaml}" in text
     found = directives(SBATCH / "tiny_cpu.sbatch")
     assert (found["nodes"], found["ntasks-per-node"]) == ("2", "2") and "gpus-per-node" not in found
 
@@ -185,8 +186,10 @@ def test_a_placement_that_does_not_fit_stops_before_srun(fake_slurm):
 def test_role_modes_get_the_checked_placement(fake_slurm):
     proc, calls = fake_slurm("tiny_cpu.sbatch", MODE="ppo", PLACEMENT="actor=1,critic=1,ref=1,reward=1")
     assert proc.returncode == 0, proc.stderr
-    srun = next(line for line in calls.splitlines() if line.startswith("srun"))
-    assert "placement=actor=1\\,critic=1\\,ref=1\\,reward=1" in srun and "dist.nproc" not in srun
+    sruns = [line for line in calls.splitlines() if line.startswith("srun")]
+    # The SFT and RM steps that make PPO's starting models, then PPO itself with the checked placement.
+    assert [" sft " in sruns[0], " rm " in sruns[1]] == [True, True] and "dist.nproc=4" in sruns[0]
+    assert "placement=actor=1\\,critic=1\\,ref=1\\,reward=1" in sruns[-1] and "dist.nproc" not in sruns[-1]
 
 
 def test_role_mode_without_placement_is_refused(fake_slurm):

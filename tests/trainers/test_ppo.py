@@ -118,7 +118,7 @@ def test_broken_reward_function_stops_with_its_name(base, tmp_path):
                     f"reward.functions=[{bad}:f]", "train.max_steps=2", "log.eval_every_steps=0", *QUIET,
                     check=False)
     assert proc.returncode != 0
-    assert f"reward function '{bad}:f' returned 1 rewards for 64 responses" in proc.stderr
+    assert f"reward function '{bad}:f' returned 1 rewards for 128 responses" in proc.stderr
 
 
 def test_seeded_runs_repeat_and_resume_exactly(base, tmp_path):

@@ -84,6 +84,10 @@ def test_poison_makes_the_loss_and_its_gradient_nan_at_the_chosen_steps(monkeypa
 
 
 def test_the_rank_comes_from_the_environment_outside_a_world(monkeypatch):
+    # Other test modules may have left an in-process world behind; this case is about having none.
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setenv(FAULT_ENV, "rank=5,kind=raise")
     monkeypatch.setenv("RANK", "5")
     with pytest.raises(InjectedFault):

@@ -1,0 +1,126 @@
+"""`hpc-rlhf idpo`: iterative (online) DPO in rounds: generate -> score -> pair best with worst -> DPO.
+
+One round: sample `generate.n` responses per prompt from the current policy (resumable, see generate.py), score
+them, make one preference pair per prompt (chosen = highest score, rejected = lowest; prompts whose best and
+worst differ by no more than `pairs.min_gap` teach nothing and are dropped), and train on the pairs with the DPO
+recipe. The reference of round r is the policy round r started from (`ref.path` unset) or a fixed model
+(`ref.path`). The next round samples from the trained policy on the next `data.max_train_rows` prompts.
+
+Round r lives in `output_dir/round_<r>/` (chunks, `pairs.jsonl`, the DPO run under `dpo/`); `rounds.json` counts
+finished rounds, so a restarted job resumes at its round (and within it at its chunk or DPO checkpoint). The last
+policy is copied to `output_dir/final/`; `metrics.jsonl` has one row per round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from hpc_rlhf.config import (CheckpointSection, DataSection, DistSection, LogSection, ModelSection, TrainSection,
+                             field, section)
+from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers.dpo import DPOSection
+from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data, load_prompt_rows
+from hpc_rlhf.trainers.reference import ReferenceSection
+from hpc_rlhf.trainers.rejection import (_rs_generate, _rs_score, copy_final, open_round_logger, read_rounds_done,
+                                         round_prompts, sample_round, write_rounds_done)
+from hpc_rlhf.trainers.sft import GenerationEvalSection
+
+
+@dataclass
+class PairSection:
+    """How preference pairs are made from scored samples."""
+    min_gap: float = field(0.0, min=0, help="drop prompts whose best and worst scores differ by no more than this")
+
+
+@dataclass
+class Config:
+    output_dir: str = field("runs/idpo", help="where rounds, metrics.jsonl and final/ go")
+    rounds: int = field(2, min=1, help="generate -> pair -> DPO rounds")
+    model: ModelSection = section(ModelSection)
+    ref: ReferenceSection = section(ReferenceSection)
+    dpo: DPOSection = section(DPOSection)
+    data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
+    generate: GenerateSection = field(default_factory=_rs_generate)
+    score: ScoreSection = field(default_factory=_rs_score)
+    pairs: PairSection = section(PairSection)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+def preference_pairs(records: Sequence[dict], min_gap: float = 0.0) -> list[dict]:
+    """Scored samples -> one {"prompt", "chosen", "rejected", "chosen_score", "rejected_score", "index"} per prompt
+    whose best and worst scores differ by more than `min_gap` (ties: the earlier sample)."""
+    by_prompt: dict[int, list[dict]] = defaultdict(list)
+    for record in records:
+        by_prompt[record["index"]].append(record)
+    pairs = []
+    for index in sorted(by_prompt):
+        ranked = sorted(by_prompt[index], key=lambda r: (-r["score"], r["sample"]))
+        best = ranked[0]
+        worst = min(ranked, key=lambda r: (r["score"], r["sample"]))
+        if best["score"] - worst["score"] <= min_gap or best["response"] == worst["response"]:
+            continue
+        pairs.append({"prompt": best["prompt"], "chosen": best["response"], "rejected": worst["response"],
+                      "chosen_score": best["score"], "rejected_score": worst["score"], "index": index})
+    return pairs
+
+
+def dpo_config_for(cfg: Config, model_path: str, pairs_file: Path, output_dir: Path):
+    from hpc_rlhf.trainers import dpo
+    from hpc_rlhf.trainers.rm import PreferenceDataSection
+
+    shared = {f.name: getattr(cfg.data, f.name) for f in dataclasses.fields(DataSection)}
+    data = PreferenceDataSection(**{**shared, "train_files": [str(pairs_file)], "eval_files": [],
+                                    "max_train_rows": None, "prompt_key": "prompt", "chosen_key": "chosen",
+                                    "rejected_key": "rejected"})
+    return dpo.Config(output_dir=str(output_dir), model=dataclasses.replace(cfg.model, path=model_path),
+                      ref=cfg.ref, dpo=cfg.dpo, data=data, train=cfg.train, eval=cfg.eval, log=cfg.log,
+                      checkpoint=cfg.checkpoint, dist=cfg.dist)
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    run_ = common.start_run(cfg, "idpo")
+    common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.eval.prompt_files)
+    all_rows = load_prompt_rows(dataclasses.replace(cfg.data, max_train_rows=None))
+    done = read_rounds_done(run_.output_dir)
+    run_.start_step = done
+    logger = open_round_logger(run_)
+    model_path = str(run_.output_dir / f"round_{done}" / "dpo" / "final") if done else cfg.model.path
+    last: dict[str, Any] = {}
+    for r in range(done, cfg.rounds):
+        round_dir = run_.output_dir / f"round_{r + 1}"
+        records = sample_round(cfg, run_, model_path, round_prompts(all_rows, cfg.data.max_train_rows, r), round_dir)
+        if records is None:
+            return {"complete": False, "round": r + 1}
+        pairs = preference_pairs(records, cfg.pairs.min_gap)
+        if not pairs:
+            raise RuntimeError(f"round {r + 1}: no prompt had samples with different scores (pairs.min_gap="
+                               f"{cfg.pairs.min_gap}); sample more (generate.n) or at a higher temperature")
+        pairs_file = round_dir / "pairs.jsonl"
+        if run_.is_main:
+            tmp = pairs_file.with_name(pairs_file.name + ".tmp")
+            tmp.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+            tmp.replace(pairs_file)
+        dist.barrier()
+        from hpc_rlhf.trainers import dpo
+
+        last = {"mean_score": sum(rec["score"] for rec in records) / len(records), "pairs": len(pairs)}
+        last.update(dpo.run(dpo_config_for(cfg, model_path, pairs_file, round_dir / "dpo")) or {})
+        model_path = str(round_dir / "dpo" / "final")
+        logger.log(r + 1, last)
+        if run_.is_main:
+            write_rounds_done(run_.output_dir, r + 1)
+        dist.barrier()
+    copy_final(Path(model_path), run_.output_dir / "final")
+    logger.close()
+    return {"complete": True, "round": cfg.rounds, **last}

@@ -1,0 +1,208 @@
+"""`hpc-rlhf rs`: rejection sampling (best-of-n fine-tuning), in rounds.
+
+One round: sample `generate.n` responses per prompt with the current model (the resumable batch generation of
+`trainers/generate.py`), score them (rule functions and/or reward models, `score.*`), keep the best one per prompt
+(or the top k, or every response at or above a threshold; `select.*`), write the kept pairs as an SFT data set and,
+with `sft_after=true`, fine-tune on it with the SFT recipe. The next round samples from that model, on the next
+`data.max_train_rows` prompts of the file (all prompts every round when it is unset).
+
+Everything of round r lives in `output_dir/round_<r>/` (generation chunks, `sft_data.jsonl`, the SFT run under
+`sft/`); `output_dir/rounds.json` counts the finished rounds, so a restarted job resumes at the first unfinished
+round, and inside it at the first unfinished chunk or SFT checkpoint. The last round's model is copied to
+`output_dir/final/`; `metrics.jsonl` has one row per round (step = round number).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from hpc_rlhf.config import (CheckpointSection, ConfigError, DataSection, DistSection, LogSection, ModelSection,
+                             TrainSection, field, section)
+from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers.generate import (GenerateSection, ScoreSection, Scorer, _prompt_data, generate_to_file,
+                                        load_policy, load_prompt_rows, read_jsonl)
+from hpc_rlhf.trainers.sft import GenerationEvalSection
+
+ROUNDS_FILE = "rounds.json"
+STRATEGIES = ("best", "top_k", "threshold")
+
+
+@dataclass
+class SelectSection:
+    """Which scored samples become training data."""
+    strategy: str = field("best", choices=STRATEGIES, help="best per prompt, top k per prompt, or all >= threshold")
+    k: int = field(1, min=1, help="top_k: samples kept per prompt")
+    threshold: float = field(0.0, help="threshold: keep every sample scoring at least this")
+    min_score: float | None = field(None, help="drop kept samples scoring below this (e.g. 1 = only correct ones)")
+
+
+def _rs_generate() -> GenerateSection:
+    return GenerateSection(n=8, temperature=1.0)
+
+
+def _rs_score() -> ScoreSection:
+    return ScoreSection(functions=["exact_match"])
+
+
+@dataclass
+class Config:
+    output_dir: str = field("runs/rs", help="where rounds, metrics.jsonl and final/ go")
+    rounds: int = field(1, min=1, help="generate -> select -> fine-tune rounds")
+    sft_after: bool = field(True, help="fine-tune on the kept samples in the same job (false: only write the data)")
+    model: ModelSection = section(ModelSection)
+    data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
+    generate: GenerateSection = field(default_factory=_rs_generate)
+    score: ScoreSection = field(default_factory=_rs_score)
+    select: SelectSection = section(SelectSection)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+# ------------------------------------------------------------------------------------------------ pure parts
+def select_samples(records: Sequence[dict], strategy: str = "best", k: int = 1, threshold: float = 0.0,
+                   min_score: float | None = None) -> list[dict]:
+    """Scored records (with "index", "sample", "score") -> the kept ones, in (index, rank by score) order.
+    Ties keep the earlier sample, so the choice does not depend on anything but the file."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown selection strategy '{strategy}' (choices: {', '.join(STRATEGIES)})")
+    by_prompt: dict[int, list[dict]] = defaultdict(list)
+    for record in records:
+        if "score" not in record:
+            raise ValueError(f"record of prompt {record.get('index')} sample {record.get('sample')} has no score; "
+                             f"set score.functions or score.reward_models")
+        by_prompt[record["index"]].append(record)
+    kept = []
+    for index in sorted(by_prompt):
+        ranked = sorted(by_prompt[index], key=lambda r: (-r["score"], r["sample"]))
+        if strategy == "best":
+            chosen = ranked[:1]
+        elif strategy == "top_k":
+            chosen = ranked[:k]
+        else:
+            chosen = [r for r in ranked if r["score"] >= threshold]
+        kept.extend(r for r in chosen if min_score is None or r["score"] >= min_score)
+    return kept
+
+
+def round_prompts(rows: Sequence[dict], per_round: int | None, round_index: int) -> list[dict]:
+    """Round r's prompts: the r-th block of `per_round` rows, wrapping around the file (all rows when None)."""
+    if per_round is None or per_round >= len(rows):
+        return list(rows)
+    start = (round_index * per_round) % len(rows)
+    return [rows[(start + i) % len(rows)] for i in range(per_round)]
+
+
+def read_rounds_done(output_dir: Path) -> int:
+    path = output_dir / ROUNDS_FILE
+    return int(json.loads(path.read_text())["completed"]) if path.is_file() else 0
+
+
+def write_rounds_done(output_dir: Path, completed: int) -> None:
+    tmp = output_dir / (ROUNDS_FILE + ".tmp")
+    tmp.write_text(json.dumps({"completed": completed}))
+    tmp.replace(output_dir / ROUNDS_FILE)
+
+
+def write_sft_rows(records: Sequence[dict], path: Path, prompt_key: str, response_key: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps({prompt_key: r["prompt"], response_key: r["response"], "score": r["score"]}) + "\n")
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------------------------ shared loop
+def sft_config_for(cfg, model_path: str, data_file: Path, output_dir: Path):
+    """An SFT recipe config that trains `model_path` on `data_file` with this mode's train/eval/log sections."""
+    from hpc_rlhf.trainers import sft
+
+    data = dataclasses.replace(cfg.data, train_files=[str(data_file)], eval_files=[], max_train_rows=None,
+                               prompt_key="prompt", response_key="response")
+    return sft.Config(output_dir=str(output_dir), model=dataclasses.replace(cfg.model, path=model_path), data=data,
+                      train=cfg.train, eval=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint, dist=cfg.dist)
+
+
+def sample_round(cfg, run: common.Run, model_path: str, rows: Sequence[dict], round_dir: Path,
+                 prompt_fn=None) -> list[dict] | None:
+    """Generate and score `rows` with the model at `model_path` into round_dir; every rank gets the records
+    (None when a per-job chunk limit stopped generation early). `prompt_fn(row) -> row` may rewrite prompts."""
+    model, tokenizer = load_policy(dataclasses.replace(cfg.model, path=model_path), run.device)
+    scorer = Scorer(cfg.score, cfg.model, run.device) if cfg.score.enabled else None
+    if scorer is None:
+        raise ConfigError("score.functions and score.reward_models are both empty: samples cannot be selected")
+    rows = [prompt_fn(r) for r in rows] if prompt_fn else list(rows)
+    out = generate_to_file(model, tokenizer, rows, cfg.generate, cfg.data, scorer, round_dir / "generate",
+                           round_dir / "generations.jsonl")
+    del model, scorer
+    return read_jsonl(round_dir / "generations.jsonl") if out["complete"] else None
+
+
+def copy_final(src: Path, dst: Path) -> None:
+    if dist.get_rank() == 0:
+        tmp = dst.with_name(dst.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        shutil.rmtree(dst, ignore_errors=True)
+        tmp.rename(dst)
+    dist.barrier()
+
+
+def open_round_logger(run: common.Run):
+    """metrics.jsonl of a round-based mode: one row per round, no TensorBoard (the inner runs write theirs)."""
+    from hpc_rlhf.utils.metrics import MetricsLogger
+
+    return MetricsLogger(run.output_dir, enabled=run.is_main, tensorboard=False, progress=False,
+                         initial_step=run.start_step, desc=run.mode)
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    run_ = common.start_run(cfg, "rs")
+    common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.eval.prompt_files)
+    all_rows = load_prompt_rows(dataclasses.replace(cfg.data, max_train_rows=None))
+    done = read_rounds_done(run_.output_dir)
+    run_.start_step = done
+    logger = open_round_logger(run_)
+    model_path = (str(run_.output_dir / f"round_{done}" / "sft" / "final") if done and cfg.sft_after
+                  else cfg.model.path)
+    last: dict[str, Any] = {}
+    for r in range(done, cfg.rounds):
+        round_dir = run_.output_dir / f"round_{r + 1}"
+        records = sample_round(cfg, run_, model_path, round_prompts(all_rows, cfg.data.max_train_rows, r), round_dir)
+        if records is None:
+            return {"complete": False, "round": r + 1}
+        kept = select_samples(records, cfg.select.strategy, cfg.select.k, cfg.select.threshold, cfg.select.min_score)
+        if not kept:
+            raise RuntimeError(f"round {r + 1}: no sample passed the selection (select.min_score="
+                               f"{cfg.select.min_score}); lower it or sample more (generate.n)")
+        data_file = round_dir / "sft_data.jsonl"
+        if run_.is_main:
+            write_sft_rows(kept, data_file, "prompt", "response")
+        dist.barrier()
+        prompts = len({rec["index"] for rec in records})
+        last = {"mean_score": sum(rec["score"] for rec in records) / len(records),
+                "best_of_n_score": sum(rec["score"] for rec in select_samples(records)) / prompts,
+                "kept": len(kept), "prompts": prompts}
+        if cfg.sft_after:
+            from hpc_rlhf.trainers import sft
+
+            last.update(sft.run(sft_config_for(cfg, model_path, data_file, round_dir / "sft")) or {})
+            model_path = str(round_dir / "sft" / "final")
+        logger.log(r + 1, last)
+        if run_.is_main:
+            write_rounds_done(run_.output_dir, r + 1)
+        dist.barrier()
+    if cfg.sft_after:
+        copy_final(Path(model_path), run_.output_dir / "final")
+    logger.close()
+    return {"complete": True, "round": cfg.rounds, **last}
