@@ -13,13 +13,13 @@ venv: $(STAMP)
 
 # torch first (the CPU wheel), then the pinned libraries, then deepspeed built against that torch with its
 # CPU communication and CPU Adam (offload) ops precompiled (otherwise every rank compiles them on first use),
-# then this package.
+# then this package. No wheel cache for deepspeed: a cached wheel may have been built without these ops.
 $(STAMP): setup.cfg requirements-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -r requirements-cpu.txt
-	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 $(PIP) install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
+	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 $(PIP) install -q --no-build-isolation --no-cache-dir "$(DEEPSPEED_SPEC)"
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hpc_rlhf.config import ConfigError, TrainSection
 from hpc_rlhf.engines import deepspeed_compat
 from hpc_rlhf.engines.schedule import warmup_cosine_scheduler
+from hpc_rlhf.models.builders import save_pretrained_on_this_rank
 
 CHECKPOINT_TAG = "engine"  # deepspeed's sub-folder inside a checkpoint folder; fixed so loading needs no `latest`
 COMPLETE_MARKER = "ENGINE_COMPLETE.json"  # written by the role leader once every rank of the role has saved
@@ -350,7 +351,7 @@ class TrainEngine:
             if save is None:
                 raise TypeError(f"save_hf: {type(module).__name__} has no save_pretrained(directory, state_dict=)")
             Path(directory).mkdir(parents=True, exist_ok=True)
-            save(str(directory), state_dict=state)
+            save_pretrained_on_this_rank(module, directory, state_dict=state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(directory))
         dist.barrier(group=self.group)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hpc_rlhf.config import ConfigError, LoraSection
+from hpc_rlhf.models.builders import save_pretrained_on_this_rank
 
 logger = logging.getLogger(__name__)
 
@@ -196,11 +197,11 @@ def save_model(model, output_dir: str | Path, tokenizer=None, merge: bool = True
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if is_peft_model(model) and not merge:
-        model.save_pretrained(str(output_dir))
+        save_pretrained_on_this_rank(model, output_dir)
     else:
         base = unwrap_model(model)
         state = merged_state_dict(model) if is_peft_model(model) else None
-        base.save_pretrained(str(output_dir), state_dict=state)
+        save_pretrained_on_this_rank(base, output_dir, state_dict=state)
         if getattr(base, "is_loaded_in_4bit", False):
             _drop_quantization_config(output_dir)
     if tokenizer is not None:

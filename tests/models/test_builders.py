@@ -270,3 +270,22 @@ def test_weights_lacking_tensors(tmp_path):
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelFolderError, match=r"lack 1 tensors .*layers.1.self_attn.q_proj.weight"):
         build_from(folder)
+
+
+def test_save_from_a_rank_other_than_zero_writes_the_weights(tmp_path, monkeypatch):
+    """transformers 5 saves weights only on global rank 0 of an initialised world; a role leader elsewhere
+    (critic, reward models) must still write them."""
+    import transformers.distributed.mixin as mixin
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpc_rlhf.models.builders import save_pretrained_on_this_rank
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=32))
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    model.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "model.safetensors").exists()  # the hazard this helper exists for
+    save_pretrained_on_this_rank(model, tmp_path / "ours")
+    assert (tmp_path / "ours" / "model.safetensors").is_file() and (tmp_path / "ours" / "config.json").is_file()
+    assert "should_save_on_this_rank" not in vars(model)
