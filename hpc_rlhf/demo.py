@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reward model pairwise accuracy : {last(rm_rows, 'eval_accuracy')}")
     print(f"PPO actor, before RL           : {before}")
     print(f"PPO actor, after RL            : {after}")
-    print(f"stage times (s)                : " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    print("stage times (s)                : " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     print(f"plot                           : {out / 'ppo' / 'plot.png'}")
     print(f"TensorBoard                    : tensorboard --logdir {out}")
     return 0

@@ -324,3 +324,17 @@ class Preempted(SystemExit):
     def __init__(self, step: int):
         super().__init__(self.EXIT_CODE)
         self.step = step
+
+
+def checkpoint_or_stop(run: Run, step: int, engines: dict, stop: "StopSignal", max_steps: int) -> None:
+    """End of an optimizer step: checkpoint when one is due or a stop was requested (SIGUSR1/SIGTERM, agreed
+    by all ranks); after a requested stop's checkpoint, raise Preempted so the job exits for requeueing."""
+    from hpc_rlhf.dist import watchdog
+
+    stopping = stop.requested()
+    if stopping or should_save(step, run.cfg.checkpoint.every_steps, max_steps):
+        with watchdog.phase("checkpoint"):
+            save_checkpoint(run, step, engines)
+    if stopping:
+        run.logger.close()
+        raise Preempted(step)

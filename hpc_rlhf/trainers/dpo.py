@@ -198,12 +198,7 @@ class DPORecipe:
                 run.logger.log(done, metrics)
                 window = {name: [] for name in names}
                 window_tokens, window_start = 0, time.perf_counter()
-            stopping = self.stop.requested()
-            if stopping or common.should_save(done, cfg.checkpoint.every_steps, cfg.train.max_steps):
-                common.save_checkpoint(run, done, {"model": engine})
-            if stopping:
-                run.logger.close()
-                raise common.Preempted(done)
+            common.checkpoint_or_stop(run, done, {"model": engine}, self.stop, cfg.train.max_steps)
         common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
         run.logger.close()
         return last_eval

@@ -740,13 +740,7 @@ class RLRecipe:
             if done % cfg.log.every_steps == 0 or "eval_accuracy" in metrics:
                 run.logger.log(done, metrics)
             run.logger.advance()
-            stopping = self.stop.requested()
-            if stopping or common.should_save(done, cfg.checkpoint.every_steps, cfg.train.max_steps):
-                with watchdog.phase("checkpoint"):
-                    common.save_checkpoint(run, done, self._my_engines())
-            if stopping:
-                run.logger.close()
-                raise common.Preempted(done)
+            common.checkpoint_or_stop(run, done, self._my_engines(), self.stop, cfg.train.max_steps)
         with watchdog.phase("checkpoint"):
             if self.actor is not None:
                 common.save_final_model(self.actor, run.output_dir / "final", self.tokenizer, cfg.actor.lora)

@@ -214,12 +214,7 @@ class RewardModelRecipe:
                 run.logger.log(done, metrics)
                 window = {name: [] for name in window}
                 window_tokens, window_start = 0, time.perf_counter()
-            stopping = self.stop.requested()
-            if stopping or common.should_save(done, cfg.checkpoint.every_steps, cfg.train.max_steps):
-                common.save_checkpoint(run, done, {"model": engine})
-            if stopping:
-                run.logger.close()
-                raise common.Preempted(done)
+            common.checkpoint_or_stop(run, done, {"model": engine}, self.stop, cfg.train.max_steps)
         mean, std = self.normalization_constants()
         set_reward_normalization(engine.module, mean, std)
         last_eval.update(reward_mean=mean, reward_std=std)
