@@ -77,7 +77,8 @@ class RewardSection:
     """Reward models (one `reward`, `reward2`, ... role each), rule functions and an HTTP endpoint, summed."""
     models: list[str] = field(["runs/rm/final"], help="reward model folders, in role order reward, reward2, ...")
     model_weights: list[float] = field([], help="weight of each reward model (default 1 each)")
-    normalize: bool = field(False, help="use the mean/std stored with a reward model to normalise its scores")
+    normalize: bool = field(True, help="(score - mean) / std with the held-out statistics stored with a reward "
+                                       "model (a no-op for models without them); raw scores get exploited")
     functions: list[str] = field([], help="rule rewards: file.py:function, module:function or exact_match")
     function_weights: list[float] = field([], help="weight of each rule function (default 1 each)")
     http_url: str | None = field(None, help="remote reward endpoint (JSON POST)")
