@@ -36,3 +36,15 @@ def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
                              f"(exit {proc.returncode}):\n--- stdout\n{proc.stdout[-6000:]}\n"
                              f"--- stderr\n{proc.stderr[-10000:]}")
     return proc
+
+
+def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: int = 1,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m hpc_rlhf ARGS` as a user types it (the local launcher starts the ranks the placement needs)."""
+    full_env = worker_env({"OMP_NUM_THREADS": str(threads), **(env or {})})
+    proc = subprocess.run([sys.executable, "-m", "hpc_rlhf", *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hpc-rlhf {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
+                             f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc

@@ -10,8 +10,6 @@ costs minutes to train; see test_ppo_with_reward_model_roles_on_six_ranks).
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,27 +17,14 @@ import torch
 
 from hpc_rlhf.trainers.ppo import combine_scores
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.distributed import REPO, worker_env
+from tests.distributed import hpc_rlhf_cli
+from tests.trainers.conftest import QUIET
 
-QUIET = ["log.progress=false", "log.tensorboard=false"]
-# An SFT base strong enough at plain addition that the carry mistake is what holds it back (DESIGN §7).
-SFT_BASE = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=2e-3",
-            "train.warmup_steps=20", "log.every_steps=100", "log.eval_every_steps=0", "eval.max_rows=300",
-            "checkpoint.resume=false"]
 # The reward model only has to run in the loop here (its quality is not what these tests measure: see
 # test_ppo_with_reward_model_roles_on_six_ranks).
 RM_BASE = ["train.max_steps=20", "log.every_steps=10", "log.eval_every_steps=0", "checkpoint.resume=false"]
 EVAL_ROWS = "eval.max_rows=300"
-
-
-def hpc_rlhf(*args: str, timeout: float = 900, check: bool = True, threads: int = 1) -> subprocess.CompletedProcess:
-    env = worker_env({"OMP_NUM_THREADS": str(threads)})
-    proc = subprocess.run([sys.executable, "-m", "hpc_rlhf", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"hpc-rlhf {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
-                             f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
-    return proc
+hpc_rlhf = hpc_rlhf_cli
 
 
 def eval_curve(out: Path) -> list[float]:
@@ -47,10 +32,11 @@ def eval_curve(out: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """SFT on the imperfect demonstrations, then a reward model on correct-vs-wrong pairs from it."""
+def base(tmp_path_factory, sft_base) -> Path:
+    """The shared SFT model (as sft/final), then a reward model on correct-vs-wrong pairs from it."""
     root = tmp_path_factory.mktemp("rl")
-    hpc_rlhf("sft", "--config", "examples/tiny/sft.yaml", f"output_dir={root}/sft", *QUIET, *SFT_BASE, threads=2)
+    (root / "sft").mkdir()
+    (root / "sft" / "final").symlink_to(sft_base)
     hpc_rlhf("rm", "--config", "examples/tiny/rm.yaml", f"output_dir={root}/rm", f"model.path={root}/sft/final",
              *QUIET, *RM_BASE)
     return root
