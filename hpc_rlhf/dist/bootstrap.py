@@ -18,6 +18,13 @@
 placement needs, and calls `init_process_group` with a timeout, turning rendezvous failures into one sentence
 that names the address and port. A single process still gets a 1-rank gloo world so that every code path
 (groups, collectives, DeepSpeed) is the same with one rank or a thousand.
+
+Why the rendezvous store is made here (`_rendezvous_store`), not by torch's env:// handler: ranks started with
+different world sizes (a hand-written environment, two launch commands that disagree) would otherwise wait in
+the process group's setup until the timeout and then say only that it timed out. Before the process group is
+created, every rank writes the world size it was started with to the store (`_check_same_world_size`); a rank
+whose value differs from rank 0's fails at once naming both values, and rank 0 names the ranks that never
+arrived when the timeout ends its wait.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -424,18 +432,96 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_wor
         _check_resolves(info)
         _export(info, env)
         try:
-            dist.init_process_group(chosen, init_method="env://", rank=info.rank, world_size=info.world_size,
-                                    timeout=timedelta(seconds=timeout_s))
+            store = _rendezvous_store(info, timeout_s)
             break
-        except (RuntimeError, ValueError) as exc:
+        except (RuntimeError, ValueError, OSError) as exc:  # torch's DistError is a RuntimeError
             if attempt + 1 < attempts:
                 continue
-            reason = " ".join(str(exc).split())[:400]
-            raise BootstrapError(f"rank {info.rank} of {info.world_size} could not form the world at "
-                                 f"{info.master_addr}:{info.master_port} (launched by {info.launcher}, backend "
-                                 f"{chosen}, timeout {timeout_s:g} s): {reason}") from exc
+            raise _cannot_form(info, chosen, timeout_s, exc) from exc
+    if info.world_size > 1:
+        _check_same_world_size(store, info, timeout_s)
+    try:
+        dist.init_process_group(chosen, store=store, rank=info.rank, world_size=info.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as exc:
+        raise _cannot_form(info, chosen, timeout_s, exc) from exc
     _CURRENT = info
     return info
+
+
+def _cannot_form(info: LaunchInfo, backend: str, timeout_s: float, exc: BaseException) -> BootstrapError:
+    reason = " ".join(str(exc).split())[:400]
+    return BootstrapError(f"rank {info.rank} of {info.world_size} could not form the world at "
+                          f"{info.master_addr}:{info.master_port} (launched by {info.launcher}, backend {backend}, "
+                          f"timeout {timeout_s:g} s): {reason}")
+
+
+def _uses_agent_store() -> bool:
+    """torchrun's agent hosts the store (and outlives the ranks); the ranks are only its clients."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def _rendezvous_store(info: LaunchInfo, timeout_s: float):
+    """The TCPStore at MASTER_ADDR:MASTER_PORT, as torch's env:// handler would make it: hosted by rank 0, or by
+    torchrun's agent. No rank waits for the others here: `_check_same_world_size` does, and says what is wrong."""
+    import torch.distributed as dist
+
+    host_here = info.rank == 0 and not _uses_agent_store()
+    return dist.TCPStore(info.master_addr, info.master_port, is_master=host_here, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+WORLD_SIZE_KEY = "hpc_rlhf/bootstrap"
+POLL_S = 0.05
+
+
+def _check_same_world_size(store, info: LaunchInfo, timeout_s: float) -> None:
+    """Every rank says which world size it was started with; see the module docstring.
+
+    Rank 0 writes its own value where the others wait for it, and reads the values the others append to one
+    log; another rank compares its value with rank 0's. A rank whose RANK is beyond rank 0's world is caught
+    the same way, since it compares with rank 0's value too."""
+    # torchrun's agent store serves every restart of the ranks: keep each attempt's keys apart.
+    prefix = f"{WORLD_SIZE_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    where = f"the rendezvous store at {info.master_addr}:{info.master_port} (launched by {info.launcher})"
+    if info.rank != 0:
+        store.append(f"{prefix}/joined", f"{info.rank}:{info.world_size}\n")
+        try:
+            store.wait([f"{prefix}/rank0"], timedelta(seconds=timeout_s))
+        except (RuntimeError, TimeoutError) as exc:
+            raise BootstrapError(f"rank {info.rank} of {info.world_size} waited {timeout_s:g} s at {where} for "
+                                 f"rank 0 to say its world size, in vain: {' '.join(str(exc).split())[:200]}") from exc
+        rank0_world = int(store.get(f"{prefix}/rank0"))
+        if rank0_world != info.world_size:
+            raise BootstrapError(_mismatch(info.rank, info.world_size, rank0_world, where))
+        return
+    store.set(f"{prefix}/rank0", str(info.world_size))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        joined = {}
+        if store.check([f"{prefix}/joined"]):
+            for line in store.get(f"{prefix}/joined").decode().split():
+                rank, world = line.split(":")
+                joined[int(rank)] = int(world)
+        for rank, world in sorted(joined.items()):
+            if world != info.world_size:
+                raise BootstrapError(_mismatch(rank, world, info.world_size, where))
+        missing = [r for r in range(1, info.world_size) if r not in joined]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            from hpc_rlhf.dist.placement import format_ranks
+
+            raise BootstrapError(f"rank 0 of {info.world_size} waited {timeout_s:g} s at {where} for the other "
+                                 f"ranks; rank(s) {format_ranks(missing)} never arrived ({len(joined)} of "
+                                 f"{info.world_size - 1} did): were they started, with the same MASTER_ADDR and "
+                                 f"MASTER_PORT, and can they reach this address?")
+        time.sleep(POLL_S)
+
+
+def _mismatch(rank: int, world: int, rank0_world: int, where: str) -> str:
+    return (f"rank {rank} was started with WORLD_SIZE={world} but rank 0 with WORLD_SIZE={rank0_world} ({where}): "
+            f"every rank of the job must be started with the same world size")
 
 
 def current_launch() -> LaunchInfo | None:

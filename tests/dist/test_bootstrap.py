@@ -1,5 +1,6 @@
 import os
 import socket
+import subprocess
 import sys
 import types
 
@@ -318,6 +319,43 @@ def test_mpi_launch_without_mpi4py_says_so(clean_world, monkeypatch):
         init_distributed(env=env)
 
 
+def _join_by_hand(ranks: list[tuple[int, int]], timeout_s: float) -> list[subprocess.CompletedProcess]:
+    """Start one process per (RANK, WORLD_SIZE) with hand-made launch variables (as a wrong launch script would
+    set them); each calls init_distributed with `timeout_s` and prints what happened."""
+    from tests.distributed import REPO, worker_env
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "join", str(timeout_s)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=worker_env(dict(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                                  MASTER_PORT=str(port))))
+             for rank, world in ranks]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=timeout_s + 90)  # interpreter start-up on a busy machine, then the wait
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
+    return results
+
+
+def test_ranks_started_with_different_world_sizes_say_so():
+    # A timeout long enough that a wait ending in it gives another message: these must come from the check.
+    rank0, rank1 = _join_by_hand([(0, 2), (1, 3)], timeout_s=60)
+    message = "rank 1 was started with WORLD_SIZE=3 but rank 0 with WORLD_SIZE=2 (the rendezvous store at 127.0.0.1:"
+    for proc in (rank0, rank1):
+        assert proc.returncode == 3, proc.stdout[-3000:]
+        assert message in proc.stdout, proc.stdout[-3000:]
+        assert "every rank of the job must be started with the same world size" in proc.stdout
+
+
+def test_rank_0_names_the_ranks_that_never_arrived():
+    # WORLD_SIZE=4 but only ranks 0 and 2 are started.
+    rank0, rank2 = _join_by_hand([(0, 4), (2, 4)], timeout_s=3)
+    assert rank0.returncode == 3, rank0.stdout[-3000:]
+    assert "BootstrapError: rank 0 of 4 waited 3 s at the rendezvous store at 127.0.0.1:" in rank0.stdout
+    assert "rank(s) 1,3 never arrived (1 of 3 did)" in rank0.stdout, rank0.stdout[-3000:]
+    assert rank2.returncode != 0 and "joined" not in rank2.stdout  # its world is gone with rank 0
+
+
 def test_three_torchrun_ranks_all_reduce():
     from tests.distributed import run_ranks
 
@@ -331,7 +369,15 @@ if __name__ == "__main__":
 
     torch.set_num_threads(1)
     case = sys.argv[1]
-    if case == "allreduce":
+    if case == "join":
+        try:
+            init_distributed("gloo", timeout_s=float(sys.argv[2]))
+        except BootstrapError as exc:
+            print(f"BootstrapError: {exc}", flush=True)
+            sys.exit(3)
+        print("joined", flush=True)
+        shutdown()
+    elif case == "allreduce":
         info = init_distributed(expected_world_size=3, timeout_s=60)
         assert info.launcher == "torchrun" and info.world_size == 3, info
         assert info.rank == int(os.environ["RANK"]) == dist.get_rank()
