@@ -9,7 +9,9 @@ its allocation until the walltime. So every rank runs a small daemon thread that
   host, pid, state) to the store and reads the heartbeats of the ranks it watches: the next 8 ranks on a ring,
   and rank 0. Every rank is watched by up to 8 others, and the store does O(1) operations per rank and beat;
 - declares a watched rank failed when its process is gone (same host: seen at once from its pid), or when its
-  heartbeat has not changed for `timeout_s` (a frozen process, a hung node);
+  heartbeat has not changed for `timeout_s` (a frozen process, a hung node). A frozen process on the same host
+  is killed (SIGKILL) by the rank that found it, once that rank has reported it: a stopped process ignores the
+  SIGTERM that launchers send first (torchrun then waits 30 s before its SIGKILL), so it would hold the job;
 - publishes what it found as a failure record, as a rank whose run raised does (`report_failure`), and reads
   the record count every beat, so every rank learns of a failure within one interval;
 - treats an unreachable store as the failure of the rank that hosts it (rank 0 under the local launcher, srun
@@ -43,6 +45,7 @@ import atexit
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -61,6 +64,7 @@ RING_WATCHED = 8
 KEY_PREFIX = "hpc_rlhf/watchdog"
 FAILURE_COUNT, FAILURE_LOG = "failures/count", "failures/log"
 RUNNING, STOPPED, FAILED = "running", "stopped", "failed"
+TERMINATED = "terminated"  # ended by SIGTERM's default action: its launcher is ending the job (see start())
 
 # Errors a collective or the store raises because a peer went away: effects of a failure elsewhere.
 CONSEQUENCE_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
@@ -196,13 +200,21 @@ def _pid_namespace() -> str:
         return ""
 
 
-def exit_with_message(message: str) -> None:
-    """Print the line, record it for the local launcher, end the process at once."""
+def exit_with_message(message: str, end_pid: int | None = None) -> None:
+    """Print the line, record it for the local launcher, end the process at once.
+
+    end_pid: a frozen peer on this host, killed only now, after the record: the local launcher names the rank
+    whose failure it learnt of first, and that is this rank's line, not the death of the peer it killed."""
     try:
         print(message, file=sys.stderr, flush=True)
         from hpc_rlhf.launch.local import _record_failure
 
         _record_failure(message.removeprefix("hpc_rlhf: "))
+        if end_pid is not None:
+            try:
+                os.kill(end_pid, signal.SIGKILL)
+            except OSError:
+                pass  # gone already, or killed by another rank that found it too
     finally:
         os._exit(1)
 
@@ -220,13 +232,14 @@ class Watchdog:
 
     store_host_rank: the rank whose process hosts the store (None: an outside process, torchrun's agent).
     roles: this rank's role names; None = ask hpc_rlhf.dist.groups (once initialised), else "trainer".
-    on_fatal: called once with the line to print; the default prints it and ends the process.
+    on_fatal: called once with the line to print; the default prints it, kills a frozen peer that this rank
+    found on its host (`frozen_peer_pid`) and ends the process.
     """
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, *, progress: Progress | None = None,
                  roles: Sequence[str] | None = None, interval_s: float | None = None,
                  store_host_rank: int | None = 0, store_address: str = "the rendezvous store",
-                 on_fatal: Callable[[str], None] = exit_with_message):
+                 on_fatal: Callable[[str], None] | None = None):
         if timeout_s <= 0:
             raise ValueError(f"watchdog timeout must be positive, got {timeout_s}")
         self.store, self.rank, self.world_size = store, rank, world_size
@@ -237,7 +250,8 @@ class Watchdog:
         self.roles = list(roles) if roles else None
         self.store_host_rank = store_host_rank
         self.store_address = store_address
-        self.on_fatal = on_fatal
+        self.on_fatal = on_fatal or self._exit
+        self.frozen_peer_pid: int | None = None  # a watched rank on this host that stopped responding
         self.host, self.pid, self.pidns = socket.gethostname(), os.getpid(), _pid_namespace()
         now = time.monotonic()
         self.peers = {r: _PeerView(r, now) for r in watched_ranks(rank, world_size, store_host_rank)}
@@ -255,6 +269,7 @@ class Watchdog:
         self._halt = threading.Event()      # ends the heartbeat thread (stop or fatal)
         self._stopped = threading.Event()   # ends the guard thread (stop only)
         self._stopping = False              # an orderly stop: say so in the last heartbeat
+        self._terminated = False            # SIGTERM is ending this process (say_terminated)
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------------------------------- store
@@ -283,6 +298,8 @@ class Watchdog:
         return "+".join(self.roles)
 
     def _write_own(self, state: str, patient: bool = True) -> None:
+        if self._terminated:
+            state = TERMINATED  # the last word, even if the thread was about to write another
         self._seq += 1
         beat = {"seq": self._seq, "role": self.role(), "phase": self.progress.name, "step": self.progress.step,
                 "host": self.host, "pid": self.pid, "pidns": self.pidns, "state": state}
@@ -346,6 +363,10 @@ class Watchdog:
             if silent > self.timeout_s:
                 detail = (f"no heartbeat for {silent:.0f} s (dist.heartbeat_timeout_s={self.timeout_s:g})"
                           if beat is not None else f"no heartbeat at all in {silent:.0f} s since the start")
+                if beat is not None and self._is_local(beat):
+                    # Still there (else the check above had caught it) but frozen: see the module docstring.
+                    self.frozen_peer_pid = beat["pid"]
+                    detail += f"; its process (pid {beat['pid']}) is still there: killed (SIGKILL)"
                 self._detected(peer, "stopped responding", detail)
                 return
 
@@ -434,8 +455,9 @@ class Watchdog:
                         store_usable=False)
             return
         beat = peer.beat or {}
-        if beat.get("state") == STOPPED:
-            self._halt.set()  # rank 0 finished and took the store with it: nothing left to watch
+        if beat.get("state") in (STOPPED, TERMINATED):
+            # Rank 0 finished, or its launcher is ending the job, and took the store with it: nothing to report.
+            self._halt.set()
             return
         if beat.get("state") == FAILED:
             detail = (f"it failed or saw a failure, and its exit took down the rendezvous store it hosted at "
@@ -532,6 +554,18 @@ class Watchdog:
         if self.store_host_rank == self.rank and self.fatal_message is None:
             self._wait_for_peers_to_stop()
 
+    def _exit(self, message: str) -> None:
+        exit_with_message(message, end_pid=self.frozen_peer_pid)
+
+    def say_terminated(self) -> None:
+        """The last heartbeat of a rank that SIGTERM is about to end: its peers must not take that for a failure."""
+        self._terminated = True
+        self._halt.set()
+        try:
+            self._write_own(TERMINATED, patient=False)
+        except Exception:  # noqa: BLE001 - a courtesy; the signal's default action goes on
+            pass
+
     def _wait_for_peers_to_stop(self) -> None:
         """On the store's host: leave only once the others' watchdogs have stopped too (at most 2 x `grace`),
         or they would take the store vanishing with this process for its failure (e.g. when every rank exits
@@ -612,7 +646,27 @@ def start(role_names: Sequence[str] | None = None, timeout_s: float = DEFAULT_TI
     if not _ATEXIT_REGISTERED:
         atexit.register(stop)  # a normal exit must not look like a death to the peers
         _ATEXIT_REGISTERED = True
+    _note_sigterm()
     return _ACTIVE.start()
+
+
+def _note_sigterm() -> None:
+    """Until the recipe installs its own SIGTERM handler (a stop request, trainers.common.StopSignal), SIGTERM
+    ends a rank at once (its default action). That is what a launcher sends every other rank when one has died
+    (torchrun does so within 0.1 s), and a rank still setting up dies of it. Its peers would then find two
+    ranks gone and could blame the wrong one. So the rank says 'terminated' in its last heartbeat, and then
+    dies of the signal as it would have."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread can install a handler (e.g. a test runner's worker thread)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, _frame) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.say_terminated()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def phase(name: str) -> _Phase:
@@ -649,3 +703,5 @@ def stop() -> None:
     if _ACTIVE is not None:
         _ACTIVE.stop()
         _ACTIVE = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -215,6 +215,47 @@ def test_a_rank_that_stopped_in_order_is_not_a_failure(server):
     assert world.fatal == {}
 
 
+def test_a_rank_ended_by_its_launchers_sigterm_is_not_blamed_for_the_death_of_another(server):
+    # torchrun SIGTERMs every rank as soon as one dies; a rank still setting up dies of it, after saying so.
+    world = Ranks(server, 3, ["actor", "ref", "rollout"])
+    first, second = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
+    world.dogs[1].pid, world.dogs[2].pid = second.pid, first.pid
+    world.dogs[2].progress.name = "exchange"
+    world.beat(0, 1, 2)
+    first.kill()  # rank 2 dies: the failure
+    world.dogs[1].say_terminated()  # rank 1: SIGTERM from the launcher
+    second.kill()
+    first.wait()
+    second.wait()
+    world.beat(0)  # rank 0 watches rank 1 first, and finds both processes gone
+    assert world.fatal[0].startswith("hpc_rlhf: rank 2 (role rollout) failed during exchange: its process"), \
+        world.fatal
+
+
+def test_a_frozen_rank_on_this_host_is_killed_after_the_report(server):
+    world = Ranks(server, 2, ["actor", "rollout"])
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        world.dogs[1].pid = frozen.pid
+        world.dogs[1].progress.name = "weight_sync"
+        world.beat(1, 0)  # rank 0 has read rank 1's last heartbeat
+        time.sleep(TIMEOUT + 0.1)
+        world.beat(0)
+        assert world.fatal[0].endswith(f"its process (pid {frozen.pid}) is still there: killed (SIGKILL) "
+                                       f"[step 0; seen by rank 0]"), world.fatal
+        assert world.dogs[0].frozen_peer_pid == frozen.pid  # for the exit (exit_with_message), after the line
+        assert frozen.poll() is None  # the test's on_fatal does not exit, so nothing killed it yet
+        code = (f"from hpc_rlhf.dist.watchdog import exit_with_message; "
+                f"exit_with_message('hpc_rlhf: test line', end_pid={frozen.pid})")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.strip() == "hpc_rlhf: test line"
+        assert frozen.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        frozen.kill()
+        frozen.wait()
+
+
 def test_a_reported_exception_reaches_every_rank(server):
     world = Ranks(server, 3, ["actor", "ref", "rollout"])
     world.beat(0, 1, 2)
@@ -365,6 +406,9 @@ def test_local_world_a_frozen_rank_is_named_by_the_others():
     proc, elapsed = _spawn_local(3, "phases", fault="rank=2,phase=scoring,step=2,kind=freeze")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "hpc_rlhf: rank 2 (role rollout) stopped responding during scoring: no heartbeat for" in proc.stderr
+    # The ranks that found it killed it: the launcher had no rank left to kill after its grace time.
+    assert re.search(r"its process \(pid \d+\) is still there: killed \(SIGKILL\)", proc.stderr), proc.stderr[-3000:]
+    assert "still running after" not in proc.stderr, proc.stderr[-3000:]
     assert elapsed < 60
 
 
@@ -381,6 +425,13 @@ def test_local_world_finishing_at_different_times_is_no_failure():
     proc, _ = _spawn_local(3, "uneven")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hpc_rlhf: rank" not in proc.stderr
+
+
+def test_local_world_a_rank_ended_by_sigterm_says_so_and_is_not_reported():
+    proc, _ = _spawn_local(2, "sigterm_in_setup", timeout_s=1)
+    assert "rank 1 of 2 was killed by signal SIGTERM" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 0: no alarm" in proc.stdout, proc.stderr[-3000:]
+    assert "hpc_rlhf: rank" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_torchrun_a_killed_rank_is_named_by_the_others():
@@ -444,6 +495,31 @@ def _uneven_worker() -> None:
     sys.exit(run_or_spawn("test", Cfg(), run, []))
 
 
+def _sigterm_in_setup_worker() -> None:
+    """Rank 1 is ended by SIGTERM before any stop handler is installed (as torchrun ends every rank once one
+    has died, some of them still setting up); rank 0 keeps beating for a while, then says whether it is alive."""
+    import torch.distributed as dist
+
+    from hpc_rlhf.config import DistSection
+    from hpc_rlhf.launch.local import run_or_spawn
+
+    class Cfg:
+        dist = DistSection(timeout_s=120, nproc=int(os.environ["WORLD_SIZE"]))
+
+    def run(cfg):
+        rank = dist.get_rank()
+        dog = watchdog.start([ROLES[rank]], 1.0)
+        dist.barrier()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)  # not reached: the signal's default action ends the process
+        time.sleep(12 * dog.interval)  # a dead process on this host is found within one interval
+        print("rank 0: no alarm", flush=True)
+        os._exit(0)  # no final barrier: rank 1 is gone
+
+    sys.exit(run_or_spawn("test", Cfg(), run, []))
+
+
 def _collective_timeout_worker() -> None:
     import torch
     import torch.distributed as dist
@@ -464,5 +540,5 @@ def _collective_timeout_worker() -> None:
 
 
 if __name__ == "__main__":
-    {"phases": _phases_worker, "uneven": _uneven_worker,
+    {"phases": _phases_worker, "uneven": _uneven_worker, "sigterm_in_setup": _sigterm_in_setup_worker,
      "collective_timeout": _collective_timeout_worker}[sys.argv[1]]()
