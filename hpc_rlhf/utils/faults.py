@@ -25,6 +25,7 @@ import difflib
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 
 FAULT_ENV = "HPC_RLHF_FAULT"
@@ -166,8 +167,10 @@ def point(phase: str, step: int, rank: int | None = None) -> None:
     where = f"rank {_this_rank() if rank is None else rank}, phase {phase}, step {step}"
     if fault.kind == "raise":
         raise InjectedFault(f"injected fault ({FAULT_ENV}: {fault.describe()}) at {where}")
-    # Flushed first: a killed or stopped process writes nothing afterwards.
-    print(f"hpc_rlhf: injected fault ({FAULT_ENV}: {fault.describe()}) at {where}", flush=True)
+    # Flushed first: a killed or stopped process writes nothing afterwards. The wall-clock time lets a test (or
+    # a reader of the log) measure how long the job took to end after the failure.
+    print(f"hpc_rlhf: injected fault ({FAULT_ENV}: {fault.describe()}) at {where} [unix time {time.time():.3f}]",
+          flush=True)
     os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
 
 

@@ -1,11 +1,20 @@
-"""Whole GRPO jobs that lose a rank: killed (kill -9) or frozen (SIGSTOP) in one role after another, at different
-phases, and non-finite losses. The job is started the way a user starts it on a laptop (`python -m hpc_rlhf
-grpo ...`, no launcher: the local launcher starts the 4 ranks) with a random-init model of ~60K parameters, and
-the faults come from HPC_RLHF_FAULT, so every run fails at the same point."""
+"""Whole jobs that lose a rank, and non-finite losses.
+
+Lost ranks: a PPO job with every role on ranks of its own (actor, critic, ref, reward, two rollout engines: 6
+ranks), started under torchrun on gloo, loses one rank of each role in turn (kill -9) at a different phase, and
+one rollout rank is frozen (SIGSTOP). The faults come from HPC_RLHF_FAULT, so every run fails at the same point.
+The models are one random-init Llama of ~60K parameters, used as actor and ref and, with a new value head, as
+critic and reward model. The job must end non-zero soon after the failure, and every surviving rank must say
+which rank was lost, its role and its phase.
+
+Non-finite losses: a GRPO job started the way a user starts it on a laptop (`python -m hpc_rlhf grpo ...`, the
+local launcher starts the 4 ranks).
+"""
 
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import time
@@ -14,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rlhf.config import TINY_ASSETS
+from hpc_rlhf.dist.placement import make_plan
 from hpc_rlhf.dist.watchdog import HEARTBEAT_TIMEOUT_ENV
 from hpc_rlhf.utils import checkpoint as ckpt
 from hpc_rlhf.utils.faults import FAULT_ENV
@@ -21,9 +31,15 @@ from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import REPO, worker_env
 
 HEARTBEAT_TIMEOUT_S = 4
-# Startup of 4 ranks on 2 busy cores plus the bound on noticing the failure (heartbeat timeout, the local
-# launcher's 5 s grace to the survivors).
-JOB_LIMIT_S = 150
+# How soon after the injected failure the whole job must have ended: the heartbeat timeout (a frozen rank is
+# found only by its silence) plus time to notice, report and exit on two busy cores. It is below the 30 s that
+# torchrun waits for a rank to obey its SIGTERM, which a frozen rank never does: a job that stays until
+# torchrun kills that rank fails here.
+END_BOUND_S = HEARTBEAT_TIMEOUT_S + 21
+# Only against a hang of the test itself: start-up of 6 ranks on 2 busy cores, two steps, the failure.
+JOB_LIMIT_S = 400
+PPO_PLACEMENT = "actor=1,critic=1,ref=1,reward=1,rollout=2"
+PPO_PLAN = make_plan(PPO_PLACEMENT, 6, 6)  # torchrun --standalone: one node of 6 ranks
 
 
 @pytest.fixture(scope="module")
@@ -46,48 +62,84 @@ def model(tmp_path_factory) -> Path:
     return folder
 
 
-def grpo(model: Path, out: Path, fault: str, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
-    """A 3-step GRPO job on 4 local ranks; returns the finished process and its wall time."""
-    args = [f"output_dir={out}", f"actor.path={model}", "placement=actor=1,ref=1,rollout=2",
-            f"data.train_files=[{TINY_ASSETS}/data/prompts_train.jsonl]", "data.eval_files=[]",
-            "log.eval_every_steps=0", "log.progress=false", "log.tensorboard=false",
-            "rollout.prompts_per_step=4", "rollout.n_samples=2", "rollout.max_new_tokens=4",
-            "train.batch_size=8", "train.micro_batch_size=8", "critic_train.batch_size=8",
-            "train.max_steps=3", "dist.timeout_s=120", *overrides]
+SMALL_RL_STEP = [f"data.train_files=[{TINY_ASSETS}/data/prompts_train.jsonl]", "data.eval_files=[]",
+                 "log.eval_every_steps=0", "log.progress=false", "log.tensorboard=false",
+                 "rollout.prompts_per_step=4", "rollout.n_samples=2", "rollout.max_new_tokens=4",
+                 "train.batch_size=8", "train.micro_batch_size=8", "critic_train.batch_size=8",
+                 "critic_train.micro_batch_size=8", "train.max_steps=3", "dist.timeout_s=120"]
+
+
+def ppo_under_torchrun(model: Path, out: Path, fault: str) -> tuple[subprocess.CompletedProcess, float]:
+    """A PPO job on 6 ranks under torchrun, checkpointing every step; returns the finished process and the
+    wall-clock time (time.time()) at which the test saw it end."""
+    # The causal-LM folder serves as critic and reward model too: each gets a new value head.
+    args = [f"output_dir={out}", f"actor.path={model}", f"critic.path={model}", f"reward.models=[{model}]",
+            f"placement={PPO_PLACEMENT}", "checkpoint.every_steps=1", *SMALL_RL_STEP]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=6",
+           "--max_restarts=0", "-m", "hpc_rlhf", "ppo", *args]
     env = worker_env({FAULT_ENV: fault, HEARTBEAT_TIMEOUT_ENV: str(HEARTBEAT_TIMEOUT_S)})
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "hpc_rlhf", "grpo", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=JOB_LIMIT_S + 60)
-    return proc, time.monotonic() - start
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=JOB_LIMIT_S)
+    return proc, time.time()
+
+
+def grpo(model: Path, out: Path, fault: str, *overrides: str) -> subprocess.CompletedProcess:
+    """A GRPO job on the local launcher's ranks (4 unless the overrides place them otherwise)."""
+    args = [f"output_dir={out}", f"actor.path={model}", "placement=actor=1,ref=1,rollout=2", *SMALL_RL_STEP,
+            *overrides]
+    env = worker_env({FAULT_ENV: fault, HEARTBEAT_TIMEOUT_ENV: str(HEARTBEAT_TIMEOUT_S)})
+    return subprocess.run([sys.executable, "-m", "hpc_rlhf", "grpo", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=JOB_LIMIT_S)
 
 
 def watchdog_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("hpc_rlhf: rank")]
 
 
-# (rank, role, phase, step, kind, what the others say). Ranks: actor 0, ref 1, rollout 2 and 3.
+def injected_at(stdout: str) -> tuple[int, str, int, float]:
+    """(rank, phase, step, unix time) of the one injected fault that fired (faults.point prints it)."""
+    found = re.findall(r"hpc_rlhf: injected fault \(.*\) at rank (\d+), phase (\w+), step (\d+) "
+                       r"\[unix time ([\d.]+)\]", stdout)
+    assert len(found) == 1, stdout[-3000:]
+    rank, phase, step, when = found[0]
+    return int(rank), phase, int(step), float(when)
+
+
+# (role, index of the rank within the role, phase, step, kind, what the others say). One kill per role, each
+# in another phase; `exchange` is the responses' broadcast after generation, the first exchange of a step.
+# Every fault comes after the first collective of all ranks (the exchange of step 1), so that every other rank
+# has finished setting up and survives torchrun's SIGTERM long enough to report (a rank still setting up dies
+# of it at once: see watchdog._note_sigterm). The reward rank, which generates nothing, reaches the exchange of
+# step 1 before the others are set up: its case is at step 2.
 LOSSES = [
-    pytest.param(1, "ref", "scoring", 1, "kill", "failed", id="kill-ref-scoring"),
-    pytest.param(3, "rollout", "rollout", 2, "kill", "failed", id="kill-rollout-generating"),
-    pytest.param(0, "actor", "checkpoint", 2, "kill", "failed", id="kill-actor-checkpoint"),
-    pytest.param(2, "rollout", "weight_sync", 1, "freeze", "stopped responding", id="freeze-rollout-weight-sync"),
+    pytest.param("actor", 0, "checkpoint", 2, "kill", "failed", id="kill-actor-checkpoint"),
+    pytest.param("critic", 0, "training", 2, "kill", "failed", id="kill-critic-training"),
+    pytest.param("ref", 0, "scoring", 1, "kill", "failed", id="kill-ref-scoring"),
+    pytest.param("reward", 0, "exchange", 2, "kill", "failed", id="kill-reward-exchange"),
+    pytest.param("rollout", 1, "rollout", 2, "kill", "failed", id="kill-rollout-generating"),
+    pytest.param("rollout", 0, "weight_sync", 1, "freeze", "stopped responding", id="freeze-rollout-weight-sync"),
 ]
 
 
-@pytest.mark.parametrize("rank, role, phase, step, kind, verb", LOSSES)
-def test_a_lost_rank_ends_the_job_with_its_rank_and_role(model, tmp_path, rank, role, phase, step, kind, verb):
+@pytest.mark.parametrize("role, index, phase, step, kind, verb", LOSSES)
+def test_a_lost_rank_ends_the_job_naming_its_rank_role_and_phase(model, tmp_path, role, index, phase, step, kind,
+                                                                 verb):
+    rank = PPO_PLAN.role(role).ranks[index]
     out = tmp_path / "run"
-    proc, elapsed = grpo(model, out, f"rank={rank},phase={phase},step={step},kind={kind}",
-                         "checkpoint.every_steps=1")
-    assert proc.returncode != 0
-    assert elapsed < JOB_LIMIT_S
+    proc, ended = ppo_under_torchrun(model, out, f"rank={rank},phase={phase},step={step},kind={kind}")
+    assert proc.returncode != 0, proc.stderr[-4000:]
+    assert injected_at(proc.stdout)[:3] == (rank, phase, step)
+    after = ended - injected_at(proc.stdout)[3]
+    assert after < END_BOUND_S, f"the job ended {after:.0f} s after the failure\n{proc.stderr[-4000:]}"
+
+    # Every surviving rank names the lost rank, its role and phase (the store is torchrun's agent's, so it
+    # outlives any rank and every line can say where the lost rank was).
     lines = watchdog_lines(proc.stderr)
-    assert lines, proc.stderr[-4000:]
-    # Every survivor names the lost rank; the store's host (rank 0) may die before its heartbeat shows the phase.
-    expected = f"hpc_rlhf: rank {rank} (role {role}) {verb} during "
-    assert all(line.startswith(expected) for line in lines), "\n".join(lines)
-    if rank != 0:
-        assert all(line.startswith(expected + f"{phase}: ") and f"[step {step};" in line for line in lines)
+    expected = f"hpc_rlhf: rank {rank} (role {role}) {verb} during {phase}: "
+    assert lines and all(line.startswith(expected) and f"[step {step};" in line for line in lines), \
+        "\n".join(lines) or proc.stderr[-4000:]
+    seen_by = sorted(int(re.search(r"seen by rank (\d+)\]", line).group(1)) for line in lines)
+    assert seen_by == [r for r in range(6) if r != rank], "\n".join(lines)
+
     # Nothing that was saved is lost: the checkpoints before the failure are complete.
     found = ckpt.latest_complete(out)
     assert (found[0] if found else 0) == step - 1
@@ -96,9 +148,9 @@ def test_a_lost_rank_ends_the_job_with_its_rank_and_role(model, tmp_path, rank, 
 def test_non_finite_steps_are_skipped_by_the_whole_role_and_too_many_stop_the_run(model, tmp_path):
     out = tmp_path / "run"
     # The second actor rank's loss is NaN at step 2, and again from step 4 on; the first rank's stays finite.
-    proc, _ = grpo(model, out, "kind=nan,rank=1,step=2;kind=nan,rank=1,step=4+",
-                   "placement=actor=2,ref=1,rollout=1", "train.micro_batch_size=4", "train.max_steps=8",
-                   "train.max_bad_steps=2", "checkpoint.every_steps=0")
+    proc = grpo(model, out, "kind=nan,rank=1,step=2;kind=nan,rank=1,step=4+",
+                "placement=actor=2,ref=1,rollout=1", "train.micro_batch_size=4", "train.max_steps=8",
+                "train.max_bad_steps=2", "checkpoint.every_steps=0")
     assert proc.returncode != 0
     message = ("grpo: 2 optimizer steps in a row had a non-finite loss or gradient (last at step 5); stopping "
                "(train.max_bad_steps=2)")
