@@ -8,7 +8,8 @@ tests skipped, with the reason the script gives.
 the machine's cores instead of waiting for each other: the built-in tiny SFT (2 nodes x 2 tasks, the
 reference), the same job preempted mid-run, the tiny job under `mpirun` and under `srun --mpi=pmix`, and a
 submitit submission (also preempted). Background threads send the preemption signals as soon as those jobs
-have logged a step.
+have logged a step. `lost_rank_jobs` (2 PPO jobs that lose a rank) is submitted with them, or alone when only
+its tests run.
 """
 
 from __future__ import annotations
@@ -193,8 +194,58 @@ def _signal_when_running(cluster: LocalCluster, job: Submitted, record: Preempti
         record.done.set()
 
 
+@dataclass
+class LostRankJob:
+    """A 6-rank PPO job that loses `rank` (of `role`) by `kind` at `phase` of `step` (HPC_RLHF_FAULT)."""
+    job: Submitted
+    rank: int
+    role: str
+    phase: str
+    step: int
+    kind: str
+
+
+LOST_RANK_PLACEMENT = "actor=1,critic=1,ref=1,reward=1,rollout=2"
+# Two such jobs run beside the other jobs of the session on two cores: a healthy rank must never go this long
+# without a heartbeat, and a frozen one is found after it.
+LOST_RANK_HEARTBEAT_S = 20
+# A PPO step of a few samples (as in tests/trainers/test_failures.py): the jobs fail in step 1.
+SMALL_PPO = ["data.eval_files=[]", "log.eval_every_steps=0", "log.progress=false", "log.tensorboard=false",
+             "rollout.prompts_per_step=4", "rollout.n_samples=2", "rollout.max_new_tokens=4", "train.batch_size=8",
+             "train.micro_batch_size=8", "critic_train.batch_size=8", "critic_train.micro_batch_size=8",
+             "train.max_steps=3", "checkpoint.every_steps=1", "dist.timeout_s=300"]
+
+
 @pytest.fixture(scope="session")
-def tiny_jobs(cluster: LocalCluster, tmp_path_factory) -> TinyJobs:
+def lost_rank_jobs(cluster: LocalCluster, tmp_path_factory) -> list[LostRankJob]:
+    """The disjoint PPO layout of sbatch/tiny_cpu.sbatch's PPO on 2 nodes x 3 tasks (actor and the rollout
+    engines on node1, critic, ref and reward on node2), every role starting from the built-in tiny model: one job
+    loses the critic by kill -9 while it trains, the other has the reward rank frozen (SIGSTOP) while it scores."""
+    from hpc_rlhf.config import TINY_ASSETS
+    from hpc_rlhf.data.assets import ensure_assets
+    from hpc_rlhf.dist.placement import make_plan
+
+    ensure_assets(REPO / TINY_ASSETS)
+    root = tmp_path_factory.mktemp("lost_ranks")
+    model = REPO / TINY_ASSETS / "models" / "llama-tiny"
+    plan = make_plan(LOST_RANK_PLACEMENT, 6, 3)
+    jobs = []
+    for role, phase, kind in (("critic", "training", "kill"), ("reward", "scoring", "freeze")):
+        rank, name = plan.role(role).ranks[0], f"{kind}_{role}"
+        fault = f"rank={rank},phase={phase},step=1,kind={kind}"
+        job_id = cluster.sbatch("--nodes=2", "--ntasks-per-node=3", "--time=15", f"--output={root}/{name}-%j.out",
+                                "sbatch/tiny_cpu.sbatch", *SMALL_PPO,
+                                env={"OUT": str(root / name), "ACTOR": str(model), "REWARD": str(model),
+                                     "PLACEMENT": LOST_RANK_PLACEMENT, "HPC_RLHF_FAULT": fault,
+                                     "HPC_RLHF_HEARTBEAT_TIMEOUT_S": str(LOST_RANK_HEARTBEAT_S)})
+        job = Submitted(job_id, root / name / "ppo", Path(f"{root}/{name}-{job_id}.out"))
+        jobs.append(LostRankJob(job, rank, role, phase, 1, kind))
+    return jobs
+
+
+@pytest.fixture(scope="session")
+def tiny_jobs(cluster: LocalCluster, tmp_path_factory, lost_rank_jobs) -> TinyJobs:
+    # lost_rank_jobs: submitted first, so that every job of the session runs at the same time.
     from hpc_rlhf.config import TINY_ASSETS
     from hpc_rlhf.data.assets import ensure_assets
 
