@@ -520,7 +520,7 @@ def _check_same_world_size(store, info: LaunchInfo, timeout_s: float) -> None:
 
 
 def _mismatch(rank: int, world: int, rank0_world: int, where: str) -> str:
-    return (f"rank {rank} was started with WORLD_SIZE={world} but rank 0 with WORLD_SIZE={rank0_world} ({where}): "
+    return (f"rank {rank} was started with WORLD_SIZE={world} but rank 0 with WORLD_SIZE={rank0_world}, at {where}: "
             f"every rank of the job must be started with the same world size")
 
 

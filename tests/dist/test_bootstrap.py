@@ -340,7 +340,7 @@ def _join_by_hand(ranks: list[tuple[int, int]], timeout_s: float) -> list[subpro
 def test_ranks_started_with_different_world_sizes_say_so():
     # A timeout long enough that a wait ending in it gives another message: these must come from the check.
     rank0, rank1 = _join_by_hand([(0, 2), (1, 3)], timeout_s=60)
-    message = "rank 1 was started with WORLD_SIZE=3 but rank 0 with WORLD_SIZE=2 (the rendezvous store at 127.0.0.1:"
+    message = "rank 1 was started with WORLD_SIZE=3 but rank 0 with WORLD_SIZE=2, at the rendezvous store at 127.0.0.1:"
     for proc in (rank0, rank1):
         assert proc.returncode == 3, proc.stdout[-3000:]
         assert message in proc.stdout, proc.stdout[-3000:]
