@@ -437,5 +437,5 @@ class DistSection:
     backend: str = field("auto", choices=["auto", "gloo", "nccl"], help="auto = nccl with CUDA, else gloo")
     timeout_s: int = field(300, help="timeout of every collective, in seconds", min=1)
     nproc: int = field(1, help="ranks to start on this machine when no launcher started us", min=1)
-    heartbeat_timeout_s: float = field(60.0, min=0,
+    heartbeat_timeout_s: float = field(45.0, min=0,
                                        help="a rank silent this long ends the whole job (0 = no watchdog)")

@@ -35,7 +35,7 @@ The store connection is a client of its own: the default store's client is used 
 groups, which can block for minutes. Per step the recipes only call `phase()` and `set_step()`, which set two
 attributes; all store traffic happens in the thread.
 
-Timeout: `dist.heartbeat_timeout_s` (default 60 s; 0 turns the watchdog off), or the environment variable
+Timeout: `dist.heartbeat_timeout_s` (default 45 s, so that with the report and exit a job ends within a minute; 0 turns the watchdog off), or the environment variable
 HPC_RLHF_HEARTBEAT_TIMEOUT_S, which wins (handy to switch it off while a debugger holds a rank).
 """
 
@@ -59,7 +59,7 @@ from hpc_rlhf.utils import faults
 log = logging.getLogger("hpc_rlhf")
 
 HEARTBEAT_TIMEOUT_ENV = "HPC_RLHF_HEARTBEAT_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 45.0
 RING_WATCHED = 8
 KEY_PREFIX = "hpc_rlhf/watchdog"
 FAILURE_COUNT, FAILURE_LOG = "failures/count", "failures/log"
@@ -594,7 +594,7 @@ _ATEXIT_REGISTERED = False
 
 
 def heartbeat_timeout(cfg: Any = None) -> float:
-    """HPC_RLHF_HEARTBEAT_TIMEOUT_S if set, else cfg.dist.heartbeat_timeout_s, else 60 s (0 = off)."""
+    """HPC_RLHF_HEARTBEAT_TIMEOUT_S if set, else cfg.dist.heartbeat_timeout_s, else 45 s (0 = off)."""
     raw = os.environ.get(HEARTBEAT_TIMEOUT_ENV, "").strip()
     if raw:
         try:
