@@ -35,8 +35,9 @@ The store connection is a client of its own: the default store's client is used 
 groups, which can block for minutes. Per step the recipes only call `phase()` and `set_step()`, which set two
 attributes; all store traffic happens in the thread.
 
-Timeout: `dist.heartbeat_timeout_s` (default 45 s, so that with the report and exit a job ends within a minute; 0 turns the watchdog off), or the environment variable
-HPC_RLHF_HEARTBEAT_TIMEOUT_S, which wins (handy to switch it off while a debugger holds a rank).
+Timeout: `dist.heartbeat_timeout_s` (default 45 s, so that a frozen rank's job, reported and ended, is gone
+within a minute; 0 turns the watchdog off), or the environment variable HPC_RLHF_HEARTBEAT_TIMEOUT_S, which
+wins (handy to switch it off while a debugger holds a rank).
 """
 
 from __future__ import annotations
