@@ -6,9 +6,19 @@ worst differ by no more than `pairs.min_gap` teach nothing and are dropped), and
 recipe. The reference of round r is the policy round r started from (`ref.path` unset) or a fixed model
 (`ref.path`). The next round samples from the trained policy on the next `data.max_train_rows` prompts.
 
-Round r lives in `output_dir/round_<r>/` (chunks, `pairs.jsonl`, the DPO run under `dpo/`); `rounds.json` counts
-finished rounds, so a restarted job resumes at its round (and within it at its chunk or DPO checkpoint). The last
-policy is copied to `output_dir/final/`; `metrics.jsonl` has one row per round.
+What the rounds are for, measured on the built-in task from an SFT model that gets 0.98 of the held-out problems
+without a carry and 0.28 of those with one right (tests/trainers/test_iterative_dpo.py, 500 prompts): round 1's
+pairs come mostly from carry problems (the others are rarely answered wrong), so DPO on them teaches "one more in
+the tens" and the policy overshoots: carry problems 0.28 -> 0.96, the others 0.98 -> 0.64 (all 0.66 -> 0.78).
+Round 2 samples that policy, 60% of its pairs (18% in round 1) are problems without a carry answered 10 too
+high, and it corrects them: 0.86 and 0.95 (all 0.91). Fixed offline pairs cannot do that; pairs sampled from the
+current policy aim at its current mistakes. What mattered (two rounds, 200 prompts, start 0.695):
+- the NLL term on the chosen answers (`dpo.sft_weight`, 1 by default here): without it round 1 fell to 0.045
+  (60 steps), as plain DPO lowers the chosen answers' likelihood too and greedy decoding goes elsewhere;
+- a learning rate for a policy that is already good: 1e-3 gave 0.575 -> 0.655, 1e-4 0.705 -> 0.89, 3e-5 0.77 ->
+  0.89 (40 steps of 32 pairs a round);
+- sampling temperature: at 0.7 fewer problems without a carry give pairs and round 1 overshoots further (0.68 ->
+  0.86); at 1.3 more do, round 1 overshoots less and leaves round 2 less to do (0.875 -> 0.935).
 """
 
 from __future__ import annotations
@@ -39,13 +49,18 @@ class PairSection:
     min_gap: float = field(0.0, min=0, help="drop prompts whose best and worst scores differ by no more than this")
 
 
+def _idpo_dpo() -> DPOSection:
+    # With the NLL term on by default: without it a good policy collapsed in one round (module docstring).
+    return DPOSection(sft_weight=1.0)
+
+
 @dataclass
 class Config:
     output_dir: str = field("runs/idpo", help="where rounds, metrics.jsonl and final/ go")
     rounds: int = field(2, min=1, help="generate -> pair -> DPO rounds")
     model: ModelSection = section(ModelSection)
     ref: ReferenceSection = section(ReferenceSection)
-    dpo: DPOSection = section(DPOSection)
+    dpo: DPOSection = field(default_factory=_idpo_dpo, help="the DPO loss of each round (NLL term on by default)")
     data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
     generate: GenerateSection = field(default_factory=_rs_generate)
     score: ScoreSection = field(default_factory=_rs_score)
@@ -59,10 +74,13 @@ class Config:
 
 def preference_pairs(records: Sequence[dict], min_gap: float = 0.0) -> list[dict]:
     """Scored samples -> one {"prompt", "chosen", "rejected", "chosen_score", "rejected_score", "index"} per prompt
-    whose best and worst scores differ by more than `min_gap` (ties: the earlier sample)."""
+    whose best and worst scores differ by more than `min_gap` (ties: the earlier sample). Blank responses (the
+    policy stopped at once) are left out: the preference data loader refuses blank text, so they cannot be a side
+    of a pair, and at temperature 1.3 a few appeared in round 3 of the built-in task and stopped the run."""
     by_prompt: dict[int, list[dict]] = defaultdict(list)
     for record in records:
-        by_prompt[record["index"]].append(record)
+        if record["response"].strip():
+            by_prompt[record["index"]].append(record)
     pairs = []
     for index in sorted(by_prompt):
         ranked = sorted(by_prompt[index], key=lambda r: (-r["score"], r["sample"]))
