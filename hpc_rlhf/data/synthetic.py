@@ -108,13 +108,18 @@ def sft_rows(problems: Sequence[Problem], seed: int = 0,
 
 
 def wrong_answer(problem: Problem, rng: random.Random) -> str:
-    """A plausible wrong answer that differs from the right one in the tens digit only (by 10 either way).
+    """A plausible wrong answer: one digit of the right one changed.
 
-    Carry problems get the dropped carry, the very mistake the SFT data teaches, so a reward model trained
-    on these pairs learns to penalise it; other problems get the tens digit one up or one down.
+    Half of the carry problems get the dropped carry, the very mistake the SFT data teaches; every other pair
+    gets, at even odds, a wrong units digit or the tens digit one up or down. A judge trained on these pairs
+    must check both digits: one trained on tens-digit mistakes only ranked wrong units digits as right, and PPO
+    against it learned to carry while its units digits drifted (held-out exact match 0.69 -> 0.53).
     """
-    if problem.carries:
+    if problem.carries and rng.random() < 0.5:
         return problem.dropped_carry_answer
+    if rng.random() < 0.5:
+        units = problem.total % 10
+        return str(problem.total - units + rng.choice([d for d in range(10) if d != units]))
     if problem.total < 10 or rng.random() < 0.5:
         return str(problem.total + 10)
     return str(problem.total - 10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,11 @@ SFT_BASE = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_s
 
 @pytest.fixture(scope="session")
 def sft_base(tmp_path_factory) -> Path:
-    """A final/ folder: SFT on the imperfect demonstrations (examples/tiny/sft.yaml), two threads, ~3 minutes."""
+    """A final/ folder: SFT on the imperfect demonstrations (examples/tiny/sft.yaml), two threads, ~3 minutes.
+
+    HPC_RLHF_TEST_SFT_BASE=FOLDER reuses a folder made with these settings (for iterating on one test file)."""
+    if os.environ.get("HPC_RLHF_TEST_SFT_BASE"):
+        return Path(os.environ["HPC_RLHF_TEST_SFT_BASE"])
     root = tmp_path_factory.mktemp("sft_base")
     hpc_rlhf_cli("sft", "--config", "examples/tiny/sft.yaml", f"output_dir={root}", *QUIET, *SFT_BASE, threads=2)
     return root / "final"

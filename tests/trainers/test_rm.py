@@ -36,9 +36,9 @@ def test_reward_model_ranks_held_out_pairs_and_final_reloads(world, tmp_path):
     result = recipe.train()
     rows = read_metrics(out)
     assert 0.35 < rows[0]["eval_accuracy"] < 0.65  # a new head ranks pairs by chance
-    # Chance is 0.5 +- 0.03 on 256 pairs; measured after 250 steps: 0.69, margin 0.47 (0.70 and 0.92 after 400;
-    # examples/tiny/rm.yaml trains longer).
-    assert rows[-1]["eval_accuracy"] > 0.6 and rows[-1]["eval_margin"] > 0.2
+    # Chance is 0.5 +- 0.03 on 256 pairs; measured after 250 steps: 0.61, margin 0.12 (the wrong answers probe the
+    # units and the tens digit; tests/trainers/test_ppo.py trains one to 0.97 from a stronger SFT model).
+    assert rows[-1]["eval_accuracy"] > 0.56 and rows[-1]["eval_margin"] > 0.05
     assert rows[-1]["loss"] < rows[1]["loss"]
 
     # final/ is a plain token-classification folder; it scores exactly as the trained model does.
