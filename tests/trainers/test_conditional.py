@@ -9,7 +9,7 @@ import pytest
 
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.test_sft import QUIET, sft_warm_start, world  # noqa: F401
+from tests.trainers.test_sft import QUIET, world  # noqa: F401
 
 DATA = f"{TINY_ASSETS}/data"
 
@@ -42,12 +42,12 @@ def correct_sum(prompts, responses, answers):
     return [1.0 if r.replace("<eos>", "").strip() == s else 0.0 for r, s in zip(responses, sums)]
 """
 
-CSFT_SETTINGS = [f"csft.response_files=[{DATA}/sft_train.jsonl]", "data.max_train_rows=4000", "train.max_steps=300",
+CSFT_SETTINGS = [f"csft.response_files=[{DATA}/sft_train.jsonl]", "data.max_train_rows=4000", "train.max_steps=150",
                  "train.batch_size=64", "train.micro_batch_size=64", "train.lr=3e-3", "train.warmup_steps=5",
-                 "log.every_steps=100", "log.eval_every_steps=300", "eval.max_rows=200"]
+                 "log.every_steps=50", "log.eval_every_steps=150", "eval.max_rows=200"]
 
 
-def test_asking_for_the_highest_score_beats_asking_for_the_lowest(world, tmp_path):
+def test_asking_for_the_highest_score_beats_asking_for_the_lowest(world, tmp_path, sft_base):
     """The demonstrations drop the carry in 60% of carry problems: labelled by a rule reward, bucket 0 holds only
     dropped carries, so a model asked for score 0 adds without carrying and one asked for score 1 carries."""
     from hpc_rlhf.trainers import conditional
@@ -55,14 +55,16 @@ def test_asking_for_the_highest_score_beats_asking_for_the_lowest(world, tmp_pat
     reward = tmp_path / "sum_reward.py"
     reward.write_text(REWARD_FILE)
     out = tmp_path / "csft"
-    cfg = load_config(conditional.Config, None, [f"output_dir={out}", f"model.path={sft_warm_start()}", *QUIET,
+    cfg = load_config(conditional.Config, None, [f"output_dir={out}", f"model.path={sft_base}", *QUIET,
                                                  f"score.functions=[{reward}:correct_sum]", *CSFT_SETTINGS])
     result = conditional.run(cfg)
     high, low = result["eval_accuracy_bucket_1"], result["eval_accuracy_bucket_0"]
     print(f"csft: exact match asking for score 1: {high:.3f}, for score 0: {low:.3f}; "
           f"share of correct demonstrations {result['mean_score']:.3f}")
-    # measured (seeded, one thread): 0.060 asking for score 1, 0.010 asking for score 0
-    assert high >= low + 0.03
+    # measured (seeded, one thread, 200 held-out prompts) from the session's SFT model (0.695 unconditioned):
+    # 0.860 asking for score 1, 0.320 asking for score 0; with train.seed and generate.seed 1, 0.850 and 0.285.
+    # (From the weak warm-start model used before, with 300 steps: 0.060 and 0.010.)
+    assert high >= low + 0.25
     # the SFT run's own evaluation asked for the highest bucket: the same figure
     assert read_metrics(out / "sft")[-1]["eval_accuracy"] == pytest.approx(high)
     rows = [json.loads(line) for line in (out / "data" / "csft_data.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""Rejection sampling: the selection rule on hand-made records, and best-of-n fine-tuning from a warm-start SFT
+"""Rejection sampling: the selection rule on hand-made records, and best-of-n fine-tuning from the session's SFT
 model raising held-out exact match; a finished run restarted does not repeat its rounds."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from hpc_rlhf.config import load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.test_sft import QUIET, sft_warm_start, world  # noqa: F401
+from tests.trainers.test_sft import QUIET, world  # noqa: F401
 
 
 def rec(index, sample, score):
@@ -50,19 +50,22 @@ RS_SETTINGS = ["data.max_train_rows=384", "generate.n=8", "generate.chunk_size=6
                "eval.max_rows=200", "checkpoint.resume=true"]
 
 
-def test_rejection_sampling_beats_its_starting_model(world, tmp_path):
+def test_rejection_sampling_beats_its_starting_model(world, tmp_path, sft_base):
+    """The SFT model drops the carry in most carry problems; its correct samples carry, and fine-tuning on them
+    teaches it to."""
     from hpc_rlhf.trainers import rejection
 
-    start = sft_warm_start()
     out = tmp_path / "rs"
-    cfg = load_config(rejection.Config, None, [f"output_dir={out}", f"model.path={start}", *QUIET, *RS_SETTINGS])
+    cfg = load_config(rejection.Config, None,
+                      [f"output_dir={out}", f"model.path={sft_base}", *QUIET, *RS_SETTINGS])
     result = rejection.run(cfg)
     sft_rows = read_metrics(out / "round_1" / "sft")
     before, after = sft_rows[0]["eval_accuracy"], sft_rows[-1]["eval_accuracy"]
     print(f"rs: exact match {before:.3f} -> {after:.3f}; kept {result['kept']} samples of {result['prompts']} prompts; "
           f"mean sample score {result['mean_score']:.3f}, best-of-8 {result['best_of_n_score']:.3f}")
-    # measured (seeded, one thread): 0.040 -> 0.100; best-only selection gave 0.080-0.085
-    assert after >= before + 0.04
+    # measured (seeded, one thread, 200 held-out prompts): 0.695 -> 0.880; with train.seed and generate.seed 1:
+    # 0.695 -> 0.895. (From the weak warm-start model used before, 0.040 -> 0.100.)
+    assert after >= before + 0.09
     kept = [json.loads(line) for line in (out / "round_1" / "sft_data.jsonl").read_text().splitlines()]
     assert kept and all(r["score"] == 1.0 for r in kept)
     assert len(kept) == result["kept"] <= 384 * 8 and result["best_of_n_score"] > result["mean_score"]
