@@ -19,6 +19,10 @@ current policy aim at its current mistakes. What mattered (two rounds, 200 promp
   0.89 (40 steps of 32 pairs a round);
 - sampling temperature: at 0.7 fewer problems without a carry give pairs and round 1 overshoots further (0.68 ->
   0.86); at 1.3 more do, round 1 overshoots less and leaves round 2 less to do (0.875 -> 0.935).
+
+Round r lives in `output_dir/round_<r>/` (chunks, `pairs.jsonl`, the DPO run under `dpo/`); `rounds.json` counts
+finished rounds, so a restarted job resumes at its round (and within it at its chunk or DPO checkpoint). The last
+policy is copied to `output_dir/final/`; `metrics.jsonl` has one row per round.
 """
 
 from __future__ import annotations
