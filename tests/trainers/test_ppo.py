@@ -1,10 +1,9 @@
 """The RL modes end to end on the built-in task, through the command line and the local launcher.
 
 The learning tests start from an SFT model trained on demonstrations with a systematic carry mistake
-(DESIGN §7), so imitation plateaus; GRPO and PPO (critic, GAE) with the exact-match rule reward must then raise
-held-out exact match clearly, with the KL to the SFT model bounded. Reward-model roles are exercised for their
-mechanics and their weighted combination; learning from a reward model is not asserted here (a good enough one
-costs minutes to train; see test_ppo_with_reward_model_roles_on_six_ranks).
+(DESIGN §7), so imitation plateaus; GRPO (colocated) with the exact-match rule reward, and PPO (critic, GAE, all
+five roles on six ranks) with a learned reward model alone, must then raise held-out exact match clearly, with
+the KL to the SFT model bounded. Several reward models and a rule are combined with weights, checked exactly.
 """
 
 from __future__ import annotations
@@ -20,9 +19,10 @@ from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
 from tests.trainers.conftest import QUIET
 
-# The reward model only has to run in the loop here (its quality is not what these tests measure: see
-# test_ppo_with_reward_model_roles_on_six_ranks).
-RM_BASE = ["train.max_steps=20", "log.every_steps=10", "log.eval_every_steps=0", "checkpoint.resume=false"]
+# A reward model good enough for PPO to learn from: measured 0.972 held-out pairwise accuracy (0.81 at 200 steps,
+# 0.94 at 400). It must also judge the units digit: see hpc_rlhf.data.synthetic.wrong_answer.
+RM_BASE = ["train.max_steps=500", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
+           "log.every_steps=100", "log.eval_every_steps=500", "checkpoint.resume=false"]
 EVAL_ROWS = "eval.max_rows=300"
 hpc_rlhf = hpc_rlhf_cli
 
@@ -38,7 +38,7 @@ def base(tmp_path_factory, sft_base) -> Path:
     (root / "sft").mkdir()
     (root / "sft" / "final").symlink_to(sft_base)
     hpc_rlhf("rm", "--config", "examples/tiny/rm.yaml", f"output_dir={root}/rm", f"model.path={root}/sft/final",
-             *QUIET, *RM_BASE)
+             *QUIET, *RM_BASE, threads=2)
     return root
 
 
@@ -54,31 +54,19 @@ def test_grpo_rule_reward_beats_the_sft_plateau_colocated(base):
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_ppo_with_critic_and_gae_beats_the_sft_plateau_disjoint(base):
-    """PPO proper (critic, GAE, clipped value loss) with actor, critic, ref and two rollout engines on their own
-    ranks, rewarded by the exact-match rule."""
-    out = base / "ppo"
-    hpc_rlhf("ppo", "--config", "examples/tiny/ppo.yaml", f"output_dir={out}", f"actor.path={base}/sft/final",
-             f"critic.path={base}/rm/final", "reward.models=[]", "reward.functions=[exact_match]",
-             "placement=actor=1,critic=1,ref=1,rollout=2", "train.max_steps=60", "log.eval_every_steps=30",
-             EVAL_ROWS, *QUIET)
-    curve = eval_curve(out)
-    rows = read_metrics(out)
-    assert curve[-1] >= curve[0] + PPO_GAIN, f"PPO held-out exact match {curve} (from the SFT model at {curve[0]})"
-    assert max(r["kl"] for r in rows if "kl" in r) < MAX_KL
-    assert (out / "final").is_dir() and (out / "final_critic").is_dir()
-
-
-def test_ppo_with_reward_model_roles_on_six_ranks(base):
-    """All five roles on their own ranks (actor, critic, ref, reward, two rollout engines): every figure of the
-    step is logged and both final models are written. (Learning from a reward model needs one trained to ~0.97
-    pairwise accuracy, ~1000 steps: that is the demo's job, not this suite's; with a weak one, PPO exploits it.)"""
+def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(base):
+    """All five roles on their own ranks (actor, critic, ref, reward, two rollout engines), rewarded by the
+    learned reward model alone: held-out exact match rises, and every figure of the step is logged."""
+    rm_rows = read_metrics(base / "rm")
+    assert rm_rows[-1]["eval_accuracy"] >= 0.9, "the reward model this test relies on ranks held-out pairs badly"
     out = base / "ppo6"
     hpc_rlhf("ppo", "--config", "examples/tiny/ppo.yaml", f"output_dir={out}", f"actor.path={base}/sft/final",
-             f"critic.path={base}/rm/final", f"reward.models=[{base}/rm/final]", "train.max_steps=3",
-             "log.eval_every_steps=0", *QUIET)
+             f"critic.path={base}/rm/final", f"reward.models=[{base}/rm/final]", "reward.functions=[]",
+             "train.max_steps=40", "log.eval_every_steps=20", EVAL_ROWS, *QUIET)
+    curve = eval_curve(out)
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert curve[-1] >= curve[0] + RM_PPO_GAIN, f"PPO held-out exact match {curve} (from the SFT model at {curve[0]})"
+    assert max(r["kl"] for r in rows if "kl" in r) < MAX_KL
     for key in ("reward", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction", "value_clip_fraction",
                 "response_length", "time_generate", "time_score", "time_train", "time_sync", "samples_per_s",
                 "weight_sync_mb"):
@@ -87,11 +75,11 @@ def test_ppo_with_reward_model_roles_on_six_ranks(base):
     assert (out / "final" / "model.safetensors").is_file() and (out / "final_critic" / "model.safetensors").is_file()
 
 
-# Measured here (300 held-out prompts, seeded): the 1000-step SFT base scores 0.67 (0.92 without a carry, 0.33
-# with one: the demonstrations' mistake); GRPO reached 0.83 after 25 steps and 0.85 after 100; PPO with critic
-# 0.74 after 20 steps and 0.76 after 40. The thresholds keep about half of that.
+# Measured here (300 held-out prompts, seeded): the 1000-step SFT base scores 0.67-0.69 (0.92 without a carry,
+# 0.33 with one: the demonstrations' mistake); GRPO reached 0.83 after 25 steps and 0.85 after 100; PPO with the
+# reward model alone 0.84 after 20 steps and 0.90 after 40 (max KL 1.5). The thresholds keep about half of that.
 GAIN = 0.08
-PPO_GAIN = 0.05
+RM_PPO_GAIN = 0.10
 MAX_KL = 5.0
 
 
