@@ -8,7 +8,7 @@ tests skipped, with the reason the script gives.
 the machine's cores instead of waiting for each other: the built-in tiny SFT (2 nodes x 2 tasks, the
 reference), the same job preempted mid-run, the tiny job under `mpirun` and under `srun --mpi=pmix`, and a
 submitit submission (also preempted). Background threads send the preemption signals as soon as those jobs
-have logged a step. `lost_rank_jobs` (2 PPO jobs that lose a rank) is submitted with them, or alone when only
+have logged a step. `lost_rank_jobs` (5 PPO jobs that each lose a rank) is submitted with them, or alone when only
 its tests run.
 """
 
@@ -206,7 +206,10 @@ class LostRankJob:
 
 
 LOST_RANK_PLACEMENT = "actor=1,critic=1,ref=1,reward=1,rollout=2"
-# Two such jobs run beside the other jobs of the session on two cores: a healthy rank must never go this long
+# (role, phase, kind): each role loses its (last) rank once, by kill -9, and the reward rank is frozen instead.
+LOST_RANK_CASES = (("critic", "training", "kill"), ("reward", "scoring", "freeze"), ("ref", "scoring", "kill"),
+                   ("rollout", "rollout", "kill"), ("actor", "weight_sync", "kill"))
+# These jobs run beside the other jobs of the session on two cores: a healthy rank must never go this long
 # without a heartbeat, and a frozen one is found after it.
 LOST_RANK_HEARTBEAT_S = 20
 # A PPO step of a few samples (as in tests/trainers/test_failures.py): the jobs fail in step 1.
@@ -220,7 +223,7 @@ SMALL_PPO = ["data.eval_files=[]", "log.eval_every_steps=0", "log.progress=false
 def lost_rank_jobs(cluster: LocalCluster, tmp_path_factory) -> list[LostRankJob]:
     """The disjoint PPO layout of sbatch/tiny_cpu.sbatch's PPO on 2 nodes x 3 tasks (actor and the rollout
     engines on node1, critic, ref and reward on node2), every role starting from the built-in tiny model: one job
-    loses the critic by kill -9 while it trains, the other has the reward rank frozen (SIGSTOP) while it scores."""
+    per role loses that role's rank by kill -9 (LOST_RANK_CASES), except the reward role's, frozen (SIGSTOP)."""
     from hpc_rlhf.config import TINY_ASSETS
     from hpc_rlhf.data.assets import ensure_assets
     from hpc_rlhf.dist.placement import make_plan
@@ -230,8 +233,8 @@ def lost_rank_jobs(cluster: LocalCluster, tmp_path_factory) -> list[LostRankJob]
     model = REPO / TINY_ASSETS / "models" / "llama-tiny"
     plan = make_plan(LOST_RANK_PLACEMENT, 6, 3)
     jobs = []
-    for role, phase, kind in (("critic", "training", "kill"), ("reward", "scoring", "freeze")):
-        rank, name = plan.role(role).ranks[0], f"{kind}_{role}"
+    for role, phase, kind in LOST_RANK_CASES:
+        rank, name = plan.role(role).ranks[-1], f"{kind}_{role}"
         fault = f"rank={rank},phase={phase},step=1,kind={kind}"
         job_id = cluster.sbatch("--nodes=2", "--ntasks-per-node=3", "--time=15", f"--output={root}/{name}-%j.out",
                                 "sbatch/tiny_cpu.sbatch", *SMALL_PPO,
