@@ -1,7 +1,7 @@
 """Lost ranks under Slurm: the 6-rank disjoint PPO job submitted with sbatch/tiny_cpu.sbatch on 2 nodes x 3 tasks
-(conftest.lost_rank_jobs) loses one rank: each role's once by kill -9, and the reward rank, in its own job, by a
-freeze (SIGSTOP). Each job must end non-zero within the bound after the fault, and its output must name the lost
-rank, its role and (unless the lost rank hosted the store) its phase.
+(conftest.lost_rank_jobs) loses one rank: the critic's by kill -9, and in another job the reward rank by a freeze
+(SIGSTOP). Each job must end non-zero within the bound after the fault, and its output must name the lost rank,
+its role and (unless the lost rank hosted the store) its phase.
 
 (This file's name sorts after the others: when the whole folder runs, `tiny_jobs` submits these jobs together
 with every other job of the session, and the tests here find them finished.)"""
