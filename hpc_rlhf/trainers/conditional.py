@@ -29,7 +29,8 @@ from hpc_rlhf.config import (CheckpointSection, ConfigError, DataSection, DistSe
 from hpc_rlhf.data.synthetic import exact_match
 from hpc_rlhf.trainers import common
 from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data, load_prompt_rows
-from hpc_rlhf.trainers.rejection import _rs_score, copy_final, open_round_logger, sample_round, sft_config_for
+from hpc_rlhf.trainers.rejection import _rs_score, sft_config_for
+from hpc_rlhf.trainers.rounds import copy_final, open_round_logger, sample_round
 from hpc_rlhf.trainers.sft import GenerationEvalSection
 
 CONDITIONAL_FILE = "conditional.json"

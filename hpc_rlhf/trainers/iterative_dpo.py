@@ -38,12 +38,11 @@ import torch.distributed as dist
 
 from hpc_rlhf.config import (CheckpointSection, DataSection, DistSection, LogSection, ModelSection, TrainSection,
                              field, section)
-from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers import rounds
 from hpc_rlhf.trainers.dpo import DPOSection
-from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data, load_prompt_rows
+from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data
 from hpc_rlhf.trainers.reference import ReferenceSection
-from hpc_rlhf.trainers.rejection import (_rs_generate, _rs_score, copy_final, open_round_logger, read_rounds_done,
-                                         round_prompts, sample_round, write_rounds_done)
+from hpc_rlhf.trainers.rejection import _rs_generate, _rs_score
 from hpc_rlhf.trainers.sft import GenerationEvalSection
 
 
@@ -111,22 +110,17 @@ def dpo_config_for(cfg: Config, model_path: str, pairs_file: Path, output_dir: P
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    run_ = common.start_run(cfg, "idpo")
-    common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.eval.prompt_files)
-    all_rows = load_prompt_rows(dataclasses.replace(cfg.data, max_train_rows=None))
-    done = read_rounds_done(run_.output_dir)
-    run_.start_step = done
-    logger = open_round_logger(run_)
-    model_path = str(run_.output_dir / f"round_{done}" / "dpo" / "final") if done else cfg.model.path
+    run_, all_rows, done, logger = rounds.start_rounds(cfg, "idpo")
     last: dict[str, Any] = {}
-    for r in range(done, cfg.rounds):
-        round_dir = run_.output_dir / f"round_{r + 1}"
-        records = sample_round(cfg, run_, model_path, round_prompts(all_rows, cfg.data.max_train_rows, r), round_dir)
+    model_path = str(rounds.round_dir(run_, done) / "dpo" / "final") if done else cfg.model.path
+    for r, round_dir in rounds.remaining_rounds(run_, done, cfg.rounds):
+        rows = rounds.round_prompts(all_rows, cfg.data.max_train_rows, r - 1)
+        records = rounds.sample_round(cfg, run_, model_path, rows, round_dir)
         if records is None:
-            return {"complete": False, "round": r + 1}
+            return {"complete": False, "round": r}
         pairs = preference_pairs(records, cfg.pairs.min_gap)
         if not pairs:
-            raise RuntimeError(f"round {r + 1}: no prompt had samples with different scores (pairs.min_gap="
+            raise RuntimeError(f"round {r}: no prompt had samples with different scores (pairs.min_gap="
                                f"{cfg.pairs.min_gap}); sample more (generate.n) or at a higher temperature")
         pairs_file = round_dir / "pairs.jsonl"
         if run_.is_main:
@@ -139,10 +133,7 @@ def run(cfg: Config) -> dict[str, Any]:
         last = {"mean_score": sum(rec["score"] for rec in records) / len(records), "pairs": len(pairs)}
         last.update(dpo.run(dpo_config_for(cfg, model_path, pairs_file, round_dir / "dpo")) or {})
         model_path = str(round_dir / "dpo" / "final")
-        logger.log(r + 1, last)
-        if run_.is_main:
-            write_rounds_done(run_.output_dir, r + 1)
-        dist.barrier()
-    copy_final(Path(model_path), run_.output_dir / "final")
+        rounds.finish_round(run_, logger, r, last)
+    rounds.copy_final(Path(model_path), run_.output_dir / "final")
     logger.close()
     return {"complete": True, "round": cfg.rounds, **last}

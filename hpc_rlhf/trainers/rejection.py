@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +23,12 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from hpc_rlhf.config import (CheckpointSection, ConfigError, DataSection, DistSection, LogSection, ModelSection,
-                             TrainSection, field, section)
-from hpc_rlhf.trainers import common
-from hpc_rlhf.trainers.generate import (GenerateSection, ScoreSection, Scorer, _prompt_data, generate_to_file,
-                                        load_policy, load_prompt_rows, read_jsonl)
+from hpc_rlhf.config import (CheckpointSection, DataSection, DistSection, LogSection, ModelSection, TrainSection,
+                             field, section)
+from hpc_rlhf.trainers import rounds
+from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data
 from hpc_rlhf.trainers.sft import GenerationEvalSection
 
-ROUNDS_FILE = "rounds.json"
 STRATEGIES = ("best", "top_k", "threshold")
 
 
@@ -95,25 +92,6 @@ def select_samples(records: Sequence[dict], strategy: str = "best", k: int = 1, 
     return kept
 
 
-def round_prompts(rows: Sequence[dict], per_round: int | None, round_index: int) -> list[dict]:
-    """Round r's prompts: the r-th block of `per_round` rows, wrapping around the file (all rows when None)."""
-    if per_round is None or per_round >= len(rows):
-        return list(rows)
-    start = (round_index * per_round) % len(rows)
-    return [rows[(start + i) % len(rows)] for i in range(per_round)]
-
-
-def read_rounds_done(output_dir: Path) -> int:
-    path = output_dir / ROUNDS_FILE
-    return int(json.loads(path.read_text())["completed"]) if path.is_file() else 0
-
-
-def write_rounds_done(output_dir: Path, completed: int) -> None:
-    tmp = output_dir / (ROUNDS_FILE + ".tmp")
-    tmp.write_text(json.dumps({"completed": completed}))
-    tmp.replace(output_dir / ROUNDS_FILE)
-
-
 def write_sft_rows(records: Sequence[dict], path: Path, prompt_key: str, response_key: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -122,7 +100,7 @@ def write_sft_rows(records: Sequence[dict], path: Path, prompt_key: str, respons
     tmp.replace(path)
 
 
-# ------------------------------------------------------------------------------------------------ shared loop
+# ------------------------------------------------------------------------------------------------ the rounds
 def sft_config_for(cfg, model_path: str, data_file: Path, output_dir: Path):
     """An SFT recipe config that trains `model_path` on `data_file` with this mode's train/eval/log sections."""
     from hpc_rlhf.trainers import sft
@@ -133,57 +111,19 @@ def sft_config_for(cfg, model_path: str, data_file: Path, output_dir: Path):
                       train=cfg.train, eval=cfg.eval, log=cfg.log, checkpoint=cfg.checkpoint, dist=cfg.dist)
 
 
-def sample_round(cfg, run: common.Run, model_path: str, rows: Sequence[dict], round_dir: Path,
-                 prompt_fn=None) -> list[dict] | None:
-    """Generate and score `rows` with the model at `model_path` into round_dir; every rank gets the records
-    (None when a per-job chunk limit stopped generation early). `prompt_fn(row) -> row` may rewrite prompts."""
-    model, tokenizer = load_policy(dataclasses.replace(cfg.model, path=model_path), run.device)
-    scorer = Scorer(cfg.score, cfg.model, run.device) if cfg.score.enabled else None
-    if scorer is None:
-        raise ConfigError("score.functions and score.reward_models are both empty: samples cannot be selected")
-    rows = [prompt_fn(r) for r in rows] if prompt_fn else list(rows)
-    out = generate_to_file(model, tokenizer, rows, cfg.generate, cfg.data, scorer, round_dir / "generate",
-                           round_dir / "generations.jsonl")
-    del model, scorer
-    return read_jsonl(round_dir / "generations.jsonl") if out["complete"] else None
-
-
-def copy_final(src: Path, dst: Path) -> None:
-    if dist.get_rank() == 0:
-        tmp = dst.with_name(dst.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        shutil.rmtree(dst, ignore_errors=True)
-        tmp.rename(dst)
-    dist.barrier()
-
-
-def open_round_logger(run: common.Run):
-    """metrics.jsonl of a round-based mode: one row per round, no TensorBoard (the inner runs write theirs)."""
-    from hpc_rlhf.utils.metrics import MetricsLogger
-
-    return MetricsLogger(run.output_dir, enabled=run.is_main, tensorboard=False, progress=False,
-                         initial_step=run.start_step, desc=run.mode)
-
-
 def run(cfg: Config) -> dict[str, Any]:
-    run_ = common.start_run(cfg, "rs")
-    common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.eval.prompt_files)
-    all_rows = load_prompt_rows(dataclasses.replace(cfg.data, max_train_rows=None))
-    done = read_rounds_done(run_.output_dir)
-    run_.start_step = done
-    logger = open_round_logger(run_)
-    model_path = (str(run_.output_dir / f"round_{done}" / "sft" / "final") if done and cfg.sft_after
-                  else cfg.model.path)
+    run_, all_rows, done, logger = rounds.start_rounds(cfg, "rs")
     last: dict[str, Any] = {}
-    for r in range(done, cfg.rounds):
-        round_dir = run_.output_dir / f"round_{r + 1}"
-        records = sample_round(cfg, run_, model_path, round_prompts(all_rows, cfg.data.max_train_rows, r), round_dir)
+    model_path = (str(rounds.round_dir(run_, done) / "sft" / "final") if done and cfg.sft_after
+                  else cfg.model.path)
+    for r, round_dir in rounds.remaining_rounds(run_, done, cfg.rounds):
+        rows = rounds.round_prompts(all_rows, cfg.data.max_train_rows, r - 1)
+        records = rounds.sample_round(cfg, run_, model_path, rows, round_dir)
         if records is None:
-            return {"complete": False, "round": r + 1}
+            return {"complete": False, "round": r}
         kept = select_samples(records, cfg.select.strategy, cfg.select.k, cfg.select.threshold, cfg.select.min_score)
         if not kept:
-            raise RuntimeError(f"round {r + 1}: no sample passed the selection (select.min_score="
+            raise RuntimeError(f"round {r}: no sample passed the selection (select.min_score="
                                f"{cfg.select.min_score}); lower it or sample more (generate.n)")
         data_file = round_dir / "sft_data.jsonl"
         if run_.is_main:
@@ -198,11 +138,8 @@ def run(cfg: Config) -> dict[str, Any]:
 
             last.update(sft.run(sft_config_for(cfg, model_path, data_file, round_dir / "sft")) or {})
             model_path = str(round_dir / "sft" / "final")
-        logger.log(r + 1, last)
-        if run_.is_main:
-            write_rounds_done(run_.output_dir, r + 1)
-        dist.barrier()
+        rounds.finish_round(run_, logger, r, last)
     if cfg.sft_after:
-        copy_final(Path(model_path), run_.output_dir / "final")
+        rounds.copy_final(Path(model_path), run_.output_dir / "final")
     logger.close()
     return {"complete": True, "round": cfg.rounds, **last}

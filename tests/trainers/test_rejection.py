@@ -34,15 +34,6 @@ def test_select_samples_by_hand():
         select_samples([{"index": 3, "sample": 0}])
 
 
-def test_round_prompts_take_the_next_block():
-    from hpc_rlhf.trainers.rejection import round_prompts
-
-    rows = list(range(5))
-    assert round_prompts(rows, 2, 0) == [0, 1] and round_prompts(rows, 2, 1) == [2, 3]
-    assert round_prompts(rows, 2, 2) == [4, 0]
-    assert round_prompts(rows, None, 3) == rows
-
-
 RS_SETTINGS = ["data.max_train_rows=384", "generate.n=8", "generate.chunk_size=64", "generate.max_new_tokens=5",
                "generate.temperature=0.7", "select.strategy=top_k", "select.k=8", "select.min_score=1",
                "train.max_steps=80", "train.batch_size=32", "train.micro_batch_size=32", "train.lr=1e-3",
