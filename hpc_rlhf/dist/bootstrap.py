@@ -24,13 +24,16 @@ different world sizes (a hand-written environment, two launch commands that disa
 the process group's setup until the timeout and then say only that it timed out. Before the process group is
 created, every rank writes the world size it was started with to the store (`_check_same_world_size`); a rank
 whose value differs from rank 0's fails at once naming both values, and rank 0 names the ranks that never
-arrived when the timeout ends its wait.
+arrived when the timeout ends its wait. Who serves the store: torchrun's agent under torchrun; under every other
+launcher a small process that rank 0 forks first (hpc_rlhf.dist.store_host), so that the store, with the
+watchdog's heartbeats and failure records, outlives rank 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -299,6 +302,8 @@ def detect_launch(env: Mapping[str, str] = os.environ) -> LaunchInfo:
 
 # ------------------------------------------------------------------------------------------------------ init
 _CURRENT: LaunchInfo | None = None
+_STORE = None        # this rank's client of the rendezvous store, while the world exists
+_STORE_HOST = None   # on rank 0: its store process (store_host.StoreHost)
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -317,8 +322,8 @@ def layout_from_hostnames(hosts_by_rank: list[str], rank: int) -> dict:
                 hostnames=tuple(nodes), tasks_per_node=tuple(hosts_by_rank.count(h) for h in nodes))
 
 
-def _complete_with_mpi(info: LaunchInfo) -> LaunchInfo:
-    """Ask MPI for the true rank/size, every rank's host, and (unless given) rank 0's address and a port."""
+def _complete_with_mpi(info: LaunchInfo, port_from_env: bool) -> LaunchInfo:
+    """Ask MPI for the true rank/size, every rank's host, and (unless given) rank 0's address and port."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -331,9 +336,9 @@ def _complete_with_mpi(info: LaunchInfo) -> LaunchInfo:
         raise BootstrapError(f"MPI says rank {rank} of {size}, but the environment says rank {info.rank} of "
                              f"{info.world_size}")
     hosts_by_rank = comm.allgather(socket.gethostname())
-    # Rank 0 hosts the rendezvous store, so only rank 0 can pick a port that is free where it is needed.
-    port = info.master_port if info.master_port is not None else comm.bcast(
-        free_port("") if rank == 0 else None, root=0)
+    # The store is served on rank 0's host, so only rank 0 knows a port that is free there (its store process's).
+    port = info.master_port if port_from_env else comm.bcast(
+        (info.master_port or free_port("")) if rank == 0 else None, root=0)
     layout = layout_from_hostnames(hosts_by_rank, rank)
     return dataclasses.replace(info, master_addr=info.master_addr or hosts_by_rank[0], master_port=port, **layout)
 
@@ -399,7 +404,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_wor
     `env` is where the launch variables are read (default os.environ); os.environ is always updated, because
     torch and DeepSpeed read it. `timeout_s` bounds the rendezvous and every later collective.
     """
-    global _CURRENT
+    global _CURRENT, _STORE, _STORE_HOST
     import torch
     import torch.distributed as dist
 
@@ -412,8 +417,18 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_wor
     info = detect_launch(env)
     _check_world_size(info, expected_world_size)
     chosen = _choose_backend(backend)
+    port_from_env = info.master_port is not None
+    if _store_served_apart(info, env) and info.rank == 0:
+        # First of all: the fork must come before MPI, CUDA and process groups exist (see store_host).
+        from hpc_rlhf.dist import store_host
+
+        try:
+            _STORE_HOST = store_host.start(info.master_port or 0, info.world_size, timeout_s)
+        except store_host.StoreHostError as exc:
+            raise _cannot_form(info, chosen, timeout_s, exc) from exc
+        info = dataclasses.replace(info, master_port=_STORE_HOST.port)
     if info.launcher == "mpi":
-        info = _complete_with_mpi(info)
+        info = _complete_with_mpi(info, port_from_env)
     pick_port = info.master_port is None  # a one-rank world (single, or torchrun with WORLD_SIZE=1)
     if info.master_addr is None:
         info = dataclasses.replace(info, master_addr=LOOPBACK)
@@ -437,38 +452,71 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_wor
         except (RuntimeError, ValueError, OSError) as exc:  # torch's DistError is a RuntimeError
             if attempt + 1 < attempts:
                 continue
+            _close_store_host(None)
             raise _cannot_form(info, chosen, timeout_s, exc) from exc
-    if info.world_size > 1:
-        _check_same_world_size(store, info, timeout_s)
     try:
-        dist.init_process_group(chosen, store=store, rank=info.rank, world_size=info.world_size,
-                                timeout=timedelta(seconds=timeout_s))
-    except (RuntimeError, ValueError) as exc:
-        raise _cannot_form(info, chosen, timeout_s, exc) from exc
-    _CURRENT = info
+        if info.world_size > 1:
+            _check_same_world_size(store, info, timeout_s)
+        try:
+            dist.init_process_group(chosen, store=store, rank=info.rank, world_size=info.world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as exc:
+            raise _cannot_form(info, chosen, timeout_s, exc) from exc
+    except BaseException:
+        _close_store_host(store)
+        raise
+    _CURRENT, _STORE = info, store
     return info
 
 
 def _cannot_form(info: LaunchInfo, backend: str, timeout_s: float, exc: BaseException) -> BootstrapError:
     reason = " ".join(str(exc).split())[:400]
     return BootstrapError(f"rank {info.rank} of {info.world_size} could not form the world at "
-                          f"{info.master_addr}:{info.master_port} (launched by {info.launcher}, backend {backend}, "
+                          f"{info.master_addr or 'this host'}:{info.master_port} (launched by {info.launcher}, backend {backend}, "
                           f"timeout {timeout_s:g} s): {reason}")
 
 
-def _uses_agent_store() -> bool:
+def _uses_agent_store(env: Mapping[str, str]) -> bool:
     """torchrun's agent hosts the store (and outlives the ranks); the ranks are only its clients."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def _store_served_apart(info: LaunchInfo, env: Mapping[str, str]) -> bool:
+    """Whether rank 0 forks the store's process (store_host): in a world of several ranks without an agent."""
+    return info.world_size > 1 and not (info.launcher == "torchrun" and _uses_agent_store(env))
 
 
 def _rendezvous_store(info: LaunchInfo, timeout_s: float):
-    """The TCPStore at MASTER_ADDR:MASTER_PORT, as torch's env:// handler would make it: hosted by rank 0, or by
-    torchrun's agent. No rank waits for the others here: `_check_same_world_size` does, and says what is wrong."""
+    """A client of the TCPStore at MASTER_ADDR:MASTER_PORT, served by rank 0's store process or torchrun's agent
+    (or, in a one-rank world, by this process). No rank waits for the others here: `_check_same_world_size`
+    does, and says what is wrong."""
     import torch.distributed as dist
 
-    host_here = info.rank == 0 and not _uses_agent_store()
-    return dist.TCPStore(info.master_addr, info.master_port, is_master=host_here, wait_for_workers=False,
+    serve_here = info.world_size == 1
+    return dist.TCPStore(info.master_addr, info.master_port, is_master=serve_here, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s))
+
+
+def _close_store_host(store) -> None:
+    """Tell rank 0's store process that rank 0 is done with it (a no-op on other ranks)."""
+    global _STORE_HOST
+    if _STORE_HOST is None:
+        return
+    if store is not None:
+        _STORE_HOST.close(store)
+    else:  # no rank could reach it: no one to wait for
+        try:
+            os.kill(_STORE_HOST.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _STORE_HOST.reap()
+    _STORE_HOST = None
+
+
+def store_host_rank() -> int | None:
+    """The rank whose process serves the rendezvous store, or None when a process of its own does (torchrun's
+    agent, or rank 0's store process): a world that init_distributed made has one of those."""
+    return None if _CURRENT is not None or _uses_agent_store(os.environ) else 0
 
 
 WORLD_SIZE_KEY = "hpc_rlhf/bootstrap"
@@ -531,9 +579,10 @@ def current_launch() -> LaunchInfo | None:
 
 def shutdown() -> None:
     """Leave the world (no collective: safe to call when other ranks have failed)."""
-    global _CURRENT
+    global _CURRENT, _STORE
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    _CURRENT = None
+    _close_store_host(_STORE)
+    _CURRENT, _STORE = None, None

@@ -159,6 +159,18 @@ def failure_record(rank: int, role: str, phase: str, step: int, kind: str, detai
             "primary": primary, "by": by, "time": time.time()}
 
 
+def publish(store, record: dict[str, Any]) -> None:
+    """Add a failure record to the job's log in `store` (a PrefixStore on key_prefix())."""
+    # Appended first, counted second: a reader that sees the count finds the record.
+    store.append(FAILURE_LOG, json.dumps(record) + "\n")
+    store.add(FAILURE_COUNT, 1)
+
+
+def key_prefix() -> str:
+    """Where this attempt's heartbeats and records live: torchrun's agent store outlives worker restarts."""
+    return f"{KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def format_failure(record: dict[str, Any], seen_by: int | None = None) -> str:
     """The one line printed for a failure record."""
     notes = [f"step {record['step']}"]
@@ -311,9 +323,7 @@ class Watchdog:
         self._write_own(FAILED if self._failing else RUNNING)
 
     def _publish(self, record: dict[str, Any]) -> None:
-        # Appended first, counted second: a reader that sees the count finds the record.
-        self._op(self.store.append, FAILURE_LOG, json.dumps(record) + "\n")
-        self._op(self.store.add, FAILURE_COUNT, 1)
+        self._op(publish, self.store, record)
 
     def _read_failures(self) -> None:
         count = int(self._op(self.store.add, FAILURE_COUNT, 0))
@@ -561,11 +571,18 @@ class Watchdog:
     def say_terminated(self) -> None:
         """The last heartbeat of a rank that SIGTERM is about to end: its peers must not take that for a failure."""
         self._terminated = True
-        self._halt.set()
         try:
             self._write_own(TERMINATED, patient=False)
         except Exception:  # noqa: BLE001 - a courtesy; the signal's default action goes on
             pass
+
+    def await_cause(self) -> None:
+        """Give the running watchdog `grace` to find the failure that made the launcher send SIGTERM (a peer
+        that died a moment ago): if it does, it ends the process with the line naming it, so that every rank's
+        output says why the job ended. Else return: the caller lets the signal end the process."""
+        if self._threads and not self._halt.is_set():
+            self._fatal_done.wait(self.grace)
+        self._halt.set()
 
     def _wait_for_peers_to_stop(self) -> None:
         """On the store's host: leave only once the others' watchdogs have stopped too (at most 2 x `grace`),
@@ -638,12 +655,11 @@ def start(role_names: Sequence[str] | None = None, timeout_s: float = DEFAULT_TI
     host, port = address
     client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                            timeout=timedelta(seconds=timeout_s))
-    # torchrun's agent store outlives worker restarts: keep each attempt's records apart.
-    prefix = f"{KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    _ACTIVE = Watchdog(dist.PrefixStore(prefix, client), dist.get_rank(), dist.get_world_size(), timeout_s,
+    from hpc_rlhf.dist.bootstrap import store_host_rank
+
+    _ACTIVE = Watchdog(dist.PrefixStore(key_prefix(), client), dist.get_rank(), dist.get_world_size(), timeout_s,
                        progress=_PROGRESS, roles=role_names, interval_s=interval_s,
-                       store_host_rank=None if agent_store else 0, store_address=f"{host}:{port}")
+                       store_host_rank=store_host_rank(), store_address=f"{host}:{port}")
     if not _ATEXIT_REGISTERED:
         atexit.register(stop)  # a normal exit must not look like a death to the peers
         _ATEXIT_REGISTERED = True
@@ -655,8 +671,9 @@ def _note_sigterm() -> None:
     """Until the recipe installs its own SIGTERM handler (a stop request, trainers.common.StopSignal), SIGTERM
     ends a rank at once (its default action). That is what a launcher sends every other rank when one has died
     (torchrun does so within 0.1 s), and a rank still setting up dies of it. Its peers would then find two
-    ranks gone and could blame the wrong one. So the rank says 'terminated' in its last heartbeat, and then
-    dies of the signal as it would have."""
+    ranks gone and could blame the wrong one. So the rank says 'terminated' in its last heartbeat, waits a few
+    beats for the watchdog to find the failure behind the signal (and to end the process with the line naming
+    it), and else dies of the signal as it would have."""
     if threading.current_thread() is not threading.main_thread():
         return  # only the main thread can install a handler (e.g. a test runner's worker thread)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
@@ -666,6 +683,7 @@ def _note_sigterm() -> None:
 def _on_sigterm(signum, _frame) -> None:
     if _ACTIVE is not None:
         _ACTIVE.say_terminated()
+        _ACTIVE.await_cause()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 

@@ -85,11 +85,9 @@ def _run_on_this_rank(mode: str, cfg: Any, run_fn: Callable[[Any], Any], needed:
         return 2
     try:
         run_fn(cfg)
-        import torch.distributed as dist
-
-        watchdog.stop()  # failure handling: before the barrier, after which rank 0 may take the store away
-        # Rank 0 hosts the rendezvous store: it must not leave while other ranks still finish their last step.
-        dist.barrier()
+        # No barrier: the store (rank 0's store process, or torchrun's agent) outlives every rank, and a barrier
+        # after the watchdog has stopped would wait for a rank that dies now until dist.timeout_s.
+        watchdog.stop()
         return 0
     except SystemExit as exc:
         if exc.code != PREEMPTED_EXIT_CODE:

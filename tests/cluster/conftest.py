@@ -206,10 +206,10 @@ class LostRankJob:
 
 
 LOST_RANK_PLACEMENT = "actor=1,critic=1,ref=1,reward=1,rollout=2"
-# (role, phase, kind). Every role's loss is covered under torchrun (tests/trainers/test_failures.py); here one
-# kill and one freeze, on the node without the store. Losing a rank on the store's node (rollout, actor) was
-# tried: srun's SIGTERM can end rank 0 before the survivors read the cause, and some then blame rank 0.
-LOST_RANK_CASES = (("critic", "training", "kill"), ("reward", "scoring", "freeze"))
+# (role, phase, kind): each role loses its (last) rank once, by kill -9, and the reward rank is frozen instead.
+# The actor's rank is rank 0, beside the store's process (hpc_rlhf.dist.store_host).
+LOST_RANK_CASES = (("critic", "training", "kill"), ("reward", "scoring", "freeze"), ("ref", "scoring", "kill"),
+                   ("rollout", "rollout", "kill"), ("actor", "weight_sync", "kill"))
 # These jobs run beside the other jobs of the session on two cores: a healthy rank must never go this long
 # without a heartbeat, and a frozen one is found after it.
 LOST_RANK_HEARTBEAT_S = 20
@@ -223,8 +223,8 @@ SMALL_PPO = ["data.eval_files=[]", "log.eval_every_steps=0", "log.progress=false
 @pytest.fixture(scope="session")
 def lost_rank_jobs(cluster: LocalCluster, tmp_path_factory) -> list[LostRankJob]:
     """The disjoint PPO layout of sbatch/tiny_cpu.sbatch's PPO on 2 nodes x 3 tasks (actor and the rollout
-    engines on node1, critic, ref and reward on node2), every role starting from the built-in tiny model: each job loses one rank
-    (LOST_RANK_CASES): the critic's by kill -9, the reward rank's by a freeze (SIGSTOP)."""
+    engines on node1, critic, ref and reward on node2), every role starting from the built-in tiny model: one job
+    per role loses that role's rank by kill -9 (LOST_RANK_CASES), except the reward role's, frozen (SIGSTOP)."""
     from hpc_rlhf.config import TINY_ASSETS
     from hpc_rlhf.data.assets import ensure_assets
     from hpc_rlhf.dist.placement import make_plan

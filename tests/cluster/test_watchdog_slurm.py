@@ -1,7 +1,7 @@
 """Lost ranks under Slurm: the 6-rank disjoint PPO job submitted with sbatch/tiny_cpu.sbatch on 2 nodes x 3 tasks
-(conftest.lost_rank_jobs) loses one rank: the critic's by kill -9, and in another job the reward rank by a freeze
+(conftest.lost_rank_jobs) loses one rank of each role in turn: by kill -9, and the reward rank by a freeze
 (SIGSTOP). Each job must end non-zero within the bound after the fault, and its output must name the lost rank,
-its role and (unless the lost rank hosted the store) its phase.
+its role and its phase.
 
 (This file's name sorts after the others: when the whole folder runs, `tiny_jobs` submits these jobs together
 with every other job of the session, and the tests here find them finished.)"""
@@ -40,15 +40,10 @@ def test_a_lost_rank_ends_the_slurm_job_naming_its_rank_and_role(cluster, lost_r
 
     verb = "failed" if kind == "kill" else "stopped responding"
     lines = [line for line in log.splitlines() if line.startswith("hpc_rlhf: rank")]
-    expected = f"hpc_rlhf: rank {lost.rank} (role {lost.role}) {verb} during "
-    if lost.rank == 0:
-        # Rank 0 hosts the rendezvous store under srun: its death takes the store, so the survivors know the
-        # phase only if its last heartbeat showed it; they still name the rank and role.
-        assert lines and all(line.startswith(expected) for line in lines), "\n".join(lines) or log[-4000:]
-    else:
-        expected += f"{lost.phase}: "
-        assert lines and all(line.startswith(expected) and f"[step {lost.step}" in line for line in lines), \
-            "\n".join(lines) or log[-4000:]
+    # Rank 0's death too is named with its phase: the store is served by a process of its own.
+    expected = f"hpc_rlhf: rank {lost.rank} (role {lost.role}) {verb} during {lost.phase}: "
+    assert lines and all(line.startswith(expected) and f"[step {lost.step}" in line for line in lines), \
+        "\n".join(lines) or log[-4000:]
     # Every other rank said so, on both nodes (srun's SIGTERM to the step only asks them to stop). A frozen
     # rank that Slurm's SIGCONT wakes before it is killed may print the record about itself, without "seen by".
     seen_by = {int(m.group(1)) for line in lines if (m := re.search(r"seen by rank (\d+)\]", line))}

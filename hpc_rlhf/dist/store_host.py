@@ -1,0 +1,188 @@
+"""The job's rendezvous store, served by a process of its own on rank 0's node, so that it outlives rank 0.
+
+Why: the TCPStore at MASTER_ADDR:MASTER_PORT is where the ranks meet, and afterwards where the watchdog keeps
+its heartbeats and failure records (hpc_rlhf.dist.watchdog). Under torchrun the agent serves it; under srun,
+mpirun and the local launcher torch would serve it from inside rank 0, so anything that ended rank 0 took the
+records with it:
+- a rank 0 killed in its training loop could only be named, not placed: its peers had last read its heartbeat a
+  beat before it entered the phase it died in;
+- when another rank died, srun's --kill-on-bad-exit SIGTERMs every task; a rank 0 that died of it took the
+  store before the other ranks had read the failure record, and some of them then blamed rank 0.
+
+So rank 0 forks this small process before it joins the world (`start`), and is a client of it like every other
+rank. The process ignores the launchers' SIGTERM/SIGINT and serves while rank 0 lives. When rank 0 is gone (or
+says it is done: `StoreHost.close`), it
+- publishes rank 0's failure if rank 0's last heartbeat says it was still running: rank 0 ended without a word
+  (killed), and the record names its role, phase and step for every rank, on every node, within one beat;
+- serves on until every rank has stopped, failed, been terminated or gone quiet (no heartbeat for QUIET_S),
+  at most LINGER_MAX_S, then exits. A rank 0 that died before its watchdog started has no heartbeat: the
+  store then closes at once, so that ranks still joining fail at once instead of waiting for their timeout.
+Slurm's end of the step (SIGKILL) ends it too.
+
+Forked, not started afresh: a new interpreter would import torch again (2-3 CPU seconds per job start); the
+fork happens before rank 0 joins any process group, touches CUDA or initialises MPI, so the child inherits no
+state it could break. It closes every inherited file descriptor, so that it holds no pipe of its launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+LOOPBACK = "127.0.0.1"
+CLOSE_KEY = "hpc_rlhf/store_host/close"
+POLL_S = 0.1
+QUIET_S = 5.0        # a live rank beats at least once a second (watchdog.default_interval)
+LINGER_MAX_S = 60.0
+READY_TIMEOUT_S = 60.0
+IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class StoreHostError(RuntimeError):
+    """The store process could not serve at the port asked for; the message says why."""
+
+
+@dataclass
+class StoreHost:
+    """The parent's handle: the process serving the store, and the port it listens on."""
+    pid: int
+    port: int
+
+    def close(self, store) -> None:
+        """Rank 0 is done with the store (`store`: a client of it): the process serves the others' last
+        words, then exits (see the module docstring). No wait: it never holds rank 0 up."""
+        try:
+            store.set(CLOSE_KEY, "1")
+        except Exception:  # noqa: BLE001 - the process may be gone already; nothing is lost then
+            pass
+        self.reap()
+
+    def reap(self) -> None:
+        try:
+            os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def start(port: int, world_size: int, timeout_s: float) -> StoreHost:
+    """Fork the store's process, serving at `port` (0: a free port the OS picks); return once it listens."""
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the store's process: never returns
+        code = 0
+        try:
+            os.close(read_fd)
+            _serve(port, world_size, timeout_s, write_fd, parent)
+        except BaseException:  # noqa: BLE001 - nothing to print to: stdout and stderr are closed
+            code = 1
+        finally:
+            os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
+    os.close(write_fd)
+    try:
+        answer = _read_answer(read_fd, READY_TIMEOUT_S)
+    finally:
+        os.close(read_fd)
+    if not answer.startswith("ok "):
+        if not answer:  # no word within the time: do not leave it behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.waitpid(pid, 0)
+        raise StoreHostError(answer.removeprefix("error ") or "its process ended before it listened")
+    return StoreHost(pid, int(answer.split()[1]))
+
+
+def _read_answer(fd: int, timeout_s: float) -> str:
+    data, deadline = b"", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").strip()
+
+
+# ------------------------------------------------------------------------------------------ the process
+def _detach(keep_fd: int) -> None:
+    for sig in IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    try:
+        max_fd = os.sysconf("SC_OPEN_MAX")
+    except (ValueError, OSError):
+        max_fd = 65536
+    os.closerange(3, keep_fd)
+    os.closerange(keep_fd + 1, max_fd)
+
+
+def _serve(port: int, world_size: int, timeout_s: float, ready_fd: int, parent: int) -> None:
+    import torch.distributed as dist
+
+    _detach(ready_fd)
+    try:
+        store = dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - said to the parent, which raises it with the address
+        os.write(ready_fd, f"error {' '.join(str(exc).split())[:400]}".encode())
+        os.close(ready_fd)
+        return
+    os.write(ready_fd, f"ok {store.port}".encode())
+    os.close(ready_fd)
+
+    while os.getppid() == parent and not store.check([CLOSE_KEY]):
+        time.sleep(POLL_S)
+    rank0_gone = os.getppid() != parent
+    from hpc_rlhf.dist import watchdog
+
+    records = dist.PrefixStore(watchdog.key_prefix(), store)
+    beat0 = _beat(records, 0)
+    if beat0 is None:
+        return  # rank 0 never started its watchdog: no one reads records; close so that joiners fail now
+    if rank0_gone and beat0["state"] == watchdog.RUNNING:
+        watchdog.publish(records, watchdog.failure_record(
+            0, beat0["role"], beat0["phase"], beat0["step"], "failed",
+            f"its process (pid {beat0['pid']}) is gone (seen by the rendezvous store's process)",
+            primary=True, by=-1))
+    _linger(records, world_size)
+
+
+def _beat(records, rank: int) -> dict | None:
+    key = f"hb/{rank}"
+    return json.loads(records.get(key)) if records.check([key]) else None
+
+
+def _linger(records, world_size: int) -> None:
+    """Serve until no rank can still need the store: each has stopped, failed, been terminated, or beats no more."""
+    from hpc_rlhf.dist import watchdog
+
+    last_seq: dict[int, tuple[int, float]] = {}
+    deadline = time.monotonic() + LINGER_MAX_S
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        needed = False
+        for rank in range(world_size):
+            beat = _beat(records, rank)
+            if beat is None or beat["state"] != watchdog.RUNNING:
+                continue
+            seq, since = last_seq.get(rank, (None, now))
+            if seq != beat["seq"]:
+                last_seq[rank] = (beat["seq"], now)
+                since = now
+            if now - since < QUIET_S:
+                needed = True
+        if not needed:
+            return
+        time.sleep(POLL_S)
