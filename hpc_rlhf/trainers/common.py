@@ -1,4 +1,5 @@
-"""Pieces every training mode shares: run set-up, data order, checkpoint save/resume, stop policies.
+"""Pieces every training mode shares: run set-up, data order, stop policies, checkpoint save/resume, when to log
+and evaluate, the final model.
 
 Small functions rather than a base class: each recipe (sft.py, rm.py, ...) calls them in its own `setup()` and
 `train()`, so a reader follows one mode's step from top to bottom in its own file.
@@ -49,12 +50,8 @@ def configure_logging(rank: int) -> None:
     logging.basicConfig(level=level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "datasets", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    try:
-        from deepspeed.utils import logger as ds_logger
-
-        ds_logger.setLevel(logging.WARNING)
-    except ImportError:
-        pass
+    # DeepSpeed's logger is quieted where deepspeed is imported (deepspeed_compat.import_deepspeed): importing it
+    # here would cost every rank 3 CPU seconds, also the ranks that never train.
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -125,6 +122,17 @@ def open_logger(run: Run, total_steps: int) -> MetricsLogger:
     return run.logger
 
 
+def start_training(run: Run, engines: dict) -> tuple["NonFiniteGuard", "StopSignal"]:
+    """Last set-up steps of a one-model mode, in this order: resume from the newest checkpoint (sets
+    run.start_step, which the logger then starts from), a guard counting non-finite steps, the SIGUSR1/SIGTERM
+    listener, the metrics logger. Returns (guard, stop signal)."""
+    resume_if_possible(run, engines)
+    bad_steps = NonFiniteGuard(run.cfg.train.max_bad_steps, run.mode)
+    stop = StopSignal()
+    open_logger(run, run.cfg.train.max_steps)
+    return bad_steps, stop
+
+
 # ------------------------------------------------------------------------------------------------ data order
 def step_indices(num_rows: int, batch_size: int, step: int, seed: int) -> list[int]:
     """Row indices of optimizer step `step` (pure: the same on every rank and after any resume)."""
@@ -149,6 +157,14 @@ def rank_micro_batches(indices: Sequence[int], rank: int, world: int, micro_batc
     per_rank = len(indices) // world
     mine = list(indices[rank * per_rank:(rank + 1) * per_rank])
     return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+def step_micro_batches(run: Run, num_rows: int, step: int) -> list[list[int]]:
+    """This rank's micro-batches (row indices) of optimizer step `step` over `num_rows` rows, with the sizes and
+    seed of run.cfg.train and the whole world as one data-parallel group."""
+    train = run.cfg.train
+    indices = step_indices(num_rows, train.batch_size, step, train.seed)
+    return rank_micro_batches(indices, run.rank, run.world_size, train.micro_batch_size)
 
 
 def check_batch_sizes(train_cfg, role_size: int) -> None:
@@ -299,6 +315,39 @@ def reduce_sum(values: Sequence[float], group=None) -> list[float]:
     return t.tolist()
 
 
+# ------------------------------------------------------------------------------------------------ logging
+def eval_before_training(run: Run) -> bool:
+    """A fresh run (not a resumed one) evaluates once before its first step, unless log.eval_every_steps is 0."""
+    return run.start_step == 0 and run.cfg.log.eval_every_steps > 0
+
+
+def log_due(cfg, step: int) -> bool:
+    """Whether step `step` (counted from 1) writes a metrics row: every log.every_steps and the last step."""
+    return step % cfg.log.every_steps == 0 or step == cfg.train.max_steps
+
+
+def eval_due(cfg, step: int) -> bool:
+    """Whether a logged step evaluates: every log.eval_every_steps and the last step (eval_every_steps=0: only
+    the last)."""
+    every = cfg.log.eval_every_steps
+    return (every > 0 and step % every == 0) or step == cfg.train.max_steps
+
+
+def step_figures(info, tokens: float, seconds: float, bad_steps: "NonFiniteGuard") -> dict[str, float]:
+    """The figures every mode logs after its own: the last optimizer step's learning rate and gradient norm
+    (`info`, a StepInfo), the tokens (of all ranks) trained on per second of the logging window, and the number
+    of steps skipped for non-finite values so far."""
+    return {"lr": info.lr, "grad_norm": info.grad_norm, "tokens_per_s": tokens / max(seconds, 1e-9),
+            "skipped_steps": bad_steps.total}
+
+
+def window_means(window: dict[str, list[float]]) -> dict[str, float]:
+    """Each figure's mean over the micro-batches of the logging window (non-finite values left out), averaged
+    over the ranks."""
+    return {name: reduce_mean(mean_over(values)) for name, values in window.items()}
+
+
+# ------------------------------------------------------------------------------------------------ the end
 def save_final_model(engine, directory: str | Path, tokenizer, lora_cfg) -> None:
     """The trained model as a Hugging Face folder that `from_pretrained` (and vLLM) load unchanged.
 
@@ -314,6 +363,13 @@ def save_final_model(engine, directory: str | Path, tokenizer, lora_cfg) -> None
         dist.barrier(group=engine.group)
     else:
         engine.save_hf(directory, tokenizer=tokenizer)
+
+
+def finish_training(run: Run, engine, tokenizer) -> None:
+    """End of a one-model mode: the trained model into output_dir/final/ (see save_final_model), the logger
+    closed."""
+    save_final_model(engine, run.output_dir / "final", tokenizer, run.cfg.model.lora)
+    run.logger.close()
 
 
 class Preempted(SystemExit):

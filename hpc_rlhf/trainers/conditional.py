@@ -161,9 +161,9 @@ def run(cfg: Config) -> dict[str, Any]:
     data_file = out / "data" / "csft_data.jsonl"
     eval_rows = []
     if cfg.eval.prompt_files:
-        from hpc_rlhf.trainers.dpo import load_prompt_rows as load_eval_rows
+        from hpc_rlhf.trainers.evaluation import load_eval_prompts
 
-        eval_rows = load_eval_rows(cfg)
+        eval_rows = load_eval_prompts(cfg)
     eval_file = out / "data" / f"eval_prompts_bucket_{ask}.jsonl"
     if run_.is_main:
         _write_jsonl(conditional_rows(records, cfg.csft.template, cfg.csft.bucket_edges), data_file)

@@ -24,12 +24,10 @@ from hpc_rlhf.algorithms.losses import DPO_LOSS_TYPES, dpo_loss
 from hpc_rlhf.config import (CheckpointSection, ConfigError, DistSection, LogSection, ModelSection, TrainSection,
                              field, section)
 from hpc_rlhf.data.examples import pair_collate
-from hpc_rlhf.data.loading import load_rows
-from hpc_rlhf.data.synthetic import exact_match
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.trainers import common
-from hpc_rlhf.trainers.evaluation import generation_accuracy
+from hpc_rlhf.trainers.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.trainers.reference import (MEAN, SUM, Reference, ReferenceSection, balanced_chunks, response_logps)
 from hpc_rlhf.trainers.rm import PreferenceDataSection, load_preference_examples
 from hpc_rlhf.trainers.sft import GenerationEvalSection
@@ -73,25 +71,6 @@ def pair_sequences(example: dict) -> list[dict]:
             for side in ("chosen", "rejected")]
 
 
-def load_prompt_rows(cfg) -> list[dict]:
-    """Held-out prompts with reference answers for the exact-match evaluation ([] when eval.prompt_files is)."""
-    if not cfg.eval.prompt_files:
-        return []
-    rows, _ = load_rows(cfg.eval.prompt_files, required={cfg.data.prompt_key: str, cfg.data.answer_key: str},
-                        where="eval.prompt_files", on_bad_row=cfg.data.on_bad_row, max_rows=cfg.eval.max_rows)
-    return list(rows)
-
-
-def generation_exact_match(engine: TrainEngine, tokenizer, rows: list[dict], cfg) -> float:
-    """Share of `rows` whose greedy answer is exactly the reference answer (parameters gathered under ZeRO-3)."""
-    with engine.gathered_parameters() as model:
-        result = generation_accuracy(model, tokenizer, rows, prompt_key=cfg.data.prompt_key,
-                                     answer_key=cfg.data.answer_key, max_prompt_len=cfg.data.max_prompt_len,
-                                     max_new_tokens=cfg.eval.max_new_tokens, score=exact_match,
-                                     chat_template=cfg.data.apply_chat_template)
-    return result["accuracy"]
-
-
 class DPORecipe:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -108,15 +87,12 @@ class DPORecipe:
         self.eval_examples = (load_preference_examples(cfg.data.eval_files, cfg.data, self.tokenizer,
                                                        "data.eval_files", cfg.data.max_eval_rows)
                               if cfg.data.eval_files else [])
-        self.eval_prompts = load_prompt_rows(cfg)
+        self.eval_prompts = load_eval_prompts(cfg)
         self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
         self.reference = Reference(cfg.ref, cfg.model, cfg.train, self.tokenizer.pad_token_id, run.device)
         self.reference.prepare({"train": [pair_sequences(ex) for ex in self.train_examples],
                                 "eval": [pair_sequences(ex) for ex in self.eval_examples]})
-        common.resume_if_possible(run, {"model": self.engine})
-        self.bad_steps = common.NonFiniteGuard(cfg.train.max_bad_steps, "dpo")
-        self.stop = common.StopSignal()
-        common.open_logger(run, cfg.train.max_steps)
+        self.bad_steps, self.stop = common.start_training(run, {"model": self.engine})
 
     def _collate(self, pairs) -> dict[str, torch.Tensor]:
         batch = pair_collate(pairs, self.tokenizer.pad_token_id)
@@ -164,15 +140,14 @@ class DPORecipe:
     def train(self) -> dict[str, float]:
         cfg, run, engine = self.cfg, self.run, self.engine
         engine.train()
-        if run.start_step == 0 and cfg.log.eval_every_steps > 0:
+        if common.eval_before_training(run):
             run.logger.log(0, self.evaluate())
         last_eval: dict[str, float] = {}
         names = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
         window: dict[str, list[float]] = {name: [] for name in names}
         window_tokens, window_start = 0, time.perf_counter()
         for step in range(run.start_step, cfg.train.max_steps):
-            indices = common.step_indices(len(self.train_examples), cfg.train.batch_size, step, cfg.train.seed)
-            for micro in common.rank_micro_batches(indices, run.rank, run.world_size, cfg.train.micro_batch_size):
+            for micro in common.step_micro_batches(run, len(self.train_examples), step):
                 figures = self._pair_loss("train", micro, self.train_examples)
                 engine.backward(figures["loss"])
                 info = engine.step()
@@ -186,21 +161,19 @@ class DPORecipe:
             done = step + 1
             self.bad_steps.update(info.skipped, done)
             run.logger.advance()
-            if done % cfg.log.every_steps == 0 or done == cfg.train.max_steps:
+            if common.log_due(cfg, done):
                 elapsed = time.perf_counter() - window_start
                 tokens_all = common.reduce_sum([window_tokens])[0]
-                metrics = {name: common.reduce_mean(common.mean_over(values)) for name, values in window.items()}
-                metrics.update(lr=info.lr, grad_norm=info.grad_norm, tokens_per_s=tokens_all / max(elapsed, 1e-9),
-                               skipped_steps=self.bad_steps.total)
-                if cfg.log.eval_every_steps and done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps:
+                metrics = {**common.window_means(window),
+                           **common.step_figures(info, tokens_all, elapsed, self.bad_steps)}
+                if common.eval_due(cfg, done):
                     last_eval = self.evaluate()
                     metrics.update(last_eval)
                 run.logger.log(done, metrics)
                 window = {name: [] for name in names}
                 window_tokens, window_start = 0, time.perf_counter()
             common.checkpoint_or_stop(run, done, {"model": engine}, self.stop, cfg.train.max_steps)
-        common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
-        run.logger.close()
+        common.finish_training(run, engine, self.tokenizer)
         return last_eval
 
 

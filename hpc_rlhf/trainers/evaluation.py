@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.data.examples import prompt_example
+from hpc_rlhf.data.loading import load_rows
+from hpc_rlhf.data.synthetic import exact_match
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
 
@@ -43,3 +45,24 @@ def generation_accuracy(model, tokenizer, rows: Sequence[dict], *, prompt_key: s
         model.train(was_training)
     dist.all_reduce(total, group=group)
     return {"accuracy": float(total[0] / max(total[1], 1)), "count": int(total[1])}
+
+
+def load_eval_prompts(cfg) -> list[dict]:
+    """Held-out prompts with reference answers for the exact-match evaluation: at most eval.max_rows rows of
+    eval.prompt_files with data.prompt_key and data.answer_key ([] when eval.prompt_files is empty)."""
+    if not cfg.eval.prompt_files:
+        return []
+    rows, _ = load_rows(cfg.eval.prompt_files, required={cfg.data.prompt_key: str, cfg.data.answer_key: str},
+                        where="eval.prompt_files", on_bad_row=cfg.data.on_bad_row, max_rows=cfg.eval.max_rows)
+    return list(rows)
+
+
+def generation_exact_match(engine, tokenizer, rows: Sequence[dict], cfg) -> float:
+    """Share of `rows` whose greedy answer is exactly the reference answer, with the training engine's model
+    (parameters gathered under ZeRO-3; every rank of the engine's group calls this)."""
+    with engine.gathered_parameters() as model:
+        result = generation_accuracy(model, tokenizer, rows, prompt_key=cfg.data.prompt_key,
+                                     answer_key=cfg.data.answer_key, max_prompt_len=cfg.data.max_prompt_len,
+                                     max_new_tokens=cfg.eval.max_new_tokens, score=exact_match,
+                                     chat_template=cfg.data.apply_chat_template)
+    return result["accuracy"]

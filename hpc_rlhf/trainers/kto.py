@@ -32,7 +32,7 @@ from hpc_rlhf.data.loading import DataError, load_rows
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.trainers import common
-from hpc_rlhf.trainers.dpo import generation_exact_match, load_prompt_rows
+from hpc_rlhf.trainers.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.trainers.reference import SUM, Reference, ReferenceSection, balanced_chunks, response_logps
 from hpc_rlhf.trainers.sft import GenerationEvalSection
 
@@ -121,14 +121,11 @@ class KTORecipe:
             for example, partner in zip(self.train_examples, partners)]
         self.eval_examples = (load_kto_examples(cfg.data.eval_files, cfg.data, self.tokenizer, "data.eval_files",
                                                 cfg.data.max_eval_rows) if cfg.data.eval_files else [])
-        self.eval_prompts = load_prompt_rows(cfg)
+        self.eval_prompts = load_eval_prompts(cfg)
         self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
         self.reference = Reference(cfg.ref, cfg.model, cfg.train, self.tokenizer.pad_token_id, run.device)
         self.reference.prepare({"train": self.train_sequences, "eval": [[ex] for ex in self.eval_examples]})
-        common.resume_if_possible(run, {"model": self.engine})
-        self.bad_steps = common.NonFiniteGuard(cfg.train.max_bad_steps, "kto")
-        self.stop = common.StopSignal()
-        common.open_logger(run, cfg.train.max_steps)
+        self.bad_steps, self.stop = common.start_training(run, {"model": self.engine})
 
     def _collate(self, sequences) -> dict[str, torch.Tensor]:
         batch = pad_collate([{"input_ids": s["input_ids"], "labels": s["labels"]} for s in sequences],
@@ -189,7 +186,7 @@ class KTORecipe:
     def train(self) -> dict[str, float]:
         cfg, run, engine = self.cfg, self.run, self.engine
         engine.train()
-        if run.start_step == 0 and cfg.log.eval_every_steps > 0:
+        if common.eval_before_training(run):
             run.logger.log(0, self.evaluate())
         last_eval: dict[str, float] = {}
         # Sums and counts, not means: a micro-batch may hold no desirable (or no undesirable) row.
@@ -197,8 +194,7 @@ class KTORecipe:
         sums = torch.zeros(7, dtype=torch.float64)
         window_tokens, window_start = 0, time.perf_counter()
         for step in range(run.start_step, cfg.train.max_steps):
-            indices = common.step_indices(len(self.train_examples), cfg.train.batch_size, step, cfg.train.seed)
-            for micro in common.rank_micro_batches(indices, run.rank, run.world_size, cfg.train.micro_batch_size):
+            for micro in common.step_micro_batches(run, len(self.train_examples), step):
                 figures = self._step_loss(micro)
                 engine.backward(figures["loss"])
                 info = engine.step()
@@ -210,24 +206,22 @@ class KTORecipe:
             done = step + 1
             self.bad_steps.update(info.skipped, done)
             run.logger.advance()
-            if done % cfg.log.every_steps == 0 or done == cfg.train.max_steps:
+            if common.log_due(cfg, done):
                 elapsed = time.perf_counter() - window_start
                 loss, kl, micro_batches, good_sum, good_count, bad_sum, bad_count, tokens_all = common.reduce_sum(
                     sums.tolist() + [window_tokens])
                 metrics = {"loss": loss / micro_batches, "kl": kl / micro_batches,
                            "desirable_reward": good_sum / max(good_count, 1),
-                           "undesirable_reward": bad_sum / max(bad_count, 1), "lr": info.lr,
-                           "grad_norm": info.grad_norm, "tokens_per_s": tokens_all / max(elapsed, 1e-9),
-                           "skipped_steps": self.bad_steps.total}
-                if cfg.log.eval_every_steps and done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps:
+                           "undesirable_reward": bad_sum / max(bad_count, 1),
+                           **common.step_figures(info, tokens_all, elapsed, self.bad_steps)}
+                if common.eval_due(cfg, done):
                     last_eval = self.evaluate()
                     metrics.update(last_eval)
                 run.logger.log(done, metrics)
                 sums.zero_()
                 window_tokens, window_start = 0, time.perf_counter()
             common.checkpoint_or_stop(run, done, {"model": engine}, self.stop, cfg.train.max_steps)
-        common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
-        run.logger.close()
+        common.finish_training(run, engine, self.tokenizer)
         return last_eval
 
 

@@ -119,10 +119,7 @@ class RewardModelRecipe:
                               if cfg.data.eval_files else [])
         self.engine = TrainEngine(build_value_model(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
         self.scorer = EngineScorer(self.engine)
-        common.resume_if_possible(run, {"model": self.engine})
-        self.bad_steps = common.NonFiniteGuard(cfg.train.max_bad_steps, "rm")
-        self.stop = common.StopSignal()
-        common.open_logger(run, cfg.train.max_steps)
+        self.bad_steps, self.stop = common.start_training(run, {"model": self.engine})
 
     def _pair_scores(self, pairs) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(chosen scores, rejected scores, collated batch) of B pairs, in one forward pass over 2B rows."""
@@ -184,14 +181,13 @@ class RewardModelRecipe:
     def train(self) -> dict[str, float]:
         cfg, run, engine = self.cfg, self.run, self.engine
         engine.train()
-        if run.start_step == 0 and cfg.log.eval_every_steps > 0:
+        if common.eval_before_training(run):
             run.logger.log(0, self.evaluate())
         last_eval: dict[str, float] = {}
         window: dict[str, list[float]] = {"loss": [], "accuracy": [], "margin": []}
         window_tokens, window_start = 0, time.perf_counter()
         for step in range(run.start_step, cfg.train.max_steps):
-            indices = common.step_indices(len(self.train_examples), cfg.train.batch_size, step, cfg.train.seed)
-            for micro in common.rank_micro_batches(indices, run.rank, run.world_size, cfg.train.micro_batch_size):
+            for micro in common.step_micro_batches(run, len(self.train_examples), step):
                 loss, accuracy, margin, tokens = self._loss([self.train_examples[i] for i in micro])
                 engine.backward(loss)
                 info = engine.step()
@@ -202,13 +198,12 @@ class RewardModelRecipe:
             done = step + 1
             self.bad_steps.update(info.skipped, done)
             run.logger.advance()
-            if done % cfg.log.every_steps == 0 or done == cfg.train.max_steps:
+            if common.log_due(cfg, done):
                 elapsed = time.perf_counter() - window_start
                 tokens_all = common.reduce_sum([window_tokens])[0]
-                metrics = {name: common.reduce_mean(common.mean_over(values)) for name, values in window.items()}
-                metrics.update(lr=info.lr, grad_norm=info.grad_norm, tokens_per_s=tokens_all / max(elapsed, 1e-9),
-                               skipped_steps=self.bad_steps.total)
-                if cfg.log.eval_every_steps and done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps:
+                metrics = {**common.window_means(window),
+                           **common.step_figures(info, tokens_all, elapsed, self.bad_steps)}
+                if common.eval_due(cfg, done):
                     last_eval = self.evaluate()
                     metrics.update(last_eval)
                 run.logger.log(done, metrics)
@@ -220,8 +215,7 @@ class RewardModelRecipe:
         last_eval.update(reward_mean=mean, reward_std=std)
         # Under ZeRO-3 the engine gathers the sharded weights for the leader (save_hf / the LoRA path), and the
         # config written with them carries the normalisation constants.
-        common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
-        run.logger.close()
+        common.finish_training(run, engine, self.tokenizer)
         return last_eval
 
 

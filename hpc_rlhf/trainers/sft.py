@@ -19,12 +19,11 @@ from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, DataSection, DistSe
 from hpc_rlhf.data.examples import pad_collate, sft_example
 from hpc_rlhf.data.loading import Messages, load_rows
 from hpc_rlhf.data.packing import pack_examples, packed_collate, packed_model_kwargs
-from hpc_rlhf.data.synthetic import exact_match
 from hpc_rlhf.dist import watchdog
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.trainers import common
-from hpc_rlhf.trainers.evaluation import generation_accuracy
+from hpc_rlhf.trainers.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.trainers.reference import balanced_chunks
 from hpc_rlhf.utils import faults
 
@@ -99,16 +98,9 @@ class SFTRecipe:
                                                 cfg.data.max_eval_rows) if cfg.data.eval_files else [])
         if cfg.data.packing:
             self.train_examples = pack_examples(self.train_examples, cfg.data.max_len)
-        self.eval_prompts = []
-        if cfg.eval.prompt_files:
-            rows, _ = load_rows(cfg.eval.prompt_files, required={cfg.data.prompt_key: str, cfg.data.answer_key: str},
-                                where="eval.prompt_files", on_bad_row=cfg.data.on_bad_row, max_rows=cfg.eval.max_rows)
-            self.eval_prompts = list(rows)
+        self.eval_prompts = load_eval_prompts(cfg)
         self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
-        common.resume_if_possible(run, {"model": self.engine})
-        self.bad_steps = common.NonFiniteGuard(cfg.train.max_bad_steps, "sft")
-        self.stop = common.StopSignal()
-        common.open_logger(run, cfg.train.max_steps)
+        self.bad_steps, self.stop = common.start_training(run, {"model": self.engine})
 
     def _forward_loss(self, batch_examples) -> tuple[torch.Tensor, int, int]:
         """Mean next-token loss of a micro-batch, its number of label tokens, its number of real tokens."""
@@ -141,30 +133,22 @@ class SFTRecipe:
             torch.distributed.all_reduce(total)
             out["eval_loss"] = float(total[0] / max(total[1], 1))
         if self.eval_prompts:
-            with self.engine.gathered_parameters() as model:
-                acc = generation_accuracy(model, self.tokenizer, self.eval_prompts, prompt_key=self.cfg.data.prompt_key,
-                                          answer_key=self.cfg.data.answer_key,
-                                          max_prompt_len=self.cfg.data.max_prompt_len,
-                                          max_new_tokens=self.cfg.eval.max_new_tokens, score=exact_match,
-                                          chat_template=self.cfg.data.apply_chat_template)
-            out["eval_accuracy"] = acc["accuracy"]
+            out["eval_accuracy"] = generation_exact_match(self.engine, self.tokenizer, self.eval_prompts, self.cfg)
         self.engine.train()
         return out
 
     def train(self) -> dict[str, float]:
         cfg, run, engine = self.cfg, self.run, self.engine
         engine.train()
-        if run.start_step == 0 and cfg.log.eval_every_steps > 0:
+        if common.eval_before_training(run):
             with watchdog.phase("eval"):  # failure handling: each phase of the loop is named for the watchdog
                 run.logger.log(0, self.evaluate())
         last_eval: dict[str, float] = {}
         window_losses, window_tokens, window_start = [], 0, time.perf_counter()
         for step in range(run.start_step, cfg.train.max_steps):
             watchdog.set_step(step + 1)
-            indices = common.step_indices(len(self.train_examples), cfg.train.batch_size, step, cfg.train.seed)
             with watchdog.phase("training"):
-                for micro in common.rank_micro_batches(indices, run.rank, run.world_size,
-                                                       cfg.train.micro_batch_size):
+                for micro in common.step_micro_batches(run, len(self.train_examples), step):
                     loss, _, tokens = self._forward_loss([self.train_examples[i] for i in micro])
                     loss = faults.poison(loss, step + 1)  # failure handling: HPC_RLHF_FAULT kind=nan
                     engine.backward(loss)
@@ -174,13 +158,12 @@ class SFTRecipe:
             done = step + 1
             self.bad_steps.update(info.skipped, done)
             run.logger.advance()
-            if done % cfg.log.every_steps == 0 or done == cfg.train.max_steps:
+            if common.log_due(cfg, done):
                 elapsed = time.perf_counter() - window_start
                 tokens_all = common.reduce_sum([window_tokens])[0]
-                metrics = {"loss": common.reduce_mean(common.mean_over(window_losses)), "lr": info.lr,
-                           "grad_norm": info.grad_norm, "tokens_per_s": tokens_all / max(elapsed, 1e-9),
-                           "skipped_steps": self.bad_steps.total}
-                if cfg.log.eval_every_steps and done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps:
+                metrics = {**common.window_means({"loss": window_losses}),
+                           **common.step_figures(info, tokens_all, elapsed, self.bad_steps)}
+                if common.eval_due(cfg, done):
                     with watchdog.phase("eval"):
                         last_eval = self.evaluate()
                     metrics.update(last_eval)
@@ -188,8 +171,7 @@ class SFTRecipe:
                 window_losses, window_tokens, window_start = [], 0, time.perf_counter()
             common.checkpoint_or_stop(run, done, {"model": engine}, self.stop, cfg.train.max_steps)
         with watchdog.phase("checkpoint"):
-            common.save_final_model(engine, run.output_dir / "final", self.tokenizer, cfg.model.lora)
-        run.logger.close()
+            common.finish_training(run, engine, self.tokenizer)
         return last_eval
 
 
