@@ -366,10 +366,15 @@ class Watchdog:
                 continue  # it stopped in order, or it is failing and says so itself
             if beat is not None and self._is_local(beat) and not process_alive(beat["pid"]):
                 self._read_peer(peer, now)  # it may have stopped in order a moment ago
-                if peer.beat["state"] == RUNNING:
+                if peer.beat["state"] != RUNNING:
+                    continue
+                # Or another rank found it frozen, said so and killed it, since this beat read the records.
+                self._read_failures()
+                if self._causes():
+                    self._act_on_records(now)
+                else:
                     self._detected(peer, "failed", f"its process (pid {beat['pid']}) is gone")
-                    return
-                continue
+                return
             silent = now - peer.changed_at
             if silent > self.timeout_s:
                 detail = (f"no heartbeat for {silent:.0f} s (dist.heartbeat_timeout_s={self.timeout_s:g})"

@@ -59,7 +59,7 @@ class LocalCluster:
         return proc.stdout.strip().split(";")[0]
 
     def job_fields(self, job_id: str) -> dict[str, str]:
-        """`scontrol show job` as a dict (the record stays MinJobAge=300 s after the end)."""
+        """`scontrol show job` as a dict (the record stays MinJobAge=3600 s after the end: the suite reads some jobs long after they ended)."""
         out = self.run(["scontrol", "show", "job", "-o", job_id])
         return dict(item.split("=", 1) for item in out.split() if "=" in item)
 

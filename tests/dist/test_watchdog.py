@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -265,6 +266,22 @@ def test_without_a_cause_the_sigterm_ends_the_rank_after_a_few_beats(server):
     world.beat(0)
     assert world.fatal == {}  # rank 0 does not blame rank 1, whose last word was 'terminated'
     world.dogs[1].stop()
+
+
+def test_a_rank_killed_for_freezing_is_named_as_frozen_by_a_rank_that_finds_its_process_gone(server):
+    # Rank 1 found rank 2 frozen, published that and killed it, just after rank 0 had read the records: rank 0
+    # then finds rank 2's process gone, and must name the freeze, not a death.
+    world = Ranks(server, 3, ["actor", "ref", "rollout"], store_host_rank=None)
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    world.dogs[2].pid = frozen.pid
+    world.dogs[2].progress.name = "weight_sync"
+    world.beat(2, 0, 1)
+    world.dogs[1]._detected(world.dogs[1].peers[2], "stopped responding", "no heartbeat for 4 s")
+    frozen.kill()
+    frozen.wait()
+    world.dogs[0]._judge_peers(time.monotonic())  # records last read before rank 1's
+    assert world.fatal[0].startswith("hpc_rlhf: rank 2 (role rollout) stopped responding during weight_sync"), \
+        world.fatal
 
 
 def test_a_frozen_rank_on_this_host_is_killed_after_the_report(server):
