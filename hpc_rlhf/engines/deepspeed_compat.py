@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -174,6 +175,15 @@ def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
+
+
+def import_deepspeed():
+    """deepspeed, imported where a rank first needs it (only ranks that train or shard a model: the import costs
+    ~3 CPU seconds), with its logger kept at warnings: its import sets that logger to INFO."""
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return deepspeed
 
 
 @contextlib.contextmanager

@@ -136,7 +136,7 @@ class TrainEngine:
                  model_dtype: torch.dtype | str | None = None):
         if not dist.is_initialized():
             raise RuntimeError("TrainEngine needs torch.distributed initialised first (hpc_rlhf.dist.bootstrap)")
-        import deepspeed
+        deepspeed = deepspeed_compat.import_deepspeed()
 
         self.train_cfg = train_cfg
         self.group = dist.GroupMember.WORLD if group is None else group

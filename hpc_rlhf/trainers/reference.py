@@ -101,7 +101,7 @@ class FrozenModel:
                 raise ConfigError("a 4-bit reference model (model.lora.load_in_4bit) cannot be sharded with "
                                   "train.zero_stage=3; use ZeRO 0-2 with QLoRA")
             model = model.to(self.dtype)
-            import deepspeed
+            deepspeed = deepspeed_compat.import_deepspeed()
 
             size = dist.get_world_size(self.group)
             config = {"train_micro_batch_size_per_gpu": train_cfg.micro_batch_size,
