@@ -38,6 +38,13 @@ def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
     return proc
 
 
+def fixture_threads() -> int:
+    """Threads for the session's long training fixtures (the SFT base, the reward model for PPO): two on a quiet
+    machine; one under `make test`'s two xdist workers, where a two-thread OpenMP run beside another busy
+    process was measured 5x slower (the SFT base: 160 s quiet, over 900 s there)."""
+    return 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: int = 1,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m hpc_rlhf ARGS` as a user types it (the local launcher starts the ranks the placement needs)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import hpc_rlhf_cli
+from tests.distributed import fixture_threads, hpc_rlhf_cli
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 # Strong enough at plain addition that the demonstrations' carry mistake is what holds it back (DESIGN §7):
@@ -19,7 +19,7 @@ SFT_BASE = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_s
 
 @pytest.fixture(scope="session")
 def sft_base(tmp_path_factory) -> Path:
-    """A final/ folder: SFT on the imperfect demonstrations (examples/tiny/sft.yaml), two threads, ~3 minutes.
+    """A final/ folder: SFT on the imperfect demonstrations (examples/tiny/sft.yaml), ~3 minutes on 2 threads.
 
     HPC_RLHF_TEST_SFT_BASE=FOLDER reuses a folder made with these settings (for iterating on one test file)."""
     if os.environ.get("HPC_RLHF_TEST_SFT_BASE"):
@@ -28,5 +28,6 @@ def sft_base(tmp_path_factory) -> Path:
             pytest.fail(f"HPC_RLHF_TEST_SFT_BASE={folder} has no model.safetensors: give an SFT run's final/ folder")
         return folder
     root = tmp_path_factory.mktemp("sft_base")
-    hpc_rlhf_cli("sft", "--config", "examples/tiny/sft.yaml", f"output_dir={root}", *QUIET, *SFT_BASE, threads=2)
+    hpc_rlhf_cli("sft", "--config", "examples/tiny/sft.yaml", f"output_dir={root}", *QUIET, *SFT_BASE,
+                 threads=fixture_threads())
     return root / "final"

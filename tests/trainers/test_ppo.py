@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.trainers.ppo import combine_scores
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.distributed import hpc_rlhf_cli
+from tests.distributed import fixture_threads, hpc_rlhf_cli
 from tests.trainers.conftest import QUIET
 
 # A reward model good enough for PPO to learn from: measured 0.972 held-out pairwise accuracy (0.81 at 200 steps,
@@ -24,6 +25,7 @@ from tests.trainers.conftest import QUIET
 RM_BASE = ["train.max_steps=500", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
            "log.every_steps=100", "log.eval_every_steps=500", "checkpoint.resume=false"]
 EVAL_ROWS = "eval.max_rows=300"
+TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"  # the built-in random model, for the tests of mechanics
 hpc_rlhf = hpc_rlhf_cli
 
 
@@ -38,7 +40,7 @@ def base(tmp_path_factory, sft_base) -> Path:
     (root / "sft").mkdir()
     (root / "sft" / "final").symlink_to(sft_base)
     hpc_rlhf("rm", "--config", "examples/tiny/rm.yaml", f"output_dir={root}/rm", f"model.path={root}/sft/final",
-             *QUIET, *RM_BASE, threads=2)
+             *QUIET, *RM_BASE, threads=fixture_threads())
     return root
 
 
@@ -91,17 +93,19 @@ def test_combine_scores_weights_each_source():
         combine_scores(rule, [rm1, rm2], [1.0])
 
 
-def test_two_reward_models_and_a_rule_reward_are_summed_with_weights(base, tmp_path):
+def test_two_reward_models_and_a_rule_reward_are_summed_with_weights(tmp_path):
     """Two reward-model roles plus a rule function, under ZeRO-3: step 1 draws the same samples whatever the
-    weights, so two runs that differ only in the rule's weight differ in mean reward by exactly that weight."""
+    weights, so two runs that differ only in the rule's weight differ in mean reward by exactly that weight.
+    (Mechanics only: the built-in random tiny model serves as actor and, with a new seeded head, as both reward
+    models, so this test does not wait for the session's SFT base.)"""
     rule = tmp_path / "rule.py"
     rule.write_text("def one(prompts, responses, answers):\n    return [1.0] * len(responses)\n")
     rewards = {}
     for weight in (0.0, 3.0):
         out = tmp_path / f"w{weight}"
-        hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={base}/sft/final",
+        hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={TINY_MODEL}",
                  "placement=actor+ref=1,reward=1,reward2=1,rollout@actor",
-                 f"reward.models=[{base}/rm/final,{base}/rm/final]", "reward.model_weights=[0.5,0.25]",
+                 f"reward.models=[{TINY_MODEL},{TINY_MODEL}]", "reward.model_weights=[0.5,0.25]",
                  f"reward.functions=[{rule}:one]", f"reward.function_weights=[{weight}]", "train.max_steps=1",
                  "train.zero_stage=3",  # frozen reward models sharded, hybrid generation on gathered weights
                  "log.eval_every_steps=0", *QUIET)
@@ -109,21 +113,21 @@ def test_two_reward_models_and_a_rule_reward_are_summed_with_weights(base, tmp_p
     assert rewards[3.0] - rewards[0.0] == pytest.approx(3.0, abs=1e-4)
 
 
-def test_broken_reward_function_stops_with_its_name(base, tmp_path):
+def test_broken_reward_function_stops_with_its_name(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f(prompts, responses, answers):\n    return [1.0]\n")
     proc = hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={tmp_path}/bad",
-                    f"actor.path={base}/sft/final", "placement=actor+ref=1,rollout@actor",
+                    f"actor.path={TINY_MODEL}", "placement=actor+ref=1,rollout@actor",
                     f"reward.functions=[{bad}:f]", "train.max_steps=2", "log.eval_every_steps=0", *QUIET,
                     check=False)
     assert proc.returncode != 0
     assert f"reward function '{bad}:f' returned 1 rewards for 128 responses" in proc.stderr
 
 
-def test_seeded_runs_repeat_and_resume_exactly(base, tmp_path):
+def test_seeded_runs_repeat_and_resume_exactly(tmp_path):
     """Disjoint GRPO (actor, ref, two engines): a run cut back to its step-2 checkpoint and restarted repeats
     steps 3 and 4 of the uninterrupted run exactly (same seed: same samples, same updates)."""
-    common = ["--config", "examples/tiny/grpo.yaml", f"actor.path={base}/sft/final", "rollout.prompts_per_step=8",
+    common = ["--config", "examples/tiny/grpo.yaml", f"actor.path={TINY_MODEL}", "rollout.prompts_per_step=8",
               "train.batch_size=32", "log.eval_every_steps=0", "checkpoint.every_steps=2", "checkpoint.keep=3",
               "train.max_steps=4", *QUIET]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
