@@ -232,14 +232,20 @@ def test_a_rank_ended_by_its_launchers_sigterm_is_not_blamed_for_the_death_of_an
         world.fatal
 
 
+def _stand_in_for_rank_2(world: Ranks, phase: str) -> subprocess.Popen:
+    """A process whose pid rank 2's heartbeat carries, in `phase`; every rank has beaten once since."""
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    world.dogs[2].pid = stand_in.pid
+    world.dogs[2].progress.name = phase
+    world.beat(2, 0, 1)  # rank 2 first: the others read its pid
+    return stand_in
+
+
 def test_a_rank_sigtermed_in_setup_names_the_failure_behind_the_signal(server):
     # srun --kill-on-bad-exit SIGTERMs every task a moment after one died; a rank still setting up (no stop
     # handler yet) waits a few beats for the cause before the signal ends it, so its output says why.
     world = Ranks(server, 3, ["actor", "ref", "rollout"], store_host_rank=None)
-    dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    world.dogs[2].pid = dying.pid
-    world.dogs[2].progress.name = "rollout"
-    world.beat(0, 1, 2)
+    dying = _stand_in_for_rank_2(world, "rollout")
     world.dogs[1].start()  # rank 1's thread runs, as in a real rank
     try:
         dying.kill()
@@ -272,10 +278,7 @@ def test_a_rank_killed_for_freezing_is_named_as_frozen_by_a_rank_that_finds_its_
     # Rank 1 found rank 2 frozen, published that and killed it, just after rank 0 had read the records: rank 0
     # then finds rank 2's process gone, and must name the freeze, not a death.
     world = Ranks(server, 3, ["actor", "ref", "rollout"], store_host_rank=None)
-    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    world.dogs[2].pid = frozen.pid
-    world.dogs[2].progress.name = "weight_sync"
-    world.beat(2, 0, 1)
+    frozen = _stand_in_for_rank_2(world, "weight_sync")
     world.dogs[1]._detected(world.dogs[1].peers[2], "stopped responding", "no heartbeat for 4 s")
     frozen.kill()
     frozen.wait()

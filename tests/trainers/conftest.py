@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import fixture_threads, hpc_rlhf_cli
+from tests.distributed import hpc_rlhf_cli
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 # Strong enough at plain addition that the demonstrations' carry mistake is what holds it back (DESIGN §7):
@@ -28,6 +28,5 @@ def sft_base(tmp_path_factory) -> Path:
             pytest.fail(f"HPC_RLHF_TEST_SFT_BASE={folder} has no model.safetensors: give an SFT run's final/ folder")
         return folder
     root = tmp_path_factory.mktemp("sft_base")
-    hpc_rlhf_cli("sft", "--config", "examples/tiny/sft.yaml", f"output_dir={root}", *QUIET, *SFT_BASE,
-                 threads=fixture_threads())
+    hpc_rlhf_cli("sft", "--config", "examples/tiny/sft.yaml", f"output_dir={root}", *QUIET, *SFT_BASE, threads=2)
     return root / "final"

@@ -17,7 +17,7 @@ import torch
 from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.trainers.ppo import combine_scores
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.distributed import fixture_threads, hpc_rlhf_cli
+from tests.distributed import hpc_rlhf_cli
 from tests.trainers.conftest import QUIET
 
 # A reward model good enough for PPO to learn from: measured 0.972 held-out pairwise accuracy (0.81 at 200 steps,
@@ -40,7 +40,7 @@ def base(tmp_path_factory, sft_base) -> Path:
     (root / "sft").mkdir()
     (root / "sft" / "final").symlink_to(sft_base)
     hpc_rlhf("rm", "--config", "examples/tiny/rm.yaml", f"output_dir={root}/rm", f"model.path={root}/sft/final",
-             *QUIET, *RM_BASE, threads=fixture_threads())
+             *QUIET, *RM_BASE, threads=2)
     return root
 
 
