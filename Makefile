@@ -31,7 +31,7 @@ demo: venv
 	$(PY) -m hpc_rlhf demo
 
 test: venv
-	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25 tests
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q --durations=25 tests
 
 test-fast: venv
 	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q -m "not slow and not cluster" tests

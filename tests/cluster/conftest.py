@@ -206,10 +206,14 @@ class LostRankJob:
 
 
 LOST_RANK_PLACEMENT = "actor=1,critic=1,ref=1,reward=1,rollout=2"
-# (role, phase, kind): each role loses its (last) rank once, by kill -9, and the reward rank is frozen instead.
-# The actor's rank is rank 0, beside the store's process (hpc_rlhf.dist.store_host).
-LOST_RANK_CASES = (("critic", "training", "kill"), ("reward", "scoring", "freeze"), ("ref", "scoring", "kill"),
-                   ("rollout", "rollout", "kill"), ("actor", "weight_sync", "kill"))
+# (role, phase, step, kind): each role loses its (last) rank once, by kill -9, and the reward rank is frozen
+# instead. The actor's rank is rank 0, beside the store's process (hpc_rlhf.dist.store_host). Every fault comes
+# after the first collective of all ranks (the exchange of step 1), so that every rank has set up and can report
+# it: the rollout engines generate step 1 before that, while a slow rank may still be loading (seen on a busy
+# machine: it died of srun's SIGTERM without a word), so the rollout case is at step 2.
+LOST_RANK_CASES = (("critic", "training", 1, "kill"), ("reward", "scoring", 1, "freeze"),
+                   ("ref", "scoring", 1, "kill"), ("rollout", "rollout", 2, "kill"),
+                   ("actor", "weight_sync", 1, "kill"))
 # These jobs run beside the other jobs of the session on two cores: a healthy rank must never go this long
 # without a heartbeat, and a frozen one is found after it.
 LOST_RANK_HEARTBEAT_S = 20
@@ -234,16 +238,16 @@ def lost_rank_jobs(cluster: LocalCluster, tmp_path_factory) -> list[LostRankJob]
     model = REPO / TINY_ASSETS / "models" / "llama-tiny"
     plan = make_plan(LOST_RANK_PLACEMENT, 6, 3)
     jobs = []
-    for role, phase, kind in LOST_RANK_CASES:
+    for role, phase, step, kind in LOST_RANK_CASES:
         rank, name = plan.role(role).ranks[-1], f"{kind}_{role}"
-        fault = f"rank={rank},phase={phase},step=1,kind={kind}"
+        fault = f"rank={rank},phase={phase},step={step},kind={kind}"
         job_id = cluster.sbatch("--nodes=2", "--ntasks-per-node=3", "--time=15", f"--output={root}/{name}-%j.out",
                                 "sbatch/tiny_cpu.sbatch", *SMALL_PPO,
                                 env={"OUT": str(root / name), "ACTOR": str(model), "REWARD": str(model),
                                      "PLACEMENT": LOST_RANK_PLACEMENT, "HPC_RLHF_FAULT": fault,
                                      "HPC_RLHF_HEARTBEAT_TIMEOUT_S": str(LOST_RANK_HEARTBEAT_S)})
         job = Submitted(job_id, root / name / "ppo", Path(f"{root}/{name}-{job_id}.out"))
-        jobs.append(LostRankJob(job, rank, role, phase, 1, kind))
+        jobs.append(LostRankJob(job, rank, role, phase, step, kind))
     return jobs
 
 

@@ -23,7 +23,7 @@ assert LOST_RANK_HEARTBEAT_S < END_BOUND_S
 
 
 @pytest.mark.parametrize("index", range(len(LOST_RANK_CASES)),
-                         ids=[f"{kind}-{role}-{phase}" for role, phase, kind in LOST_RANK_CASES])
+                         ids=[f"{kind}-{role}-{phase}" for role, phase, _, kind in LOST_RANK_CASES])
 def test_a_lost_rank_ends_the_slurm_job_naming_its_rank_and_role(cluster, lost_rank_jobs, index):
     lost = lost_rank_jobs[index]
     kind = lost.kind
