@@ -78,11 +78,13 @@ def should_requeue(exit_code: int, restart_count: int, max_restarts: int) -> boo
 def run_rank(argv: Sequence[str]) -> int:
     """Run `hpc-rlhf ARGV...` as one rank of a Slurm step and return its exit code (75 after a preemption).
 
-    `srun --kill-on-bad-exit=1` answers the first rank that exits 75 by sending SIGTERM to the others. They
-    have written their checkpoint by then and are only exiting, but Python puts the default SIGTERM action
-    back while it shuts down, so a rank still tearing down torch would die by that signal; srun would then
-    report 143 instead of 75 and the batch script would not requeue. A preempted rank therefore ignores
-    SIGTERM from here on (Python leaves an ignored signal ignored at shutdown).
+    A preempted rank has written its checkpoint and is only exiting, but two signals can still reach it while
+    Python shuts down, when Python has put their default action (terminate) back: `srun --kill-on-bad-exit=1`
+    answers the first rank that exits 75 by sending SIGTERM to the others, and the stop signal itself (SIGUSR1)
+    can arrive late on one node: on a loaded machine one node's slurmd delivered it after the ranks had agreed
+    to stop on the word of the ranks that got it in time. A rank killed by either makes srun report 143 or 138
+    instead of 75, and the batch script would not requeue. A preempted rank therefore ignores both from here on
+    (Python leaves an ignored signal ignored at shutdown).
     """
     from hpc_rlhf import cli
 
@@ -91,7 +93,8 @@ def run_rank(argv: Sequence[str]) -> int:
     except SystemExit as exc:  # Preempted is a SystemExit(75); argparse exits with 2
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     if code == PREEMPTED_EXIT_CODE:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for late in (signal.SIGTERM, getattr(signal, f"SIG{STOP_SIGNAL}")):
+            signal.signal(late, signal.SIG_IGN)
     return code
 
 

@@ -7,6 +7,9 @@ import os
 import pickle
 import signal
 import stat
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -161,9 +164,10 @@ def test_should_requeue(code, restarts, limit, expected):
 # ------------------------------------------------------------------------------------------------- the task
 @pytest.fixture
 def restore_sigterm():
-    before = signal.getsignal(signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     yield
-    signal.signal(signal.SIGTERM, before)
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
 
 
 def preempted_mode(argv):
@@ -181,8 +185,42 @@ def test_preempted_rank0_requeues_and_ends_without_a_result(tmp_path, monkeypatc
         TrainingTask("sft", [])()
     assert exit_info.value.code == PREEMPTED_EXIT_CODE
     assert log.read_text().splitlines() == ["requeue 31"]
-    # srun's SIGTERM to the remaining ranks must not turn their exit code 75 into 143 while Python shuts down.
+    # srun's SIGTERM to the remaining ranks, or a stop signal delivered late, must not turn their exit code 75
+    # into 143 or 138 while Python shuts down.
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+
+
+# A rank that checkpointed for a stop request, then exits while SIGUSR1 and SIGTERM keep arriving (late stop
+# signals from a slow node, srun's SIGTERM after the first rank exited 75): it must still exit with 75.
+PREEMPTED_RANK = textwrap.dedent("""
+    import signal, sys, time
+    from hpc_rlhf import cli
+    from hpc_rlhf.launch import slurm
+    from hpc_rlhf.trainers.common import Preempted, StopSignal
+
+    stop = StopSignal()
+    def preempted(argv):
+        print("ready", flush=True)
+        while stop.received is None:
+            time.sleep(0.001)
+        raise Preempted(step=1)
+    cli.main = preempted
+    sys.exit(slurm.run_rank(["sft"]))
+""")
+
+
+@pytest.mark.parametrize("late", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_preempted_rank_exits_75_while_stop_signals_keep_arriving(late):
+    child = subprocess.Popen([sys.executable, "-c", PREEMPTED_RANK], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert child.stdout.readline().strip() == "ready"
+    while child.poll() is None:  # through the shutdown, when Python puts the default actions back
+        try:
+            os.kill(child.pid, late)
+        except ProcessLookupError:
+            break
+    assert child.wait(timeout=60) == PREEMPTED_EXIT_CODE
 
 
 def test_preempted_other_ranks_leave_the_requeue_to_rank0(tmp_path, monkeypatch, restore_sigterm):
