@@ -41,13 +41,11 @@ def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
 def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: int = 1,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m hpc_rlhf ARGS` as a user types it (the local launcher starts the ranks the placement needs)."""
+    # The thread count fixes the order of float sums, and the learning tests were measured with theirs (the PPO
+    # test's reward model: 0.97 held-out accuracy on 2 threads, 0.80 on 1). Threads spin while they wait
+    # (OpenMP's default): on a quiet machine that was measured 1.6x faster than OMP_WAIT_POLICY=PASSIVE (200 SFT
+    # base steps: 38 s against 60 s), though beside another busy process it is the slower one by far.
     threads_env = {"OMP_NUM_THREADS": str(threads)}
-    if threads > 1:
-        # Threads that sleep, not spin, while they wait for each other: beside another busy process a spinning
-        # two-thread run was measured 5x slower (the SFT base: 160 s quiet, over 900 s beside a second pytest
-        # worker). The count stays 2: it fixes the order of float sums, and the learning tests were measured
-        # with 2 (the PPO test's reward model: 0.97 held-out accuracy on 2 threads, 0.80 on 1).
-        threads_env["OMP_WAIT_POLICY"] = "PASSIVE"
     full_env = worker_env({**threads_env, **(env or {})})
     proc = subprocess.run([sys.executable, "-m", "hpc_rlhf", *args], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
