@@ -405,7 +405,6 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_wor
     torch and DeepSpeed read it. `timeout_s` bounds the rendezvous and every later collective.
     """
     global _CURRENT, _STORE, _STORE_HOST
-    import torch
     import torch.distributed as dist
 
     env = os.environ if env is None else env
@@ -427,6 +426,24 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_wor
         except store_host.StoreHostError as exc:
             raise _cannot_form(info, chosen, timeout_s, exc) from exc
         info = dataclasses.replace(info, master_port=_STORE_HOST.port)
+    try:
+        info, store = _join(info, chosen, timeout_s, port_from_env, env)
+    except BaseException:
+        # Whatever ended rank 0's setup before it had a store client (MPI, CUDA, the rendezvous): its store's
+        # process leaves now, so that the other ranks fail at once instead of waiting for a world that will not
+        # form. (A no-op when _join closed it already.)
+        _close_store_host(None)
+        raise
+    _CURRENT, _STORE = info, store
+    return info
+
+
+def _join(info: LaunchInfo, chosen: str, timeout_s: float, port_from_env: bool, env: Mapping[str, str]):
+    """The rest of init_distributed once rank 0's store process runs: MPI's answers, the CUDA device, the
+    rendezvous store, the world size check and the default process group. Returns (info, store)."""
+    import torch
+    import torch.distributed as dist
+
     if info.launcher == "mpi":
         info = _complete_with_mpi(info, port_from_env)
     pick_port = info.master_port is None  # a one-rank world (single, or torchrun with WORLD_SIZE=1)
@@ -452,7 +469,6 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_wor
         except (RuntimeError, ValueError, OSError) as exc:  # torch's DistError is a RuntimeError
             if attempt + 1 < attempts:
                 continue
-            _close_store_host(None)
             raise _cannot_form(info, chosen, timeout_s, exc) from exc
     try:
         if info.world_size > 1:
@@ -463,10 +479,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_wor
         except (RuntimeError, ValueError) as exc:
             raise _cannot_form(info, chosen, timeout_s, exc) from exc
     except BaseException:
-        _close_store_host(store)
+        _close_store_host(store)  # through the store: its process still serves the others' last words
         raise
-    _CURRENT, _STORE = info, store
-    return info
+    return info, store
 
 
 def _cannot_form(info: LaunchInfo, backend: str, timeout_s: float, exc: BaseException) -> BootstrapError:

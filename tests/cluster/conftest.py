@@ -30,6 +30,7 @@ from tests.distributed import REPO, worker_env
 
 SCRIPT = REPO / "scripts" / "local_slurm.sh"
 STEPS = 30  # long enough that the preemption signal lands mid-run, short enough for a minute-long job
+MPI_STEPS = 4  # the MPI jobs only have to start and train across their ranks: a few steps and the final eval
 JOB_TIMEOUT_S = 600
 # Printed by each rank before training: how our bootstrap sees the launch (no torch import).
 PROBE = ("from hpc_rlhf.dist.bootstrap import detect_launch; i = detect_launch(); "
@@ -278,7 +279,8 @@ def tiny_jobs(cluster: LocalCluster, tmp_path_factory, lost_rank_jobs) -> TinyJo
     record = Preemption()
     threading.Thread(target=_signal_when_running, args=(cluster, preempted, record), daemon=True).start()
     reference = tiny("reference")
-    train = "-m hpc_rlhf sft --config {config} output_dir={out} dist.nproc=2 dist.backend=gloo"
+    train = ("-m hpc_rlhf sft --config {config} output_dir={out} dist.nproc=2 dist.backend=gloo "
+             f"train.max_steps={MPI_STEPS}")
     # One node: mpirun starts both ranks itself, so they carry the batch step's SLURM_PROCID=0 and our
     # bootstrap must take rank, size and master address from MPI.
     mpirun = wrapped("mpirun", 1, 2, "mpirun -n 2 {py} -c {probe} && mpirun -n 2 {py} " + train)

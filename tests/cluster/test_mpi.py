@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.cluster.conftest import STEPS
+from tests.cluster.conftest import MPI_STEPS
 
 pytestmark = pytest.mark.cluster
 
@@ -21,7 +21,7 @@ def check_finished(cluster, job) -> str:
     log = job.log.read_text()
     assert record["JobState"] == "COMPLETED", f"{record}\n{log[-4000:]}"
     rows = job.metrics()
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)) and "eval_loss" in rows[-1]
+    assert [r["step"] for r in rows] == list(range(1, MPI_STEPS + 1)) and "eval_loss" in rows[-1]
     assert (job.output_dir / "final" / "model.safetensors").is_file()
     return log
 

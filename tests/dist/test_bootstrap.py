@@ -1,7 +1,9 @@
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -267,8 +269,6 @@ def test_port_in_use_names_address_and_port(clean_world):
 
 
 def test_unreachable_master_fails_within_the_timeout(clean_world):
-    import time
-
     port = free_port()  # nobody listens there
     env = dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     start = time.monotonic()
@@ -312,11 +312,40 @@ def test_mpi_launch_fills_master_and_layout_from_mpi(clean_world, monkeypatch):
     assert isinstance(info.master_port, int) and os.environ["MASTER_PORT"] == str(info.master_port)
 
 
-def test_mpi_launch_without_mpi4py_says_so(clean_world, monkeypatch):
+def _reaped_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return True
+        except ChildProcessError:  # reaped already
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_mpi_launch_without_mpi4py_says_so_and_rank_0_ends_its_store_process(clean_world, monkeypatch):
+    from hpc_rlhf.dist import store_host
+
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
+    started = []
+    real_start = store_host.start
+    monkeypatch.setattr(store_host, "start", lambda *args: started.append(real_start(*args)) or started[-1])
     env = dict(PMI_RANK="0", PMI_SIZE="2")
     with pytest.raises(BootstrapError, match="mpi4py is not installed"):
         init_distributed(env=env)
+    # Rank 0 forked its store's process before asking MPI; failing, it must not leave that process serving a
+    # world that will never form (the other ranks would wait for it until their timeout).
+    assert len(started) == 1
+    pid = started[0].pid
+    try:
+        assert _reaped_within(pid, 10), "rank 0's store process outlived its failed setup"
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
 
 
 def _join_by_hand(ranks: list[tuple[int, int]], timeout_s: float) -> list[subprocess.CompletedProcess]:
