@@ -93,9 +93,11 @@ def _run_on_this_rank(mode: str, cfg: Any, run_fn: Callable[[Any], Any], needed:
         if exc.code != PREEMPTED_EXIT_CODE:
             raise
         # Checkpoint written: leave with the requeue code. srun --kill-on-bad-exit SIGTERMs the other ranks
-        # as soon as one exits; a rank still tearing down must not die of it (srun would report 143, not 75).
+        # as soon as one exits, and a stop signal may reach this node late; a rank still tearing down must not
+        # die of either (srun would report 143 or 138, not 75). See launch.slurm.run_rank.
         watchdog.stop()
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for late in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(late, signal.SIG_IGN)
         return PREEMPTED_EXIT_CODE
     except run_input_errors() as exc:
         _record_failure(str(exc))

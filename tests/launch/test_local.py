@@ -167,6 +167,27 @@ def test_a_failing_run_prints_rank_error_and_traceback(monkeypatch, capsys):
     assert "Traceback" in err and err.rstrip().endswith("rank 0: RuntimeError: boom")
 
 
+def test_a_preempted_run_returns_75_and_ignores_late_stop_signals(monkeypatch):
+    from hpc_rlhf.trainers.common import Preempted
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def run(cfg):
+        raise Preempted(step=3)
+
+    try:
+        assert run_or_spawn("sft", FakeConfig(), run, []) == 75
+        # The checkpoint is written; Python puts default actions back while it shuts down, so a late SIGUSR1 or
+        # srun's SIGTERM would otherwise end the rank with 138 or 143 instead of 75.
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def test_a_config_error_during_the_run_is_one_line_and_code_2(monkeypatch, capsys):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
