@@ -4,11 +4,19 @@ Under torchrun, srun or mpirun the mode runs on the world the launcher made, aft
 many ranks as the configuration needs. Started by hand with no launcher, a mode that needs N > 1 ranks
 starts N copies of itself here with torchrun's variables (`spawn_local`), so `hpc-rlhf ppo --config ...`
 works on a laptop exactly as it does under Slurm.
+
+With a CPU-only torch the copies are forked from the launcher, which has already imported torch, transformers
+and the mode: a fresh interpreter per rank would import them again (about 4 CPU-seconds each, most of a short
+job's time when several ranks share a few cores). With a CUDA (or ROCm) build every rank is a fresh interpreter:
+a process must not fork once anything in it may have initialised the CUDA driver. HPC_RLHF_LOCAL_FORK=0 turns
+forking off.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -31,6 +39,7 @@ LOCAL_LAUNCH_FLAG = "HPC_RLHF_LOCAL_LAUNCH"
 # Where a locally launched rank records why and when it failed. A rank that fails makes its peers fail a moment
 # later in their next collective, and may even exit after them; the recorded times tell which came first.
 ERROR_FILE_VAR = "HPC_RLHF_ERROR_FILE"
+FORK_VAR = "HPC_RLHF_LOCAL_FORK"  # 0: start every local rank as a fresh interpreter, even with a CPU-only torch
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # Errors that describe bad input rather than a bug: shown as one line, exit code 2, no traceback.
 USER_ERRORS = (ConfigError, BootstrapError, ValueError)
@@ -71,9 +80,22 @@ def run_or_spawn(mode: str, cfg: Any, run_fn: Callable[[Any], Any], argv: list[s
             print(f"hpc-rlhf {mode}: started by the local launcher ({LOCAL_LAUNCH_FLAG} is set) but RANK and "
                   f"WORLD_SIZE are missing; refusing to start {needed} more ranks", file=sys.stderr)
             return 2
-        print(f"hpc-rlhf {mode}: no launcher found; starting {needed} ranks on this machine", file=sys.stderr)
-        return spawn_local(needed, child_command(mode, argv))
+        forked = can_fork_ranks()
+        print(f"hpc-rlhf {mode}: no launcher found; starting {needed} ranks on this machine"
+              f"{' (forked from this process)' if forked else ''}", file=sys.stderr)
+        target = functools.partial(_run_on_this_rank, mode, cfg, run_fn, needed) if forked else None
+        return spawn_local(needed, child_command(mode, argv), target=target)
     return _run_on_this_rank(mode, cfg, run_fn, needed)
+
+
+def can_fork_ranks() -> bool:
+    """Whether local ranks may be forked from this process: Linux, a torch without CUDA or ROCm, and not
+    turned off with HPC_RLHF_LOCAL_FORK=0 (see the module docstring)."""
+    if not sys.platform.startswith("linux") or os.environ.get(FORK_VAR, "1").strip() == "0":
+        return False
+    import torch
+
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
 
 
 def _run_on_this_rank(mode: str, cfg: Any, run_fn: Callable[[Any], Any], needed: int) -> int:
@@ -148,6 +170,73 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return hook
 
 
+class _ForkedRank:
+    """A rank forked from the launcher, with the part of subprocess.Popen's interface that spawn_local uses
+    (returncode: the exit code, or minus the number of the signal that ended it)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+def _fork_rank(env: Mapping[str, str], target: Callable[[], int], handlers: Mapping[int, Any],
+               die_with_launcher: Callable[[], None] | None) -> _ForkedRank:
+    """Fork a rank that runs `target()` with environment `env` and exits with its code; it never returns into
+    the launcher's code. `handlers`: the signal handlers this process had before the launcher's forwarding."""
+    launcher = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return _ForkedRank(pid)
+    code = 1
+    try:
+        os.setsid()  # as start_new_session: a terminal's Ctrl-C reaches the launcher only
+        if die_with_launcher is not None:
+            die_with_launcher()
+            if os.getppid() != launcher:  # it died before the hook was set
+                os._exit(1)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        os.environ.clear()
+        os.environ.update(env)
+        _use_thread_count(env)
+        atexit._clear()  # the launcher's exit handlers are not this rank's
+        try:
+            code = int(target())
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        atexit._run_exitfuncs()  # this rank's own (the watchdog's stop, ...), as at a normal exit
+    except BaseException:  # noqa: BLE001 - whatever happens, the fork must never return into the launcher
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code & 0xFF)
+
+
+def _use_thread_count(env: Mapping[str, str]) -> None:
+    """torch read OMP_NUM_THREADS when the launcher imported it; a forked rank takes its own value."""
+    threads = env.get("OMP_NUM_THREADS", "").strip()
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -157,7 +246,7 @@ def _describe_exit(code: int) -> str:
     return f"failed with exit code {code}"
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+def _kill_group(proc: Any, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # the child leads its own process group: this reaches its helpers too
     except (ProcessLookupError, PermissionError):
@@ -165,10 +254,12 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = None, *,
-                grace_s: float = 5.0, poll_s: float = 0.05) -> int:
+                target: Callable[[], int] | None = None, grace_s: float = 5.0, poll_s: float = 0.05) -> int:
     """Run `cmd` as ranks 0..nproc-1 of a local world (torchrun's variables) and wait for all of them.
 
-    `env` is the ranks' environment (default: this process's), to which the launch variables are added.
+    `env` is the ranks' environment (default: this process's), to which the launch variables are added. With
+    `target`, each rank is instead a fork of this process that runs `target()` in that environment and exits
+    with the code it returns.
 
     SIGINT, SIGTERM and SIGUSR1 sent to the launcher are passed to every rank. When a rank fails, the others
     get `grace_s` seconds to stop on their own (they usually notice the lost peer), then they are killed.
@@ -183,7 +274,7 @@ def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = 
     base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     port = free_port(LOOPBACK)
     pre_exec = _parent_death_signal()
-    procs: list[subprocess.Popen] = []
+    procs: list[Any] = []  # subprocess.Popen or _ForkedRank
 
     def forward(signum, _frame):
         for proc in procs:
@@ -202,6 +293,9 @@ def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = 
                                  LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
                                  MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
                                  **{LOCAL_LAUNCH_FLAG: "1", ERROR_FILE_VAR: str(error_files[rank])})
+                if target is not None:
+                    procs.append(_fork_rank(child_env, target, previous, pre_exec))
+                    continue
                 # A session of its own: a terminal's Ctrl-C reaches the launcher only, which forwards it once.
                 procs.append(subprocess.Popen(list(cmd), env=child_env, start_new_session=True,
                                               preexec_fn=pre_exec))

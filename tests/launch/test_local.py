@@ -1,3 +1,4 @@
+import functools
 import json
 import os
 import signal
@@ -6,6 +7,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from hpc_rlhf.config import ConfigError, DistSection
 from hpc_rlhf.launch import local
@@ -53,9 +56,21 @@ def read_json_files(folder: Path, pattern: str) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ spawn_local
-def test_spawned_ranks_see_their_own_torchrun_variables(tmp_path):
-    code = spawn_local(3, [sys.executable, THIS, "env", str(tmp_path)], env=env_for_children())
-    assert code == 0
+@pytest.fixture(params=["exec", "fork"])
+def start(request):
+    """spawn_local(N, CASE, FOLDER) as a fresh interpreter per rank ('exec') or as forks of this process that run
+    rank_case ('fork': what run_or_spawn does with a CPU-only torch)."""
+    def spawn(nproc: int, case: str, folder: Path, env=None, **kwargs) -> int:
+        target = functools.partial(rank_case, case, folder) if request.param == "fork" else None
+        return spawn_local(nproc, [sys.executable, THIS, case, str(folder)], env=env or env_for_children(),
+                           target=target, **kwargs)
+
+    spawn.forked = request.param == "fork"
+    return spawn
+
+
+def test_spawned_ranks_see_their_own_torchrun_variables(tmp_path, start):
+    assert start(3, "env", tmp_path) == 0
     seen = read_json_files(tmp_path, "rank*.json")
     assert [s["RANK"] for s in seen] == ["0", "1", "2"]
     assert [s["LOCAL_RANK"] for s in seen] == ["0", "1", "2"]
@@ -65,18 +80,22 @@ def test_spawned_ranks_see_their_own_torchrun_variables(tmp_path):
     assert {s["OMP_NUM_THREADS"] for s in seen} == {"1"}  # set because the parent environment had none
     assert {s["HPC_RLHF_LOCAL_LAUNCH"] for s in seen} == {"1"}
     assert [s["detected"] for s in seen] == [["torchrun", r, 3] for r in range(3)]
+    if start.forked:  # torch was imported before the fork: the rank's own thread count is applied
+        assert {s["torch_threads"] for s in seen} == {1}
 
 
-def test_an_explicit_thread_count_is_kept(tmp_path):
-    cmd = [sys.executable, THIS, "env", str(tmp_path)]
-    assert spawn_local(1, cmd, env=env_for_children(OMP_NUM_THREADS="3")) == 0
-    assert read_json_files(tmp_path, "rank*.json")[0]["OMP_NUM_THREADS"] == "3"
+def test_an_explicit_thread_count_is_kept(tmp_path, start):
+    assert start(1, "env", tmp_path, env=env_for_children(OMP_NUM_THREADS="3")) == 0
+    seen = read_json_files(tmp_path, "rank*.json")[0]
+    assert seen["OMP_NUM_THREADS"] == "3"
+    if start.forked:
+        assert seen["torch_threads"] == 3
 
 
-def test_a_failing_rank_stops_the_job_and_is_named(tmp_path, capfd):
-    start = time.monotonic()
-    code = spawn_local(3, [sys.executable, THIS, "fail", str(tmp_path)], env=env_for_children(), grace_s=1.0)
-    elapsed = time.monotonic() - start
+def test_a_failing_rank_stops_the_job_and_is_named(tmp_path, capfd, start):
+    began = time.monotonic()
+    code = start(3, "fail", tmp_path, grace_s=1.0)
+    elapsed = time.monotonic() - began
     assert code == 3
     err = capfd.readouterr().err
     assert "hpc-rlhf: rank 1 of 3 failed with exit code 3" in err
@@ -87,23 +106,46 @@ def test_a_failing_rank_stops_the_job_and_is_named(tmp_path, capfd):
     assert not any(alive(pid) for pid in pids)
 
 
-def test_a_rank_killed_by_a_signal_is_reported_as_such(tmp_path, capfd):
-    code = spawn_local(2, [sys.executable, THIS, "segv", str(tmp_path)], env=env_for_children(), grace_s=1.0)
-    assert code == 128 + signal.SIGSEGV
+def test_a_rank_killed_by_a_signal_is_reported_as_such(tmp_path, capfd, start):
+    assert start(2, "segv", tmp_path, grace_s=1.0) == 128 + signal.SIGSEGV
     assert "rank 0 of 2 was killed by signal SIGSEGV" in capfd.readouterr().err
 
 
-def test_the_earliest_recorded_failure_is_named_not_the_first_exit(capfd):
+def test_the_earliest_recorded_failure_is_named_not_the_first_exit(tmp_path, capfd, start):
     # Rank 1 fails first but takes a while to exit; rank 0 then fails because of it and exits at once.
-    code = spawn_local(2, [sys.executable, THIS, "slow-exit", "-"], env=env_for_children(), grace_s=10.0)
-    assert code == 5
+    assert start(2, "slow-exit", tmp_path, grace_s=10.0) == 5
     assert "hpc-rlhf: rank 1 of 2 failed with exit code 5 (first rank to fail): RuntimeError: lost the data" \
         in capfd.readouterr().err
 
 
-def start_trapping_launcher(folder: Path) -> tuple[subprocess.Popen, list[int]]:
-    """A launcher (in its own process) of 2 ranks that wait for SIGUSR1; returns it and the ranks' pids."""
-    launcher = subprocess.Popen([sys.executable, THIS, "launcher-trap", str(folder)], env=env_for_children())
+def test_a_forked_rank_runs_its_own_exit_handlers_not_the_launchers(tmp_path):
+    import atexit
+
+    def launcher_handler():
+        (tmp_path / f"launcher-handler-ran-in-{os.getpid()}").write_text("!")
+
+    def rank_with_handler() -> int:
+        atexit.register(lambda: (tmp_path / f"rank{os.environ['RANK']}-handler").write_text("ran"))
+        return 0
+
+    atexit.register(launcher_handler)
+    try:
+        assert spawn_local(2, ["unused"], env=env_for_children(), target=rank_with_handler) == 0
+    finally:
+        atexit.unregister(launcher_handler)  # nor at the end of this pytest process
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0-handler", "rank1-handler"]
+
+
+@pytest.fixture(params=["exec", "fork"])
+def trapping_launcher(request, tmp_path):
+    """A launcher (in its own process) of 2 ranks, started either way, that wait for SIGUSR1; returns it and
+    the ranks' pids."""
+    case = "launcher-trap-fork" if request.param == "fork" else "launcher-trap"
+    return start_trapping_launcher(tmp_path, case)
+
+
+def start_trapping_launcher(folder: Path, case: str) -> tuple[subprocess.Popen, list[int]]:
+    launcher = subprocess.Popen([sys.executable, THIS, case, str(folder)], env=env_for_children())
     deadline = time.monotonic() + 60
     while len(list(folder.glob("ready*"))) < 2:
         assert time.monotonic() < deadline, "ranks did not start"
@@ -112,8 +154,8 @@ def start_trapping_launcher(folder: Path) -> tuple[subprocess.Popen, list[int]]:
     return launcher, [int(p.read_text()) for p in folder.glob("ready*")]
 
 
-def test_signals_to_the_launcher_reach_every_rank(tmp_path):
-    launcher, _ = start_trapping_launcher(tmp_path)
+def test_signals_to_the_launcher_reach_every_rank(tmp_path, trapping_launcher):
+    launcher, _ = trapping_launcher
     try:
         launcher.send_signal(signal.SIGUSR1)
         assert launcher.wait(timeout=30) == 0
@@ -124,8 +166,8 @@ def test_signals_to_the_launcher_reach_every_rank(tmp_path):
     assert got == ["rank 0 got SIGUSR1", "rank 1 got SIGUSR1"]
 
 
-def test_ranks_die_with_a_killed_launcher(tmp_path):
-    launcher, pids = start_trapping_launcher(tmp_path)
+def test_ranks_die_with_a_killed_launcher(tmp_path, trapping_launcher):
+    launcher, pids = trapping_launcher
     launcher.kill()  # SIGKILL: the launcher cannot clean up, the kernel must
     launcher.wait(timeout=30)
     deadline = time.monotonic() + 10
@@ -217,17 +259,25 @@ def test_several_ranks_without_launcher_respawn_this_program(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID", "HPC_RLHF_LOCAL_LAUNCH"):
         monkeypatch.delenv(key, raising=False)
     calls = []
-    monkeypatch.setattr(local, "spawn_local", lambda nproc, cmd, env=None: calls.append((nproc, cmd)) or 0)
+    monkeypatch.setenv(local.FORK_VAR, "0")
+    monkeypatch.setattr(local, "spawn_local",
+                        lambda nproc, cmd, env=None, target=None: calls.append((nproc, cmd, target)) or 0)
     argv = ["--config", "examples/tiny/ppo.yaml", "train.lr=1e-4"]
     assert run_or_spawn("ppo", PlacedConfig(ranks=3), lambda cfg: None, argv) == 0
-    assert calls == [(3, [sys.executable, "-m", "hpc_rlhf", "ppo", *argv])]
+    assert calls == [(3, [sys.executable, "-m", "hpc_rlhf", "ppo", *argv], None)]
+    # Allowed to fork (a CPU-only torch): the same command, and the ranks run this rank's part of the mode.
+    monkeypatch.setattr(local, "can_fork_ranks", lambda: True)
+    assert run_or_spawn("ppo", PlacedConfig(ranks=3), lambda cfg: None, argv) == 0
+    target = calls[-1][2]
+    assert calls[-1][:2] == calls[0][:2] and target.func is local._run_on_this_rank
+    assert target.args[0] == "ppo" and target.args[3] == 3
 
 
 def test_nproc_decides_when_there_is_no_placement(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID", "HPC_RLHF_LOCAL_LAUNCH"):
         monkeypatch.delenv(key, raising=False)
     calls = []
-    monkeypatch.setattr(local, "spawn_local", lambda nproc, cmd, env=None: calls.append(nproc) or 0)
+    monkeypatch.setattr(local, "spawn_local", lambda nproc, cmd, env=None, target=None: calls.append(nproc) or 0)
     cfg = FakeConfig()
     cfg.dist.nproc = 4
     assert run_or_spawn("dpo", cfg, lambda cfg: None, []) == 0
@@ -248,6 +298,7 @@ def test_local_world_end_to_end(monkeypatch, tmp_path, capfd):
     for key in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID", "HPC_RLHF_LOCAL_LAUNCH"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("PYTHONPATH", env_for_children()["PYTHONPATH"])
+    monkeypatch.setenv(local.FORK_VAR, "0")  # fresh interpreters; forked ranks: the next test
     monkeypatch.setattr(local, "child_command",
                         lambda mode, argv: [sys.executable, THIS, "mode-child", str(tmp_path), *argv])
     cfg = FakeConfig()
@@ -262,6 +313,30 @@ def test_local_world_end_to_end(monkeypatch, tmp_path, capfd):
     assert results == [{"rank": 0, "world": 2, "sum": 3.0}, {"rank": 1, "world": 2, "sum": 3.0}]
 
 
+def test_local_world_end_to_end_with_forked_ranks(tmp_path):
+    """The same from a process of its own (as `hpc-rlhf MODE` runs): with a CPU-only torch the launcher forks
+    the ranks, which join the world and all-reduce, or fail and are named."""
+    import torch
+
+    if not local.can_fork_ranks():
+        pytest.skip(f"this torch ({torch.__version__}) has CUDA or ROCm: local ranks are fresh interpreters")
+
+    def launch(fail_rank: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, THIS, "mode-child", str(tmp_path), f"fail-rank={fail_rank}"],
+                              env=env_for_children(), capture_output=True, text=True, timeout=120)
+
+    failed = launch("1")
+    assert failed.returncode == 1, failed.stderr
+    assert "starting 2 ranks on this machine (forked from this process)" in failed.stderr
+    assert "rank 1: RuntimeError: rank 1 was told to fail" in failed.stderr
+    assert "hpc-rlhf: rank 1 of 2 failed with exit code 1" in failed.stderr
+
+    done = launch("none")
+    assert done.returncode == 0, done.stderr
+    results = read_json_files(tmp_path, "result*.json")
+    assert results == [{"rank": 0, "world": 2, "sum": 3.0}, {"rank": 1, "world": 2, "sum": 3.0}]
+
+
 def wait_for(condition, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -270,8 +345,8 @@ def wait_for(condition, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-if __name__ == "__main__":
-    case, folder = sys.argv[1], Path(sys.argv[2])
+def rank_case(case: str, folder: Path) -> int:
+    """One rank's part of a test (started as `python THIS CASE FOLDER ...`, or forked with `target=`)."""
     rank = int(os.environ.get("RANK", "0"))
     if case == "env":
         from hpc_rlhf.dist.bootstrap import detect_launch
@@ -281,6 +356,7 @@ if __name__ == "__main__":
                 "OMP_NUM_THREADS", "HPC_RLHF_LOCAL_LAUNCH")
         seen = {k: os.environ.get(k) for k in keys}
         seen["detected"] = [info.launcher, info.rank, info.world_size]
+        seen["torch_threads"] = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
         (folder / f"rank{rank}.json").write_text(json.dumps(seen))
     elif case == "fail":
         if rank == 1:
@@ -301,8 +377,9 @@ if __name__ == "__main__":
         # Rank 0 exits as soon as rank 1 has recorded its failure, so it is the first to exit.
         wait_for(Path(os.environ[local.ERROR_FILE_VAR]).with_name("rank1.json").exists)
         sys.exit(7)
-    elif case == "launcher-trap":
-        sys.exit(spawn_local(2, [sys.executable, THIS, "trap", str(folder)], grace_s=1.0))
+    elif case in ("launcher-trap", "launcher-trap-fork"):
+        target = functools.partial(rank_case, "trap", folder) if case.endswith("fork") else None
+        sys.exit(spawn_local(2, [sys.executable, THIS, "trap", str(folder)], grace_s=1.0, target=target))
     elif case == "trap":
         def on_signal(signum, _frame):
             (folder / f"got{rank}").write_text(f"rank {rank} got {signal.Signals(signum).name}")
@@ -331,4 +408,9 @@ if __name__ == "__main__":
         cfg = FakeConfig()
         cfg.dist.nproc = 2
         cfg.dist.timeout_s = 60
-        sys.exit(run_or_spawn("fake", cfg, run, sys.argv[3:]))
+        return run_or_spawn("fake", cfg, run, sys.argv[3:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(rank_case(sys.argv[1], Path(sys.argv[2])))
