@@ -83,9 +83,22 @@ def run_or_spawn(mode: str, cfg: Any, run_fn: Callable[[Any], Any], argv: list[s
         forked = can_fork_ranks()
         print(f"hpc-rlhf {mode}: no launcher found; starting {needed} ranks on this machine"
               f"{' (forked from this process)' if forked else ''}", file=sys.stderr)
-        target = functools.partial(_run_on_this_rank, mode, cfg, run_fn, needed) if forked else None
+        target = None
+        if forked:
+            _import_what_ranks_use()
+            target = functools.partial(_run_on_this_rank, mode, cfg, run_fn, needed)
         return spawn_local(needed, child_command(mode, argv), target=target)
     return _run_on_this_rank(mode, cfg, run_fn, needed)
+
+
+def _import_what_ranks_use() -> None:
+    """Imported once here, shared by every forked rank: the model classes every rank loads and deepspeed (which
+    each training rank would otherwise import for itself, ~2 CPU-seconds each)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer  # noqa: F401
+
+    from hpc_rlhf.engines.deepspeed_compat import import_deepspeed
+
+    import_deepspeed()
 
 
 def can_fork_ranks() -> bool:
