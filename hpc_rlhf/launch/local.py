@@ -229,9 +229,14 @@ def _fork_rank(env: Mapping[str, str], target: Callable[[], int], handlers: Mapp
         atexit._clear()  # the launcher's exit handlers are not this rank's
         try:
             code = int(target())
-        except SystemExit as exc:
+        except SystemExit as exc:  # as an interpreter ends on sys.exit(...)
+            if exc.code is not None and not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        atexit._run_exitfuncs()  # this rank's own (the watchdog's stop, ...), as at a normal exit
+        except BaseException:  # noqa: BLE001 - KeyboardInterrupt and the like: as an interpreter ends on them
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()  # this rank's own (the watchdog's stop, ...), as at any interpreter's end
     except BaseException:  # noqa: BLE001 - whatever happens, the fork must never return into the launcher
         traceback.print_exc()
         code = 1
