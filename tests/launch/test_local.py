@@ -118,6 +118,25 @@ def test_the_earliest_recorded_failure_is_named_not_the_first_exit(tmp_path, cap
         in capfd.readouterr().err
 
 
+def test_ranks_are_forked_only_from_a_torch_without_cuda_and_unless_turned_off(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv(local.FORK_VAR, raising=False)
+    assert local.can_fork_ranks() is sys.platform.startswith("linux")
+    monkeypatch.setenv(local.FORK_VAR, "0")
+    assert local.can_fork_ranks() is False
+    monkeypatch.delenv(local.FORK_VAR)
+    # Something may have started the CUDA driver in the launcher (torch.cuda.is_available() does): a fork would
+    # inherit it half-made, so a CUDA or ROCm build starts fresh interpreters.
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    assert local.can_fork_ranks() is False
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert local.can_fork_ranks() is False
+
+
 def test_a_forked_rank_runs_its_own_exit_handlers_not_the_launchers(tmp_path):
     import atexit
 
