@@ -93,12 +93,16 @@ def run_or_spawn(mode: str, cfg: Any, run_fn: Callable[[Any], Any], argv: list[s
 
 def _import_what_ranks_use() -> None:
     """Imported once here, shared by every forked rank: the model classes every rank loads and deepspeed (which
-    each training rank would otherwise import for itself, ~2 CPU-seconds each)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer  # noqa: F401
+    each training rank would otherwise import for itself, ~2 CPU-seconds each). Only a saving: what fails to
+    import here fails again, with the rank's own message, where a rank needs it."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer  # noqa: F401
 
-    from hpc_rlhf.engines.deepspeed_compat import import_deepspeed
+        from hpc_rlhf.engines.deepspeed_compat import import_deepspeed
 
-    import_deepspeed()
+        import_deepspeed()
+    except ImportError:
+        pass
 
 
 def can_fork_ranks() -> bool:
