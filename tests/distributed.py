@@ -45,8 +45,7 @@ def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: 
     # test's reward model: 0.97 held-out accuracy on 2 threads, 0.80 on 1). Threads spin while they wait
     # (OpenMP's default): on a quiet machine that was measured 1.6x faster than OMP_WAIT_POLICY=PASSIVE (200 SFT
     # base steps: 38 s against 60 s), though beside another busy process it is the slower one by far.
-    threads_env = {"OMP_NUM_THREADS": str(threads)}
-    full_env = worker_env({**threads_env, **(env or {})})
+    full_env = worker_env({"OMP_NUM_THREADS": str(threads), **(env or {})})
     proc = subprocess.run([sys.executable, "-m", "hpc_rlhf", *args], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

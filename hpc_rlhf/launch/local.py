@@ -80,7 +80,11 @@ def run_or_spawn(mode: str, cfg: Any, run_fn: Callable[[Any], Any], argv: list[s
             print(f"hpc-rlhf {mode}: started by the local launcher ({LOCAL_LAUNCH_FLAG} is set) but RANK and "
                   f"WORLD_SIZE are missing; refusing to start {needed} more ranks", file=sys.stderr)
             return 2
-        forked = can_fork_ranks()
+        try:
+            forked = can_fork_ranks()
+        except ConfigError as exc:
+            print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
+            return 2
         print(f"hpc-rlhf {mode}: no launcher found; starting {needed} ranks on this machine"
               f"{' (forked from this process)' if forked else ''}", file=sys.stderr)
         target = None
@@ -108,7 +112,11 @@ def _import_what_ranks_use() -> None:
 def can_fork_ranks() -> bool:
     """Whether local ranks may be forked from this process: Linux, a torch without CUDA or ROCm, and not
     turned off with HPC_RLHF_LOCAL_FORK=0 (see the module docstring)."""
-    if not sys.platform.startswith("linux") or os.environ.get(FORK_VAR, "1").strip() == "0":
+    wanted = os.environ.get(FORK_VAR, "1").strip().lower()
+    if wanted not in ("1", "0", "true", "false", "yes", "no", "on", "off", ""):
+        raise ConfigError(f"{FORK_VAR}={os.environ[FORK_VAR]!r}: give 0 (ranks as fresh interpreters) or 1 (fork "
+                          f"them where torch has no CUDA)")
+    if not sys.platform.startswith("linux") or wanted in ("0", "false", "no", "off"):
         return False
     import torch
 

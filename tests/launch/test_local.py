@@ -127,6 +127,8 @@ def test_ranks_are_forked_only_from_a_torch_without_cuda_and_unless_turned_off(m
     assert local.can_fork_ranks() is sys.platform.startswith("linux")
     monkeypatch.setenv(local.FORK_VAR, "0")
     assert local.can_fork_ranks() is False
+    monkeypatch.setenv(local.FORK_VAR, "off")
+    assert local.can_fork_ranks() is False
     monkeypatch.delenv(local.FORK_VAR)
     # Something may have started the CUDA driver in the launcher (torch.cuda.is_available() does): a fork would
     # inherit it half-made, so a CUDA or ROCm build starts fresh interpreters.
@@ -135,6 +137,15 @@ def test_ranks_are_forked_only_from_a_torch_without_cuda_and_unless_turned_off(m
     monkeypatch.setattr(torch.version, "cuda", None)
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert local.can_fork_ranks() is False
+
+
+def test_a_fork_setting_that_means_nothing_is_named_before_any_rank_starts(monkeypatch, capsys):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_STEP_ID", "HPC_RLHF_LOCAL_LAUNCH"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv(local.FORK_VAR, "maybe")
+    monkeypatch.setattr(local, "spawn_local", lambda *a, **k: (_ for _ in ()).throw(AssertionError("spawned")))
+    assert run_or_spawn("ppo", PlacedConfig(ranks=2), lambda cfg: None, []) == 2
+    assert "HPC_RLHF_LOCAL_FORK='maybe': give 0" in capsys.readouterr().err
 
 
 def test_a_forked_rank_runs_its_own_exit_handlers_not_the_launchers(tmp_path):
