@@ -19,7 +19,7 @@ SFT_BASE = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_s
 
 @pytest.fixture(scope="session")
 def sft_base(tmp_path_factory) -> Path:
-    """A final/ folder: SFT on the imperfect demonstrations (examples/tiny/sft.yaml), ~3 minutes on 2 threads.
+    """A final/ folder: SFT on the imperfect demonstrations (examples/tiny/sft.yaml), ~2 minutes on 2 threads.
 
     HPC_RLHF_TEST_SFT_BASE=FOLDER reuses a folder made with these settings (for iterating on one test file)."""
     if os.environ.get("HPC_RLHF_TEST_SFT_BASE"):

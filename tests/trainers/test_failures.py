@@ -30,7 +30,7 @@ from hpc_rlhf.utils.faults import FAULT_ENV
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import REPO, worker_env
 
-HEARTBEAT_TIMEOUT_S = 8  # the suite runs on two workers: a busy machine must not look like a frozen rank
+HEARTBEAT_TIMEOUT_S = 8  # 6 ranks on 2 cores: a busy rank must not look like a frozen one
 # How soon after the injected failure the whole job must have ended: the heartbeat timeout (a frozen rank is
 # found only by its silence) plus time to notice, report and exit on two busy cores. It is below the 30 s that
 # torchrun waits for a rank to obey its SIGTERM, which a frozen rank never does: a job that stays until
