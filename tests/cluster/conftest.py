@@ -32,9 +32,11 @@ SCRIPT = REPO / "scripts" / "local_slurm.sh"
 STEPS = 30  # long enough that the preemption signal lands mid-run, short enough for a minute-long job
 MPI_STEPS = 4  # the MPI jobs only have to start and train across their ranks: a few steps and the final eval
 JOB_TIMEOUT_S = 600
-# Printed by each rank before training: how our bootstrap sees the launch (no torch import).
-PROBE = ("from hpc_rlhf.dist.bootstrap import detect_launch; i = detect_launch(); "
-         "print('PROBE', i.launcher, i.rank, i.world_size, flush=True)")
+# Printed by each rank before training: how our bootstrap sees the launch (no torch import). One write(2) of the
+# whole line: print() under PYTHONUNBUFFERED writes word by word, and two ranks' words once interleaved in the
+# output mpirun gathers ("PROBEPROBE mpi 0 2 / mpi 1 2").
+PROBE = ("import os; from hpc_rlhf.dist.bootstrap import detect_launch; i = detect_launch(); "
+         "os.write(1, f'PROBE {i.launcher} {i.rank} {i.world_size}\\n'.encode())")
 
 
 def _script(*args: str, timeout: float) -> subprocess.CompletedProcess:
