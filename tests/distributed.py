@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hpc_rlhf.utils.cpu_kernels import pin_cpu_kernels
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,7 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
                 "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"):
         env.pop(key, None)
     env.update(extra or {})
+    pin_cpu_kernels(env)  # worker scripts may import torch before hpc_rlhf
     return env
 
 
