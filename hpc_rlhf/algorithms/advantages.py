@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from hpc_rlhf.algorithms.kl import kl_penalized_rewards
 from hpc_rlhf.algorithms.logprobs import _check_shapes, masked_whiten
+
+ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -113,28 +116,36 @@ def rloo_advantages(rewards: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-                            eps: float = 1e-8) -> torch.Tensor:
+                            eps: float = 1e-8, whiten: bool = True) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
     Models"): the discounted return of the per-token rewards (usually `kl_penalized_rewards`),
     G_t = sum_{k >= t} gamma^(k - t) r_k, whitened over all response tokens of the whole batch (not per prompt):
-    A_t = (G_t - mean) / std. (batch, seq) -> (batch, seq), 0 where masked.
+    A_t = (G_t - mean) / std. (batch, seq) -> (batch, seq), 0 where masked. whiten=False returns G_t as it is.
     """
-    return masked_whiten(discounted_returns(token_rewards, mask, gamma), mask, eps=eps)
+    returns = discounted_returns(token_rewards, mask, gamma)
+    return masked_whiten(returns, mask, eps=eps) if whiten else returns
 
 
-def reinforce_pp_baseline_advantages(rewards: torch.Tensor, n: int, mask: torch.Tensor,
-                                     eps: float = 1e-8) -> torch.Tensor:
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, n: int, mask: torch.Tensor, eps: float = 1e-8,
+                                     kl: torch.Tensor | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
+                                     whiten: bool = True) -> torch.Tensor:
     """REINFORCE++-baseline (same paper): subtract each prompt's group mean from the sequence rewards, give the
     result to every response token, then whiten over all response tokens of the batch.
 
     rewards (num_prompts * n,) or (num_prompts, n) in sample order; mask (num_prompts * n, seq).
-    Returns (num_prompts * n, seq). For a KL penalty in the reward instead of in the loss, compose:
-    reinforce_pp_advantages(kl_penalized_rewards(dr_grpo_advantages(r, n).flatten(), kl, mask, beta), mask).
+    Returns (num_prompts * n, seq). With a per-token `kl` and kl_coef > 0, the KL penalty enters the token
+    rewards after the group mean is taken (the centred score at the last token, -kl_coef * kl_t at every token)
+    and the tokens get the discounted return of those rewards. whiten=False leaves out the final whitening.
     """
     centred = dr_grpo_advantages(rewards, n).reshape(-1)
     if mask.dim() != 2 or mask.shape[0] != centred.shape[0]:
         raise ValueError(f"mask must be ({centred.shape[0]}, seq), one row per sample, got {tuple(mask.shape)}")
-    return masked_whiten(broadcast_to_tokens(centred, mask), mask, eps=eps)
+    if kl is None or kl_coef == 0:
+        if gamma == 1.0:
+            tokens = broadcast_to_tokens(centred, mask)
+            return masked_whiten(tokens, mask, eps=eps) if whiten else tokens
+        kl, kl_coef = torch.zeros_like(mask, dtype=centred.dtype), 0.0
+    return reinforce_pp_advantages(kl_penalized_rewards(centred, kl, mask, kl_coef), mask, gamma, eps, whiten)
 
 
 def normalize_rewards(rewards: torch.Tensor, mask: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
@@ -151,3 +162,51 @@ def clip_rewards(rewards: torch.Tensor, clip: float) -> torch.Tensor:
     if clip <= 0:
         raise ValueError(f"clip must be > 0, got {clip}")
     return rewards.clamp(-clip, clip)
+
+
+def rl_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, *, estimator: str, n: int,
+                  kl_coef: float = 0.0, kl_in_reward: bool = True, gamma: float = 1.0, lam: float = 0.95,
+                  values: torch.Tensor | None = None, whiten: bool = True, normalize_scores: bool = False,
+                  score_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The advantages of one RL step, from sequence scores and per-token KL: every option of the RL recipe in one
+    pure function.
+
+    scores (batch,) one per sample, prompt-major (n samples of a prompt side by side); kl (batch, seq) the
+    per-token KL estimate to the reference (zeros without one); mask (batch, seq) the response tokens; values
+    (batch, seq) the critic's, for "gae". Order of operations:
+      1. normalize_scores: whiten the scores over the batch; score_clip > 0: clamp them to [-clip, clip];
+      2. the KL penalty enters the reward when kl_in_reward (and kl_coef > 0), before any baseline:
+         gae, reinforce_pp(_baseline): -kl_coef * kl_t at every token, the score at the last one;
+         grpo, dr_grpo, rloo: the sequence reward is score - kl_coef * sum_t kl_t, then the group baseline;
+      3. the estimator; `whiten` whitens the token advantages over the batch for gae and the reinforce_pp
+         estimators (the group estimators are normalised per group by their definition).
+    Returns (advantages (batch, seq), 0 where masked; returns for the critic, or None without one).
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+    _check_shapes(kl=kl, mask=mask)
+    scores = _float(scores)
+    if normalize_scores:
+        scores = normalize_rewards(scores)
+    if score_clip > 0:
+        scores = clip_rewards(scores, score_clip)
+    penalty = kl_coef if kl_in_reward else 0.0
+    kl = _float(kl).masked_fill(mask == 0, 0)
+    returns = None
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("estimator 'gae' needs the critic's values")
+        advantages, returns = gae(kl_penalized_rewards(scores, kl, mask, penalty), values, mask, gamma, lam)
+        if whiten:
+            advantages = masked_whiten(advantages, mask)
+    elif estimator == "reinforce_pp":
+        advantages = reinforce_pp_advantages(kl_penalized_rewards(scores, kl, mask, penalty), mask, gamma,
+                                             whiten=whiten)
+    elif estimator == "reinforce_pp_baseline":
+        advantages = reinforce_pp_baseline_advantages(scores, n, mask, kl=kl, kl_coef=penalty, gamma=gamma,
+                                                      whiten=whiten)
+    else:
+        sequence_rewards = scores - penalty * kl.sum(-1)
+        group = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}[estimator]
+        advantages = broadcast_to_tokens(group(sequence_rewards, n).reshape(-1), mask)
+    return advantages.masked_fill(mask == 0, 0), returns

@@ -8,6 +8,11 @@ pi_ref / pi, hence the signs here):
     k2 = (log r)^2 / 2                  biased but low variance, never negative; its gradient is that of KL
                                         to first order, which is why it is a good in-loss penalty
     k3 = exp(-log r) - 1 + log r        unbiased and never negative (Bregman divergence of log at r)
+
+As a loss term (tokens sampled from pi_old = pi, gradient through log pi only), the three differ in what they
+optimise: grad E[k1] = E[grad log pi] = 0, so k1 in the loss adds noise and no pull towards the reference; grad
+E[k2] = E[log r grad log pi] = grad KL(pi || pi_ref); grad E[k3] = E[(1 - pi_ref/pi) grad log pi]
+= grad KL(pi_ref || pi). k1 is the estimator for a penalty inside the reward, where only its value counts.
 """
 
 from __future__ import annotations
@@ -17,15 +22,18 @@ import torch
 from hpc_rlhf.algorithms.logprobs import _check_shapes
 
 KL_KINDS = ("k1", "k2", "k3")
+# |log r| beyond this is clamped by default: exp(100) in k3 overflows fp32 (inf), and a per-token KL that large
+# says only that the two models disagree completely on that token.
+LOG_RATIO_CLIP = 20.0
 
 
 def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, kind: str = "k1",
-                log_ratio_clip: float | None = None) -> torch.Tensor:
+                log_ratio_clip: float | None = LOG_RATIO_CLIP) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the log-probs of tokens sampled from pi.
 
     `kind` is one of k1, k2, k3 (see the module docstring). `log_ratio_clip` clamps log r to [-c, c] first:
     k3 contains exp(-log r), which overflows where the two models disagree badly on a rare token
-    (a common choice is 10; None leaves it alone). Elementwise: any shape, same for both inputs.
+    (default LOG_RATIO_CLIP = 20; None leaves it alone). Elementwise: any shape, same for both inputs.
     """
     _check_shapes(logps=logps, ref_logps=ref_logps)
     # bf16 log-probs differ in the third digit, which is the size of a typical per-token KL: subtract in fp32.

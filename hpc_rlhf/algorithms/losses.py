@@ -15,6 +15,9 @@ from hpc_rlhf.algorithms.kl import kl_estimate
 from hpc_rlhf.algorithms.logprobs import _check_shapes, masked_mean, masked_sum, token_logprobs
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
+# |log pi/pi_old| beyond this is clamped in the policy loss: exp(20) = 4.9e8 is finite in fp32 and bf16, and any
+# ratio that far from 1 is clipped away anyway.
+LOG_RATIO_LIMIT = 20.0
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
@@ -129,7 +132,8 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, labels_desirab
 
 
 # ----------------------------------------------------------------------------------------------------- PPO
-def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token-mean") -> torch.Tensor:
+def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token-mean",
+                   normalizer: float | None = None) -> torch.Tensor:
     """Reduce a per-token loss (batch, seq) to a scalar.
 
     token-mean           sum over all response tokens / their number: every token weighs the same
@@ -139,8 +143,14 @@ def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: str =
     seq-mean-token-mean  per-sequence mean, averaged over sequences (the original GRPO): every answer weighs the
                          same, so each token of a short answer weighs more.
     Sequences without any response token are left out of the sequence means.
+
+    `normalizer` replaces the count this batch would divide by (its tokens for token-mean, its sequences with a
+    response otherwise) with the count of the whole optimizer step: a micro-batch then contributes its sum /
+    that count, so the micro-batches of one step add up to the true mean over the step, whatever their lengths.
     """
     if loss_agg == "token-mean":
+        if normalizer is not None:
+            return masked_sum(token_loss, mask) / max(float(normalizer), 1.0)
         return masked_mean(token_loss, mask)
     if loss_agg == "seq-mean-token-sum":
         per_sequence = masked_sum(token_loss, mask, dim=-1)
@@ -148,12 +158,23 @@ def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: str =
         per_sequence = masked_mean(token_loss, mask, dim=-1)
     else:
         raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}, got {loss_agg!r}")
-    return masked_mean(per_sequence, (mask != 0).any(-1))
+    has_response = (mask != 0).any(-1)
+    if normalizer is not None:
+        return masked_sum(per_sequence, has_response) / max(float(normalizer), 1.0)
+    return masked_mean(per_sequence, has_response)
+
+
+def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> float:
+    """What `aggregate_loss` divides by for this mask: response tokens (token-mean) or sequences with a response."""
+    if loss_agg == "token-mean":
+        return float((mask != 0).sum())
+    return float((mask != 0).any(-1).sum())
 
 
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_eps: float = 0.2, clip_eps_high: float | None = None, dual_clip: float | None = None,
-                loss_agg: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                loss_agg: str = "token-mean", normalizer: float | None = None,
+                token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms"), per token:
 
         rho  = pi(y_t) / pi_old(y_t)
@@ -165,6 +186,11 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     huge ratio on a bad token cannot blow up the update. logps (batch, seq) carry the gradient; old_logps and
     advantages are constants. Returns (loss, clip_fraction, approx_kl): the share of response tokens whose
     gradient clipping removed, and the k3 estimate of KL(pi_old || pi) over the response tokens.
+
+    log rho is clamped to [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT] before exp: exp(100) overflows fp32, and the
+    inf it makes turns into NaN gradients even where clipping would have discarded the token. `token_weights`
+    (constants, e.g. truncated importance weights pi_old / pi_rollout) multiply each token's loss;
+    `normalizer` is passed to `aggregate_loss`.
     """
     _check_shapes(logps=logps, old_logps=old_logps, advantages=advantages, mask=mask)
     if clip_eps <= 0 or (clip_eps_high is not None and clip_eps_high <= 0):
@@ -173,7 +199,7 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
         raise ValueError(f"dual_clip must be > 1 (it bounds the loss at dual_clip * |A|), got {dual_clip}")
     valid = mask != 0
     # Zero the padding before exp: an inf there, masked out of the loss, would still make 0 * inf = NaN in backward.
-    log_ratio = (logps - old_logps.detach()).masked_fill(~valid, 0)
+    log_ratio = (logps - old_logps.detach()).masked_fill(~valid, 0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     advantages = advantages.detach().masked_fill(~valid, 0)
     ratio = torch.exp(log_ratio)
     clip_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -186,7 +212,10 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
         dual_active = (advantages < 0) & (token_loss > dual_bound)
         token_loss = torch.where(dual_active, dual_bound, token_loss)
         was_clipped = was_clipped | dual_active
-    loss = aggregate_loss(token_loss, mask, loss_agg)
+    if token_weights is not None:
+        _check_shapes(logps=logps, token_weights=token_weights)
+        token_loss = token_loss * token_weights.detach().masked_fill(~valid, 0)
+    loss = aggregate_loss(token_loss, mask, loss_agg, normalizer)
     with torch.no_grad():
         clip_fraction = masked_mean(was_clipped.to(log_ratio.dtype), mask)
         # Tokens were sampled from pi_old, so KL(pi_old || pi) is the direction k3 estimates without bias.
@@ -195,7 +224,7 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip_eps: float | None = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+               clip_eps: float | None = 0.2, normalizer: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped value loss (as in OpenAI's baselines PPO2), mean over response tokens:
 
         V_clip = V_old + clip(V - V_old, -eps, eps)
@@ -203,7 +232,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
     The max makes it pessimistic: a value that moved more than eps from V_old gets no credit for moving
     towards R. clip_eps=None gives the plain 1/2 (V - R)^2. values, old_values, returns, mask: (batch, seq).
-    Returns (loss, clip_fraction), the share of tokens where the clipped term won.
+    Returns (loss, clip_fraction), the share of tokens where the clipped term won. `normalizer`: the response
+    tokens of the whole optimizer step (see `aggregate_loss`), so that micro-batches add up to its token mean.
     """
     _check_shapes(values=values, old_values=old_values, returns=returns, mask=mask)
     valid = mask != 0
@@ -213,12 +243,13 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     returns = returns.detach().masked_fill(~valid, 0)
     unclipped = (values - returns) ** 2
     if clip_eps is None:
-        return 0.5 * masked_mean(unclipped, mask), torch.zeros((), dtype=unclipped.dtype, device=values.device)
+        return (0.5 * aggregate_loss(unclipped, mask, "token-mean", normalizer),
+                torch.zeros((), dtype=unclipped.dtype, device=values.device))
     if clip_eps <= 0:
         raise ValueError(f"clip_eps must be > 0 or None, got {clip_eps}")
     clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     clipped = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(unclipped, clipped), mask)
+    loss = 0.5 * aggregate_loss(torch.max(unclipped, clipped), mask, "token-mean", normalizer)
     with torch.no_grad():
         clip_fraction = masked_mean((clipped > unclipped).to(unclipped.dtype), mask)
     return loss, clip_fraction

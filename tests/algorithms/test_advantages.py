@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from hpc_rlhf.algorithms.advantages import rl_advantages
 from hpc_rlhf.algorithms.advantages import (broadcast_to_tokens, clip_rewards, discounted_returns,
                                             dr_grpo_advantages, gae, grpo_advantages, normalize_rewards,
                                             reinforce_pp_advantages, reinforce_pp_baseline_advantages,
@@ -174,3 +175,49 @@ def test_clip_rewards():
                                torch.tensor([-2.0, -1.0, 0.5, 2.0]))
     with pytest.raises(ValueError, match="clip must be > 0"):
         clip_rewards(torch.zeros(2), 0.0)
+
+
+# ---------------------------------------------------------------------------------------- rl_advantages
+MASK2 = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+KL2 = torch.tensor([[0.3, 0.2, 9.0], [0.0, 9.0, 9.0]])  # 9.0 sits on padding and must be ignored
+
+
+def test_kl_in_the_reward_enters_rloo_before_the_baseline():
+    """Scores 1 and 0, sequence KL 0.5 and 0, beta 0.1: rewards 0.95 and 0, so RLOO gives +-0.95 (the KL
+    subtracted after the baseline would give 0.95 and -1.0)."""
+    adv, returns = rl_advantages(torch.tensor([1.0, 0.0]), KL2, MASK2, estimator="rloo", n=2, kl_coef=0.1)
+    torch.testing.assert_close(adv, torch.tensor([[0.95, 0.95, 0.0], [-0.95, 0.0, 0.0]]))
+    assert returns is None
+
+
+def test_kl_in_the_reward_enters_grpo_before_the_group_normalisation():
+    # rewards 0.95 and 0: mean 0.475, Bessel std 0.475 * sqrt(2), so A = +-1/sqrt(2)
+    adv, _ = rl_advantages(torch.tensor([1.0, 0.0]), KL2, MASK2, estimator="grpo", n=2, kl_coef=0.1)
+    a = 1 / math.sqrt(2)
+    torch.testing.assert_close(adv, torch.tensor([[a, a, 0.0], [-a, 0.0, 0.0]]), atol=1e-5, rtol=0)
+
+
+def test_kl_as_a_loss_term_leaves_the_group_rewards_alone():
+    adv, _ = rl_advantages(torch.tensor([1.0, 0.0]), KL2, MASK2, estimator="rloo", n=2, kl_coef=0.1,
+                           kl_in_reward=False)
+    torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_whiten_false_is_honoured_by_the_reinforce_estimators(estimator):
+    scores = torch.tensor([2.0, 0.0])
+    adv, _ = rl_advantages(scores, torch.zeros(2, 3), MASK2, estimator=estimator, n=2, whiten=False)
+    # reinforce_pp: the return of a final-token score is the score at every token; the baseline variant centres
+    # it on the group mean (1.0) first
+    expected_scores = [2.0, 0.0] if estimator == "reinforce_pp" else [1.0, -1.0]
+    torch.testing.assert_close(adv, torch.tensor([[expected_scores[0]] * 2 + [0.0], [expected_scores[1], 0, 0]]))
+    whitened, _ = rl_advantages(scores, torch.zeros(2, 3), MASK2, estimator=estimator, n=2, whiten=True)
+    assert abs(float(whitened[MASK2 != 0].mean())) < 1e-6
+
+
+def test_gae_through_rl_advantages_puts_the_kl_penalty_on_each_token():
+    # gamma = lam = 1, V = 0: the advantage at t is the sum of the rewards from t on
+    adv, returns = rl_advantages(torch.tensor([1.0, 0.0]), KL2, MASK2, estimator="gae", n=2, kl_coef=0.1,
+                                 gamma=1.0, lam=1.0, values=torch.zeros(2, 3), whiten=False)
+    torch.testing.assert_close(adv, torch.tensor([[1.0 - 0.05, 1.0 - 0.02, 0.0], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(returns, adv)

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpc_rlhf.algorithms.losses import (aggregate_loss, dpo_loss, kto_loss, pairwise_reward_loss, policy_loss,
-                                        sft_loss, value_loss)
+from hpc_rlhf.algorithms.losses import (aggregate_loss, dpo_loss, kto_loss, loss_normalizer, pairwise_reward_loss,
+                                        policy_loss, sft_loss, value_loss)
 
 NAN = float("nan")
 
@@ -268,3 +268,50 @@ def test_value_loss_without_clipping():
                                      torch.tensor([[1.2, 2.5, 0.4]]), torch.ones(1, 3), clip_eps=None)
     torch.testing.assert_close(loss, torch.tensor(0.5 * (0.04 + 0.25 + 0.01) / 3))
     assert clip_fraction.item() == 0.0
+
+
+def test_token_mean_over_two_micro_batches_of_different_lengths_weighs_every_token_alike():
+    """A 100-token and a 2-token answer in two micro-batches: with the step's token count as normalizer each
+    token's gradient is -A / 102 (the true token mean), not -A / 100 and -A / 2 (a mean of per-batch means)."""
+    long_logps = torch.zeros(1, 100, requires_grad=True)
+    short_logps = torch.zeros(1, 2, requires_grad=True)
+    total = 102.0
+    for logps in (long_logps, short_logps):
+        ones = torch.ones_like(logps)
+        loss, _, _ = policy_loss(logps, torch.zeros_like(logps), ones, ones, normalizer=total)
+        loss.backward()
+    torch.testing.assert_close(long_logps.grad, torch.full((1, 100), -1 / 102))
+    torch.testing.assert_close(short_logps.grad, torch.full((1, 2), -1 / 102))
+
+
+def test_seq_mean_normalizer_counts_sequences_of_the_step():
+    token_loss = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # per-sequence sums 4 and 2, over the 4 sequences of the whole step -> 6 / 4
+    assert aggregate_loss(token_loss, mask, "seq-mean-token-sum", normalizer=4).item() == pytest.approx(1.5)
+    assert loss_normalizer(mask, "token-mean") == 3 and loss_normalizer(mask, "seq-mean-token-mean") == 2
+
+
+def test_a_huge_log_ratio_gives_finite_loss_and_gradients():
+    logps = torch.tensor([[100.0, -100.0, 0.0]], requires_grad=True)
+    old = torch.zeros(1, 3)
+    for advantage in (1.0, -1.0):
+        logps.grad = None
+        loss, _, approx_kl = policy_loss(logps, old, torch.full((1, 3), advantage), torch.ones(1, 3),
+                                         dual_clip=3.0 if advantage < 0 else None)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(approx_kl) and torch.isfinite(logps.grad).all()
+
+
+def test_token_weights_scale_each_tokens_loss():
+    logps = torch.zeros(1, 2, requires_grad=True)
+    weights = torch.tensor([[0.5, 2.0]])
+    loss, _, _ = policy_loss(logps, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), token_weights=weights)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, -weights / 2)
+
+
+def test_value_loss_normalizer_gives_the_step_token_mean():
+    values = torch.tensor([[1.0, 1.0]])
+    loss, _ = value_loss(values, values, torch.zeros(1, 2), torch.ones(1, 2), clip_eps=None, normalizer=8)
+    assert loss.item() == pytest.approx(0.5 * 2 / 8)
