@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hpc_rlhf.data.examples import prompt_example
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.data.synthetic import exact_match
+from hpc_rlhf.dist.exchange import comm_device
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
 
@@ -43,7 +44,9 @@ def generation_accuracy(model, tokenizer, rows: Sequence[dict], *, prompt_key: s
         total[0] = sum(score(text, r[answer_key]) for text, r in zip(texts, mine))
         total[1] = len(mine)
         model.train(was_training)
+    total = total.to(comm_device(group))  # NCCL reduces CUDA tensors only; gloo keeps it on the CPU
     dist.all_reduce(total, group=group)
+    total = total.cpu()
     return {"accuracy": float(total[0] / max(total[1], 1)), "count": int(total[1])}
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, DataSection, DistSection, ModelSection, field, section
 from hpc_rlhf.data.examples import pad_collate, prompt_example
 from hpc_rlhf.data.loading import load_rows
+from hpc_rlhf.dist.exchange import comm_device
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
 from hpc_rlhf.trainers import common
@@ -242,7 +243,7 @@ def generate_to_file(model, tokenizer, rows: Sequence[dict], gen: GenerateSectio
             check_manifest(work_dir, settings)
         except ConfigError as exc:
             error = str(exc)
-    flag = torch.tensor([1 if error else 0])
+    flag = torch.tensor([1 if error else 0], device=comm_device())  # NCCL reduces CUDA tensors only
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops on rank 0's verdict, none is left waiting
     if flag.item():
         raise ConfigError(error or f"the chunk manifest in {work_dir / CHUNK_DIR} does not match (see rank 0)")

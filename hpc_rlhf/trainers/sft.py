@@ -20,6 +20,7 @@ from hpc_rlhf.data.examples import pad_collate, sft_example
 from hpc_rlhf.data.loading import Messages, load_rows
 from hpc_rlhf.data.packing import pack_examples, packed_collate, packed_model_kwargs
 from hpc_rlhf.dist import watchdog
+from hpc_rlhf.dist.exchange import comm_device
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.trainers import common
@@ -130,7 +131,9 @@ class SFTRecipe:
                 loss, tokens, _ = self._forward_loss([self.eval_examples[i] for i in chunk or [0]])
                 if chunk:
                     total += torch.tensor([loss.item() * tokens, tokens], dtype=torch.float64)
+            total = total.to(comm_device())  # NCCL reduces CUDA tensors only; gloo keeps it on the CPU
             torch.distributed.all_reduce(total)
+            total = total.cpu()
             out["eval_loss"] = float(total[0] / max(total[1], 1))
         if self.eval_prompts:
             out["eval_accuracy"] = generation_exact_match(self.engine, self.tokenizer, self.eval_prompts, self.cfg)
