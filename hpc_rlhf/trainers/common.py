@@ -1,8 +1,9 @@
 """Pieces every training mode shares: run set-up, data order, stop policies, checkpoint save/resume, when to log
-and evaluate, the final model.
+and evaluate, the final model, and the training loop of the one-model modes.
 
 Small functions rather than a base class: each recipe (sft.py, rm.py, ...) calls them in its own `setup()` and
-`train()`, so a reader follows one mode's step from top to bottom in its own file.
+`train()`. The one-model recipes (sft, rm, dpo, kto; csft and rs train through sft) share one step loop,
+`train_one_model`, and keep only what is their own: a micro-batch's loss and figures, and their evaluation.
 
 Data order is a pure function of (seed, step): the rows of optimizer step `s` are positions
 `s*batch_size ... (s+1)*batch_size` of an endless stream made of one seeded permutation per epoch. A resumed run
@@ -17,15 +18,18 @@ import math
 import os
 import random
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config import TINY_ASSETS, save_config, to_dict
+from hpc_rlhf.dist import watchdog
 from hpc_rlhf.utils import checkpoint as ckpt
+from hpc_rlhf.utils import faults
 from hpc_rlhf.utils.metrics import MetricsLogger
 
 log = logging.getLogger("hpc_rlhf")
@@ -100,7 +104,7 @@ def start_run(cfg, mode: str) -> Run:
     rank, world = dist.get_rank(), dist.get_world_size()
     configure_logging(rank)
     # failure handling: a rank that dies or freezes ends the whole job within dist.heartbeat_timeout_s
-    from hpc_rlhf.dist import groups, watchdog
+    from hpc_rlhf.dist import groups
 
     watchdog.start(groups.my_roles() if groups.is_initialized() else None, watchdog.heartbeat_timeout(cfg))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -368,7 +372,8 @@ def save_final_model(engine, directory: str | Path, tokenizer, lora_cfg) -> None
 def finish_training(run: Run, engine, tokenizer) -> None:
     """End of a one-model mode: the trained model into output_dir/final/ (see save_final_model), the logger
     closed."""
-    save_final_model(engine, run.output_dir / "final", tokenizer, run.cfg.model.lora)
+    with watchdog.phase("checkpoint"):  # failure handling: a failure while saving is reported in this phase
+        save_final_model(engine, run.output_dir / "final", tokenizer, run.cfg.model.lora)
     run.logger.close()
 
 
@@ -385,8 +390,6 @@ class Preempted(SystemExit):
 def checkpoint_or_stop(run: Run, step: int, engines: dict, stop: "StopSignal", max_steps: int) -> None:
     """End of an optimizer step: checkpoint when one is due or a stop was requested (SIGUSR1/SIGTERM, agreed
     by all ranks); after a requested stop's checkpoint, raise Preempted so the job exits for requeueing."""
-    from hpc_rlhf.dist import watchdog
-
     stopping = stop.requested()
     if stopping or should_save(step, run.cfg.checkpoint.every_steps, max_steps):
         with watchdog.phase("checkpoint"):
@@ -394,3 +397,87 @@ def checkpoint_or_stop(run: Run, step: int, engines: dict, stop: "StopSignal", m
     if stopping:
         run.logger.close()
         raise Preempted(step)
+
+
+# ------------------------------------------------------------------------------------------------ one-model loop
+@dataclass
+class MicroBatch:
+    """What a one-model recipe computes for one micro-batch of training rows: the loss to train on, the real
+    (non-padding) tokens it holds, and the recipe's own figures for its logging window (tensors or numbers, read
+    after the optimizer step, as the loss is)."""
+    loss: torch.Tensor
+    tokens: int
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+class FigureWindow(Protocol):
+    """The figures of a logging window: `add` takes each micro-batch's figures (its "loss" and its MicroBatch
+    figures); `summary` returns the window's figures, the same on every rank (a collective), and starts the
+    next window."""
+
+    def add(self, figures: dict[str, Any]) -> None: ...
+
+    def summary(self) -> dict[str, float]: ...
+
+
+class MeanWindow:
+    """Each figure's mean over the micro-batches of the logging window (non-finite values left out), averaged
+    over the ranks (see window_means)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = {}
+
+    def add(self, figures: dict[str, Any]) -> None:
+        for name, value in figures.items():
+            self.values.setdefault(name, []).append(float(value))
+
+    def summary(self) -> dict[str, float]:
+        means = window_means(self.values)
+        self.values = {}
+        return means
+
+
+def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callable[[list[int]], MicroBatch],
+                    window: FigureWindow, evaluate: Callable[[], dict[str, float]], bad_steps: NonFiniteGuard,
+                    stop: StopSignal) -> dict[str, float]:
+    """The training loop of a one-model mode, the whole world one data-parallel group; returns the last
+    evaluation's figures.
+
+    Per optimizer step: this rank's micro-batches of `num_rows` training rows (step_micro_batches), each one's
+    `micro_batch_loss(row indices)` trained on; on a logging step the window's figures, the step figures and,
+    when due, `evaluate()` go to metrics.jsonl; then a checkpoint when one is due or a stop was requested.
+    Failure handling: the watchdog knows the step in progress and its phase (`eval`, `training`, `checkpoint`),
+    which is also where HPC_RLHF_FAULT's kill/raise/freeze faults fire, and a nan fault poisons the loss.
+    """
+    cfg = run.cfg
+    engine.train()
+    if eval_before_training(run):
+        with watchdog.phase("eval"):
+            run.logger.log(0, evaluate())
+    last_eval: dict[str, float] = {}
+    window_tokens, window_start = 0, time.perf_counter()
+    for step in range(run.start_step, cfg.train.max_steps):
+        done = step + 1  # steps are counted from 1, as in metrics.jsonl and checkpoint names
+        watchdog.set_step(done)
+        with watchdog.phase("training"):
+            for rows in step_micro_batches(run, num_rows, step):
+                micro = micro_batch_loss(rows)
+                loss = faults.poison(micro.loss, done)
+                engine.backward(loss)
+                info = engine.step()
+                window.add({"loss": loss.item(), **micro.figures})
+                window_tokens += int(micro.tokens)
+        bad_steps.update(info.skipped, done)
+        run.logger.advance()
+        if log_due(cfg, done):
+            elapsed = time.perf_counter() - window_start
+            tokens_all = reduce_sum([window_tokens])[0]
+            metrics = {**window.summary(), **step_figures(info, tokens_all, elapsed, bad_steps)}
+            if eval_due(cfg, done):
+                with watchdog.phase("eval"):
+                    last_eval = evaluate()
+                metrics.update(last_eval)
+            run.logger.log(done, metrics)
+            window_tokens, window_start = 0, time.perf_counter()
+        checkpoint_or_stop(run, done, {"model": engine}, stop, cfg.train.max_steps)
+    return last_eval

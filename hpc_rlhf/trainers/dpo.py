@@ -15,7 +15,6 @@ greedy answers (eval_exact_match).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -137,43 +136,18 @@ class DPORecipe:
         self.engine.train()
         return out
 
+    def _micro_batch(self, rows: list[int]) -> common.MicroBatch:
+        figures = self._pair_loss("train", rows, self.train_examples)
+        chosen, rejected = figures["chosen_reward"], figures["rejected_reward"]
+        return common.MicroBatch(figures["loss"], int(figures["tokens"]), {
+            "accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean(),
+            "chosen_reward": chosen.mean(), "rejected_reward": rejected.mean()})
+
     def train(self) -> dict[str, float]:
-        cfg, run, engine = self.cfg, self.run, self.engine
-        engine.train()
-        if common.eval_before_training(run):
-            run.logger.log(0, self.evaluate())
-        last_eval: dict[str, float] = {}
-        names = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
-        window: dict[str, list[float]] = {name: [] for name in names}
-        window_tokens, window_start = 0, time.perf_counter()
-        for step in range(run.start_step, cfg.train.max_steps):
-            for micro in common.step_micro_batches(run, len(self.train_examples), step):
-                figures = self._pair_loss("train", micro, self.train_examples)
-                engine.backward(figures["loss"])
-                info = engine.step()
-                chosen, rejected = figures["chosen_reward"], figures["rejected_reward"]
-                window["loss"].append(figures["loss"].item())
-                window["accuracy"].append((chosen > rejected).float().mean().item())
-                window["margin"].append((chosen - rejected).mean().item())
-                window["chosen_reward"].append(chosen.mean().item())
-                window["rejected_reward"].append(rejected.mean().item())
-                window_tokens += int(figures["tokens"])
-            done = step + 1
-            self.bad_steps.update(info.skipped, done)
-            run.logger.advance()
-            if common.log_due(cfg, done):
-                elapsed = time.perf_counter() - window_start
-                tokens_all = common.reduce_sum([window_tokens])[0]
-                metrics = {**common.window_means(window),
-                           **common.step_figures(info, tokens_all, elapsed, self.bad_steps)}
-                if common.eval_due(cfg, done):
-                    last_eval = self.evaluate()
-                    metrics.update(last_eval)
-                run.logger.log(done, metrics)
-                window = {name: [] for name in names}
-                window_tokens, window_start = 0, time.perf_counter()
-            common.checkpoint_or_stop(run, done, {"model": engine}, self.stop, cfg.train.max_steps)
-        common.finish_training(run, engine, self.tokenizer)
+        last_eval = common.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
+                                           micro_batch_loss=self._micro_batch, window=common.MeanWindow(),
+                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
+        common.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 
 

@@ -18,7 +18,7 @@ Logged: loss, kl (z0), the mean implied rewards beta * r of desirable and undesi
 
 from __future__ import annotations
 
-import time
+import math
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +99,31 @@ def mismatched_example(prompt_from: dict, completion_from: dict, max_len: int) -
     return {"input_ids": ids[:max_len], "labels": labels[:max_len], "prompt_len": cut}
 
 
+class KTOWindow:
+    """KTO's figures over a logging window, from sums and counts rather than means: a micro-batch may hold no
+    desirable (or no undesirable) row. Non-finite losses are left out of the mean loss, as in common.MeanWindow."""
+
+    def __init__(self) -> None:
+        # loss sum, finite losses, kl sum, micro-batches, desirable reward sum, desirable rows, undesirable
+        # reward sum, undesirable rows
+        self.sums = torch.zeros(8, dtype=torch.float64)
+
+    def add(self, figures: dict) -> None:
+        loss = float(figures["loss"])
+        finite = math.isfinite(loss)
+        rewards, good = figures["rewards"].double().cpu(), figures["desirable"].cpu()
+        self.sums += torch.tensor([loss if finite else 0.0, float(finite), float(figures["kl"]), 1.0,
+                                   float(rewards[good].sum()), float(good.sum()), float(rewards[~good].sum()),
+                                   float((~good).sum())], dtype=torch.float64)
+
+    def summary(self) -> dict[str, float]:
+        loss, finite_losses, kl, micro_batches, good_sum, good_count, bad_sum, bad_count = common.reduce_sum(
+            self.sums.tolist())
+        self.sums.zero_()
+        return {"loss": loss / finite_losses if finite_losses else float("nan"), "kl": kl / micro_batches,
+                "desirable_reward": good_sum / max(good_count, 1), "undesirable_reward": bad_sum / max(bad_count, 1)}
+
+
 class KTORecipe:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -137,7 +162,7 @@ class KTORecipe:
                              use_cache=False).logits
         return response_logps(logits, batch["labels"][rows])[:, SUM]
 
-    def _step_loss(self, micro: list[int]) -> dict[str, torch.Tensor]:
+    def _micro_batch(self, micro: list[int]) -> common.MicroBatch:
         """Loss and figures of one micro-batch: B matched rows (with gradients) and their B mismatched pairs
         (for z0, without), collated together so that the reference sees one slot-major batch."""
         kto = self.cfg.kto
@@ -154,8 +179,8 @@ class KTORecipe:
         desirable = torch.tensor([self.train_examples[i]["label"] for i in micro], device=policy.device)
         loss, rewards = kto_loss(policy, reference[:b], desirable, kl[0], beta=kto.beta,
                                  desirable_weight=kto.desirable_weight, undesirable_weight=kto.undesirable_weight)
-        return {"loss": loss, "rewards": rewards, "desirable": desirable, "kl": kl[0],
-                "tokens": batch["attention_mask"][:b].sum()}
+        return common.MicroBatch(loss, int(batch["attention_mask"][:b].sum()),
+                                 {"kl": kl[0], "rewards": rewards, "desirable": desirable})
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -184,44 +209,10 @@ class KTORecipe:
         return out
 
     def train(self) -> dict[str, float]:
-        cfg, run, engine = self.cfg, self.run, self.engine
-        engine.train()
-        if common.eval_before_training(run):
-            run.logger.log(0, self.evaluate())
-        last_eval: dict[str, float] = {}
-        # Sums and counts, not means: a micro-batch may hold no desirable (or no undesirable) row.
-        # loss, kl, micro-batches, desirable reward sum, desirable rows, undesirable reward sum, undesirable rows
-        sums = torch.zeros(7, dtype=torch.float64)
-        window_tokens, window_start = 0, time.perf_counter()
-        for step in range(run.start_step, cfg.train.max_steps):
-            for micro in common.step_micro_batches(run, len(self.train_examples), step):
-                figures = self._step_loss(micro)
-                engine.backward(figures["loss"])
-                info = engine.step()
-                rewards, good = figures["rewards"].double().cpu(), figures["desirable"].cpu()
-                sums += torch.tensor([figures["loss"].item(), figures["kl"].item(), 1.0, float(rewards[good].sum()),
-                                      float(good.sum()), float(rewards[~good].sum()), float((~good).sum())],
-                                     dtype=torch.float64)
-                window_tokens += int(figures["tokens"])
-            done = step + 1
-            self.bad_steps.update(info.skipped, done)
-            run.logger.advance()
-            if common.log_due(cfg, done):
-                elapsed = time.perf_counter() - window_start
-                loss, kl, micro_batches, good_sum, good_count, bad_sum, bad_count, tokens_all = common.reduce_sum(
-                    sums.tolist() + [window_tokens])
-                metrics = {"loss": loss / micro_batches, "kl": kl / micro_batches,
-                           "desirable_reward": good_sum / max(good_count, 1),
-                           "undesirable_reward": bad_sum / max(bad_count, 1),
-                           **common.step_figures(info, tokens_all, elapsed, self.bad_steps)}
-                if common.eval_due(cfg, done):
-                    last_eval = self.evaluate()
-                    metrics.update(last_eval)
-                run.logger.log(done, metrics)
-                sums.zero_()
-                window_tokens, window_start = 0, time.perf_counter()
-            common.checkpoint_or_stop(run, done, {"model": engine}, self.stop, cfg.train.max_steps)
-        common.finish_training(run, engine, self.tokenizer)
+        last_eval = common.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
+                                           micro_batch_loss=self._micro_batch, window=KTOWindow(),
+                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
+        common.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 
 

@@ -14,7 +14,6 @@ the constants the model was saved with; `final/` loads with `AutoModelForTokenCl
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSe
                              ModelSection, TrainSection, field, section)
 from hpc_rlhf.data.examples import pair_collate, preference_example
 from hpc_rlhf.data.loading import load_rows
+from hpc_rlhf.dist import watchdog
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import load_tokenizer
 from hpc_rlhf.models.lora import unwrap_model, value_head_name
@@ -178,44 +178,21 @@ class RewardModelRecipe:
         std = max(squares / count - mean ** 2, 0.0) ** 0.5
         return mean, max(std, 1e-6)
 
+    def _micro_batch(self, rows: list[int]) -> common.MicroBatch:
+        loss, accuracy, margin, tokens = self._loss([self.train_examples[i] for i in rows])
+        return common.MicroBatch(loss, tokens, {"accuracy": accuracy, "margin": margin})
+
     def train(self) -> dict[str, float]:
-        cfg, run, engine = self.cfg, self.run, self.engine
-        engine.train()
-        if common.eval_before_training(run):
-            run.logger.log(0, self.evaluate())
-        last_eval: dict[str, float] = {}
-        window: dict[str, list[float]] = {"loss": [], "accuracy": [], "margin": []}
-        window_tokens, window_start = 0, time.perf_counter()
-        for step in range(run.start_step, cfg.train.max_steps):
-            for micro in common.step_micro_batches(run, len(self.train_examples), step):
-                loss, accuracy, margin, tokens = self._loss([self.train_examples[i] for i in micro])
-                engine.backward(loss)
-                info = engine.step()
-                window["loss"].append(loss.item())
-                window["accuracy"].append(accuracy.item())
-                window["margin"].append(margin.item())
-                window_tokens += tokens
-            done = step + 1
-            self.bad_steps.update(info.skipped, done)
-            run.logger.advance()
-            if common.log_due(cfg, done):
-                elapsed = time.perf_counter() - window_start
-                tokens_all = common.reduce_sum([window_tokens])[0]
-                metrics = {**common.window_means(window),
-                           **common.step_figures(info, tokens_all, elapsed, self.bad_steps)}
-                if common.eval_due(cfg, done):
-                    last_eval = self.evaluate()
-                    metrics.update(last_eval)
-                run.logger.log(done, metrics)
-                window = {name: [] for name in window}
-                window_tokens, window_start = 0, time.perf_counter()
-            common.checkpoint_or_stop(run, done, {"model": engine}, self.stop, cfg.train.max_steps)
-        mean, std = self.normalization_constants()
-        set_reward_normalization(engine.module, mean, std)
+        last_eval = common.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
+                                           micro_batch_loss=self._micro_batch, window=common.MeanWindow(),
+                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
+        with watchdog.phase("eval"):
+            mean, std = self.normalization_constants()
+        set_reward_normalization(self.engine.module, mean, std)
         last_eval.update(reward_mean=mean, reward_std=std)
         # Under ZeRO-3 the engine gathers the sharded weights for the leader (save_hf / the LoRA path), and the
         # config written with them carries the normalisation constants.
-        common.finish_training(run, engine, self.tokenizer)
+        common.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 
 

@@ -8,7 +8,6 @@ exact-match accuracy of greedy answers against the reference answers.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +18,12 @@ from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, DataSection, DistSe
 from hpc_rlhf.data.examples import pad_collate, sft_example
 from hpc_rlhf.data.loading import Messages, load_rows
 from hpc_rlhf.data.packing import pack_examples, packed_collate, packed_model_kwargs
-from hpc_rlhf.dist import watchdog
 from hpc_rlhf.dist.exchange import comm_device
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.trainers import common
 from hpc_rlhf.trainers.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.trainers.reference import balanced_chunks
-from hpc_rlhf.utils import faults
 
 
 @dataclass
@@ -140,41 +137,15 @@ class SFTRecipe:
         self.engine.train()
         return out
 
+    def _micro_batch(self, rows: list[int]) -> common.MicroBatch:
+        loss, _, tokens = self._forward_loss([self.train_examples[i] for i in rows])
+        return common.MicroBatch(loss, tokens)
+
     def train(self) -> dict[str, float]:
-        cfg, run, engine = self.cfg, self.run, self.engine
-        engine.train()
-        if common.eval_before_training(run):
-            with watchdog.phase("eval"):  # failure handling: each phase of the loop is named for the watchdog
-                run.logger.log(0, self.evaluate())
-        last_eval: dict[str, float] = {}
-        window_losses, window_tokens, window_start = [], 0, time.perf_counter()
-        for step in range(run.start_step, cfg.train.max_steps):
-            watchdog.set_step(step + 1)
-            with watchdog.phase("training"):
-                for micro in common.step_micro_batches(run, len(self.train_examples), step):
-                    loss, _, tokens = self._forward_loss([self.train_examples[i] for i in micro])
-                    loss = faults.poison(loss, step + 1)  # failure handling: HPC_RLHF_FAULT kind=nan
-                    engine.backward(loss)
-                    info = engine.step()
-                    window_losses.append(loss.item())
-                    window_tokens += tokens
-            done = step + 1
-            self.bad_steps.update(info.skipped, done)
-            run.logger.advance()
-            if common.log_due(cfg, done):
-                elapsed = time.perf_counter() - window_start
-                tokens_all = common.reduce_sum([window_tokens])[0]
-                metrics = {**common.window_means({"loss": window_losses}),
-                           **common.step_figures(info, tokens_all, elapsed, self.bad_steps)}
-                if common.eval_due(cfg, done):
-                    with watchdog.phase("eval"):
-                        last_eval = self.evaluate()
-                    metrics.update(last_eval)
-                run.logger.log(done, metrics)
-                window_losses, window_tokens, window_start = [], 0, time.perf_counter()
-            common.checkpoint_or_stop(run, done, {"model": engine}, self.stop, cfg.train.max_steps)
-        with watchdog.phase("checkpoint"):
-            common.finish_training(run, engine, self.tokenizer)
+        last_eval = common.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
+                                           micro_batch_loss=self._micro_batch, window=common.MeanWindow(),
+                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
+        common.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 
 
