@@ -53,8 +53,8 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, title in zip(axes, ("reward", "kl", "eval_accuracy"),
-                              ("reward (mean score)", "KL to reference (per sequence)", "held-out exact match")):
+    for ax, key, title in zip(axes, ("reward", "kl_k1", "eval_accuracy"),
+                              ("reward (mean score)", "KL to reference (k1, per sequence)", "held-out exact match")):
         points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         if points:
             ax.plot(*zip(*points), marker="o" if key == "eval_accuracy" else None, markersize=3)

@@ -17,6 +17,7 @@ contiguous shards (`shard_bounds`) so that gathering the shards in group-rank or
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -41,6 +42,56 @@ class SampleBatch:
     def to(self, device) -> "SampleBatch":
         return SampleBatch(self.input_ids.to(device), self.attention_mask.to(device), self.action_mask.to(device),
                            self.prompt_lens, self.response_lens)
+
+    def select(self, rows: Sequence[int]) -> "SampleBatch":
+        """Rows `rows`, cut to the width their longest sample needs."""
+        prompt_lens = [self.prompt_lens[i] for i in rows]
+        response_lens = [self.response_lens[i] for i in rows]
+        width = max([2] + [p + r for p, r in zip(prompt_lens, response_lens)])
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        return SampleBatch(self.input_ids[index, :width], self.attention_mask[index, :width],
+                           self.action_mask[index, :width - 1], prompt_lens, response_lens)
+
+
+@dataclass
+class Experience:
+    """One RL step's samples and what the roles computed about them, on the actor and critic ranks.
+
+    Per-token tensors are (B, T-1), aligned with `batch.action_mask`; `scores` is (B,). `kl` is the configured
+    estimator's per-token KL of the actor (before the update) to the reference, 0 without a reference model.
+    `values` and `returns` exist with a critic. `rollout_logps` are the engines' sampling log-probs.
+    """
+    batch: SampleBatch
+    scores: torch.Tensor
+    rollout_logps: torch.Tensor
+    old_logps: torch.Tensor
+    ref_logps: torch.Tensor
+    kl: torch.Tensor
+    advantages: torch.Tensor
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.batch.input_ids.shape[0]
+
+    def select(self, rows: Sequence[int], device=None) -> "Experience":
+        """The samples `rows` (a micro-batch), cut to their width and moved to `device`."""
+        batch = self.batch.select(rows)
+        width = batch.action_mask.shape[1]
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+
+        def cut(t):
+            if t is None:
+                return None
+            rows_of_t = t[index, :width] if t.dim() == 2 else t[index]
+            return rows_of_t if device is None else rows_of_t.to(device)
+
+        return Experience(batch if device is None else batch.to(device),
+                          *(cut(getattr(self, f.name)) for f in dataclasses.fields(self)[1:]))
+
+    def tokens(self, rows: Sequence[int]) -> float:
+        """Response tokens of the samples `rows`."""
+        return float(sum(self.batch.response_lens[i] for i in rows))
 
 
 def make_batch(prompts: Sequence[Sequence[int]], responses: Sequence[torch.Tensor], pad_id: int) -> SampleBatch:

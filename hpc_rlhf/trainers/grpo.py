@@ -12,16 +12,17 @@ from dataclasses import dataclass
 
 from hpc_rlhf.config import field
 from hpc_rlhf.trainers import ppo
+from hpc_rlhf.trainers.rl_config import RewardSection, RLSection
 
 
 @dataclass
 class Config(ppo.Config):
     output_dir: str = field("runs/grpo")
     placement: str = field("actor=1,ref=1,rollout=2", help="roles on ranks (no critic)")
-    reward: ppo.RewardSection = dataclasses.field(
-        default_factory=lambda: ppo.RewardSection(models=[], functions=["exact_match"]))
-    rl: ppo.RLSection = dataclasses.field(
-        default_factory=lambda: ppo.RLSection(advantage="grpo", kl_in_reward=False, kl_estimator="k3"))
+    reward: RewardSection = dataclasses.field(
+        default_factory=lambda: RewardSection(models=[], functions=["exact_match"]))
+    rl: RLSection = dataclasses.field(
+        default_factory=lambda: RLSection(advantage="grpo", kl_in_reward=False, kl_estimator="k3"))
 
 
 def run(cfg: Config) -> dict[str, float]:

@@ -95,7 +95,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
         if self._bar is not None:
-            shown = {k: v for k, v in row.items() if k in ("loss", "reward", "accuracy", "eval_accuracy", "kl")}
+            shown = {k: v for k, v in row.items() if k in ("loss", "reward", "accuracy", "eval_accuracy", "kl", "kl_k1")}
             self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()},
                                   refresh=False)
 

@@ -36,3 +36,15 @@ def test_response_logprobs_score_the_next_token():
     lp = response_logprobs(logits, batch)
     expected = 2.0 - torch.logsumexp(torch.tensor([0, 0, 0, 2.0, 0]), 0)
     assert torch.isclose(lp[0, 1], expected)
+
+
+def test_experience_select_cuts_rows_to_their_width():
+    from hpc_rlhf.trainers.experience import Experience
+
+    batch = make_batch([[1, 5], [1]], [torch.tensor([8]), torch.tensor([4, 4, 4, 2])], pad_id=0)
+    per_token = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    exp = Experience(batch, torch.tensor([1.0, 2.0]), per_token, per_token, per_token, per_token, per_token)
+    first = exp.select([0])
+    assert first.batch.input_ids.tolist() == [[1, 5, 8]] and first.batch.action_mask.tolist() == [[0, 1]]
+    assert first.old_logps.tolist() == [[0.0, 1.0]] and first.scores.tolist() == [1.0] and first.values is None
+    assert exp.tokens([0, 1]) == 5.0 and len(exp) == 2

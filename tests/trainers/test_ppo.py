@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hpc_rlhf.config import TINY_ASSETS
-from hpc_rlhf.trainers.ppo import combine_scores
+from hpc_rlhf.trainers.rl_scoring import combine_scores
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
 from tests.trainers.conftest import QUIET
@@ -52,7 +52,7 @@ def test_grpo_rule_reward_beats_the_sft_plateau_colocated(base):
     curve = eval_curve(out)
     rows = read_metrics(out)
     assert curve[-1] >= curve[0] + GAIN, f"GRPO held-out exact match {curve} (from the SFT model at {curve[0]})"
-    assert max(r["kl"] for r in rows if "kl" in r) < MAX_KL
+    assert max(r["kl_k1"] for r in rows if "kl_k1" in r) < MAX_KL
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -68,8 +68,8 @@ def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(base):
     curve = eval_curve(out)
     rows = read_metrics(out)
     assert curve[-1] >= curve[0] + RM_PPO_GAIN, f"PPO held-out exact match {curve} (from the SFT model at {curve[0]})"
-    assert max(r["kl"] for r in rows if "kl" in r) < MAX_KL
-    for key in ("reward", "kl", "entropy", "policy_loss", "value_loss", "clip_fraction", "value_clip_fraction",
+    assert max(r["kl_k1"] for r in rows if "kl_k1" in r) < MAX_KL
+    for key in ("reward", "kl_k1", "entropy", "policy_loss", "value_loss", "clip_fraction", "value_clip_fraction",
                 "response_length", "time_generate", "time_score", "time_train", "time_sync", "samples_per_s",
                 "weight_sync_mb"):
         assert key in rows[-1], key
@@ -138,7 +138,7 @@ def test_seeded_runs_repeat_and_resume_exactly(tmp_path):
     hpc_rlhf("grpo", *common, f"output_dir={resumed}")
 
     def figures(out):
-        keep = ("reward", "kl", "policy_loss", "entropy", "response_length", "actor_grad_norm")
+        keep = ("reward", "kl_k1", "kl_k3", "policy_loss", "entropy", "response_length", "actor_grad_norm")
         return [{k: r[k] for k in keep if k in r} for r in read_metrics(out)]
 
     assert [r["step"] for r in read_metrics(resumed)] == [1, 2, 3, 4]

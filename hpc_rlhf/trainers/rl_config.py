@@ -1,0 +1,202 @@
+"""The configuration of the RL modes (`hpc-rlhf ppo`, `hpc-rlhf grpo`): sections, defaults and the checks that
+run before any rank starts (batch sizes against the placement, roles the config needs, option combinations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hpc_rlhf.algorithms.advantages import ESTIMATORS
+from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
+                             ModelSection, TrainSection, field, section)
+from hpc_rlhf.dist.placement import PlacementError, make_plan, world_size_of
+
+ADVANTAGES = ESTIMATORS
+
+
+@dataclass
+class RolloutSection:
+    """Generation: backend, samples per prompt, sampling settings."""
+    backend: str = field("hf", choices=["hf", "vllm"], help="hf = transformers generate (CPU/GPU); vllm = GPU")
+    prompts_per_step: int = field(16, min=1, help="prompts drawn per RL step")
+    n_samples: int = field(4, min=1, help="responses sampled per prompt")
+    temperature: float = field(1.0, min=0)
+    top_p: float = field(1.0, min=0, max=1)
+    top_k: int = field(0, min=0)
+    max_new_tokens: int = field(8, min=1)
+    max_batch_prompts: int = field(64, min=1, help="prompts per generate call (bounds KV-cache memory)")
+    weight_sync_bucket_mb: int = field(256, min=1, help="bucket size of the actor-to-engine weight broadcast")
+    gpu_memory_utilization: float = field(0.5, min=0.05, max=1, help="vllm: share of GPU memory it may take")
+    enforce_eager: bool = field(False, help="vllm: no CUDA graphs")
+
+
+@dataclass
+class RewardSection:
+    """Reward models (one `reward`, `reward2`, ... role each), rule functions and an HTTP endpoint, summed."""
+    models: list[str] = field(["runs/rm/final"], help="reward model folders, in role order reward, reward2, ...")
+    model_weights: list[float] = field([], help="weight of each reward model (default 1 each)")
+    normalize: bool = field(True, help="(score - mean) / std with the held-out statistics stored with a reward "
+                                       "model (a no-op for models without them); raw scores get exploited")
+    functions: list[str] = field([], help="rule rewards: file.py:function, module:function or exact_match")
+    function_weights: list[float] = field([], help="weight of each rule function (default 1 each)")
+    http_url: str | None = field(None, help="remote reward endpoint (JSON POST)")
+    http_weight: float = field(1.0)
+    http_timeout_s: float = field(60.0, min=1)
+    clip: float = field(0.0, min=0, help="clip the combined score to [-clip, clip] (0 = off)")
+
+
+@dataclass
+class RLSection:
+    """Advantages, KL and the PPO losses."""
+    advantage: str = field("gae", choices=ADVANTAGES, help="gae needs a critic; the others are critic-free")
+    gamma: float = field(1.0, min=0, max=1)
+    lam: float = field(0.95, min=0, max=1)
+    kl_coef: float = field(0.02, min=0, help="KL penalty coefficient (0 = no reference model needed)")
+    kl_estimator: str = field("k1", choices=["k1", "k2", "k3"],
+                              help="k1 in the reward; in the loss k2 (gradient of KL(pi||ref)) or k3 (of KL(ref||pi))")
+    kl_in_reward: bool = field(True, help="KL as a per-token reward penalty (true) or a loss term (false)")
+    clip_eps: float = field(0.2, min=0, help="PPO ratio clip, > 0")
+    clip_eps_high: float | None = field(None, min=0, help="asymmetric upper clip, > 0 (None = clip_eps)")
+    dual_clip: float | None = field(None, min=1, help="dual-clip constant c > 1 (None = off)")
+    value_clip_eps: float | None = field(0.2, min=0, help="critic value clip, > 0 (None = unclipped value loss)")
+    tis_cap: float | None = field(None, min=0, help="truncated importance sampling: weight each token's policy "
+                                                     "loss by min(pi_old / pi_rollout, cap) (None = off)")
+    ppo_epochs: int = field(1, min=1, help="passes over each step's experience")
+    entropy_coef: float = field(0.0, min=0)
+    loss_agg: str = field("token-mean", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+    whiten_advantages: bool = field(True, help="GAE/REINFORCE: whiten advantages over the batch")
+    normalize_rewards: bool = field(False, help="normalise scores over the batch before advantages")
+
+
+@dataclass
+class RLEvalSection:
+    """Held-out exact match by greedy generation on data.eval_files (every log.eval_every_steps)."""
+    max_rows: int = field(200, min=1)
+    max_new_tokens: int = field(8, min=1)
+
+
+def _rl_data() -> DataSection:
+    return DataSection(train_files=[f"{TINY_ASSETS}/data/prompts_train.jsonl"],
+                       eval_files=[f"{TINY_ASSETS}/data/prompts_eval.jsonl"], max_prompt_len=16, max_len=32)
+
+
+def _actor_train() -> TrainSection:
+    return TrainSection(lr=5e-5, warmup_steps=0, max_steps=100, micro_batch_size=32, batch_size=64,
+                        min_lr_ratio=1.0)
+
+
+def _critic_train() -> TrainSection:
+    return TrainSection(lr=1e-4, warmup_steps=0, max_steps=100, micro_batch_size=32, batch_size=64,
+                        min_lr_ratio=1.0)
+
+
+@dataclass
+class Config:
+    output_dir: str = field("runs/ppo")
+    placement: str = field("actor=1,critic=1,ref=1,reward=1,rollout=2",
+                           help="roles on ranks, e.g. actor=4,critic=2,ref=1,reward=1,rollout=8,rollout_tp=2")
+    ranks_per_node: int = field(0, min=0, help="ranks per node (0 = from the launcher)")
+    actor: ModelSection = dataclasses.field(default_factory=lambda: ModelSection(path="runs/sft/final"))
+    critic: ModelSection = dataclasses.field(default_factory=lambda: ModelSection(path="runs/rm/final"))
+    ref_path: str | None = field(None, help="reference model folder (default: actor.path)")
+    reward: RewardSection = section(RewardSection)
+    rollout: RolloutSection = section(RolloutSection)
+    rl: RLSection = section(RLSection)
+    data: DataSection = dataclasses.field(default_factory=_rl_data)
+    train: TrainSection = dataclasses.field(default_factory=_actor_train)
+    critic_train: TrainSection = dataclasses.field(default_factory=_critic_train)
+    eval: RLEvalSection = section(RLEvalSection)
+    log: LogSection = dataclasses.field(default_factory=lambda: LogSection(every_steps=1, eval_every_steps=20))
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+    def world_size(self) -> int:
+        return world_size_of(self.placement)
+
+    def validate(self) -> None:
+        samples = self.rollout.prompts_per_step * self.rollout.n_samples
+        trained = [("train", self.train)] + ([("critic_train", self.critic_train)] if self.rl.advantage == "gae"
+                                             else [])  # critic-free modes never read critic_train
+        for name, train in trained:
+            if samples % train.batch_size:
+                raise ConfigError(f"{name}.batch_size={train.batch_size} must divide the samples of a step "
+                                  f"(rollout.prompts_per_step x rollout.n_samples = {samples})")
+        if self.rl.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline") and self.rollout.n_samples < 2:
+            raise ConfigError(f"rl.advantage={self.rl.advantage} compares samples of one prompt: "
+                              f"rollout.n_samples must be at least 2")
+        if self.model_weights_given_wrong():
+            raise ConfigError(f"reward.model_weights has {len(self.reward.model_weights)} entries for "
+                              f"{len(self.reward.models)} reward.models")
+        if self.reward.function_weights and len(self.reward.function_weights) != len(self.reward.functions):
+            raise ConfigError(f"reward.function_weights has {len(self.reward.function_weights)} entries for "
+                              f"{len(self.reward.functions)} reward.functions")
+        if not (self.reward.models or self.reward.functions or self.reward.http_url):
+            raise ConfigError("no reward: set reward.models, reward.functions or reward.http_url")
+        self._check_rl_options()
+        self._check_placement()
+
+    def _check_rl_options(self) -> None:
+        """Bounds stricter than a field's inclusive min, and combinations that would train something else than
+        what they say."""
+        rl = self.rl
+        for key, value, bound in (("clip_eps", rl.clip_eps, 0), ("clip_eps_high", rl.clip_eps_high, 0),
+                                  ("value_clip_eps", rl.value_clip_eps, 0), ("dual_clip", rl.dual_clip, 1),
+                                  ("tis_cap", rl.tis_cap, 0)):
+            if value is not None and value <= bound:
+                off = "" if key == "clip_eps" else " (or leave it unset to turn it off)"
+                raise ConfigError(f"rl.{key} must be > {bound}, got {value}{off}")
+        if rl.kl_coef > 0 and not rl.kl_in_reward and rl.kl_estimator == "k1":
+            raise ConfigError("rl.kl_estimator=k1 as a loss term (rl.kl_in_reward=false) has zero expected gradient: "
+                              "it adds noise, not a pull towards the reference. Use rl.kl_estimator=k2 (gradient of "
+                              "KL(pi||ref)) or k3 (gradient of KL(ref||pi)), or keep k1 in the reward "
+                              "(rl.kl_in_reward=true)")
+
+    def _check_placement(self) -> None:
+        """Input validation up front: the roles and per-role batch sizes follow from the placement alone, so a
+        mismatch is reported before any rank starts (the node layout is checked again at launch)."""
+        try:
+            world = world_size_of(self.placement)
+            plan = make_plan(self.placement, world, self.ranks_per_node or world)
+        except PlacementError as exc:
+            raise ConfigError(f"placement '{self.placement}': {exc}") from None
+        check_plan_against_config(plan, self)
+        for role, name, train in (("actor", "train", self.train), ("critic", "critic_train", self.critic_train)):
+            if plan.has(role):
+                size = len(plan.role(role).ranks)
+                per_pass = train.micro_batch_size * size
+                if train.batch_size % per_pass:
+                    raise ConfigError(f"{name}.batch_size={train.batch_size} must be a multiple of "
+                                      f"{name}.micro_batch_size ({train.micro_batch_size}) x ranks of the role "
+                                      f"'{role}' ({size}) = {per_pass}")
+
+    def model_weights_given_wrong(self) -> bool:
+        return bool(self.reward.model_weights) and len(self.reward.model_weights) != len(self.reward.models)
+
+
+def reward_role_names(count: int) -> list[str]:
+    return ["reward" if i == 0 else f"reward{i + 1}" for i in range(count)]
+
+
+def check_plan_against_config(plan, cfg: Config) -> None:
+    """The roles the placement holds must be the ones the config needs, before any model is loaded."""
+    needed = ["actor", "rollout"]
+    problems = []
+    if cfg.rl.advantage == "gae":
+        needed.append("critic")
+    elif plan.has("critic"):
+        problems.append(f"rl.advantage={cfg.rl.advantage} uses no critic, but the placement has one")
+    if cfg.rl.kl_coef > 0:
+        needed.append("ref")
+    names = reward_role_names(len(cfg.reward.models))
+    needed += names
+    for name in needed:
+        if not plan.has(name):
+            problems.append(f"the placement has no '{name}' role, which this config needs")
+    extra = [n for n in plan.roles if n.startswith("reward") and n not in names]
+    if extra:
+        problems.append(f"the placement has {', '.join(extra)} but reward.models lists {len(names)} model(s)")
+    if cfg.rollout.backend == "hf" and plan.rollout_tp > 1:
+        problems.append("the hf rollout backend does no tensor parallelism: use rollout_tp=1 or rollout.backend=vllm")
+    if problems:
+        raise ConfigError(f"placement '{cfg.placement}': " + "; ".join(problems) + "\n" + plan.format_table())

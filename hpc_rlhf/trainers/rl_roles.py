@@ -1,0 +1,83 @@
+"""Builders for the roles of an RL job (torchtune style: small functions the recipe calls in `setup()`):
+the prompts every rank reads, the rollout engine of a rollout rank, and the actor's weights as the engines name
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.data.examples import prompt_example
+from hpc_rlhf.data.loading import load_rows
+from hpc_rlhf.dist import groups
+from hpc_rlhf.engines.rollout.base import hf_param_name
+from hpc_rlhf.models.builders import build_causal_lm
+from hpc_rlhf.trainers.rl_config import Config
+
+
+def load_prompts(cfg: Config, tokenizer, paths, where: str, max_rows) -> list[dict]:
+    """Prompt rows as {"input_ids", "text", "answer"} (answer None where the row has none)."""
+    data = cfg.data
+    rows, _ = load_rows(paths, required={data.prompt_key: str}, where=where, on_bad_row=data.on_bad_row,
+                        max_rows=max_rows)
+    out = []
+    for row in rows:
+        ids = prompt_example(tokenizer, prompt=row[data.prompt_key], max_prompt_len=data.max_prompt_len,
+                             chat_template=data.apply_chat_template, where=row["_source"])["input_ids"]
+        answer = row.get(data.answer_key)
+        out.append({"input_ids": ids, "text": row[data.prompt_key], "answer": None if answer is None else str(answer)})
+    return out
+
+
+def build_rollout_engine(cfg: Config, plan, tokenizer, device, actor=None):
+    """This rank's rollout engine: hf (on the actor's own module in the hybrid placement, else a copy of the
+    initial actor), or vllm driven by the engine's first rank (None on its other ranks)."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    if cfg.rollout.backend == "vllm":
+        return build_vllm_engine(cfg, plan, eos)
+    from hpc_rlhf.engines.rollout.hf import HFRolloutEngine  # transformers' generate: only rollout ranks
+
+    if plan.is_hybrid:  # generate with the actor's own (gathered, under ZeRO-3) parameters
+        return HFRolloutEngine(actor.module, pad, eos, max_batch_prompts=cfg.rollout.max_batch_prompts,
+                               full_params=actor.gathered_parameters)
+    model = build_causal_lm(dataclasses.replace(cfg.actor, lora=dataclasses.replace(cfg.actor.lora, rank=0)),
+                            for_training=False, device=device)
+    return HFRolloutEngine(model, pad, eos, max_batch_prompts=cfg.rollout.max_batch_prompts)
+
+
+def build_vllm_engine(cfg: Config, plan, eos: int):
+    """One vLLM engine per rollout engine, driven by the engine's first rank (DESIGN §9): vLLM runs in processes
+    of its own on the engine's GPUs; the other ranks of the engine leave their GPUs to it."""
+    from hpc_rlhf.engines.rollout.vllm import VLLMRolloutEngine  # optional dependency (the vllm extra)
+
+    engine_ranks = plan.role("rollout").engines[groups.rollout_engine_of_rank()]
+    if dist.get_rank() != engine_ranks[0]:
+        return None
+    per_node = plan.ranks_per_node
+    return VLLMRolloutEngine(cfg.actor.path, eos, tensor_parallel_size=len(engine_ranks),
+                             gpu_ids=[r % per_node for r in engine_ranks],
+                             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                             enforce_eager=cfg.rollout.enforce_eager, seed=cfg.train.seed,
+                             enable_sleep_mode=plan.is_hybrid,
+                             max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+                             bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+
+
+def merged_state(module: torch.nn.Module, lora_rank: int) -> dict[str, torch.Tensor]:
+    """The module's weights, LoRA adapters folded into their base weights."""
+    if lora_rank == 0:
+        return dict(module.state_dict())
+    from hpc_rlhf.models.lora import merged_state_dict  # peft: only for LoRA actors
+
+    return merged_state_dict(module)
+
+
+def hf_names(state: dict[str, torch.Tensor]):
+    """(name, tensor) with the plain Hugging Face names the engines load."""
+    for name, tensor in state.items():
+        hf_name = hf_param_name(name)
+        if hf_name is not None:  # None: a LoRA adapter tensor, already merged into its base weight
+            yield hf_name, tensor

@@ -1,0 +1,63 @@
+"""Scoring pieces of the RL step (phase 4 of trainers/ppo.py): a role's work on its shard of the samples,
+the rule and remote rewards, and how the scores of several sources add up.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf import rewards as reward_fns
+from hpc_rlhf.dist import exchange, groups
+from hpc_rlhf.trainers.experience import SampleBatch, shard_bounds
+
+
+def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int, int], SampleBatch],
+                   one: Callable[[SampleBatch], list[torch.Tensor]]) -> list[torch.Tensor] | None:
+    """`one` over this rank's contiguous shard of the `samples` in micro-batches; the role leader gets every
+    rank's results in sample order (None elsewhere). Every rank of the role runs as many passes as the one with
+    the largest shard (a ZeRO-3 model gathers parameters collectively in each): the extra ones on one sample,
+    dropped."""
+    size, index = len(groups.role_ranks(role)), groups.rank_in_role(role)
+    start, end = shard_bounds(samples, size, index)
+    passes = math.ceil(math.ceil(samples / size) / micro)
+    results = []
+    for p in range(passes):
+        lo, hi = start + p * micro, min(start + (p + 1) * micro, end)
+        if lo < hi:
+            results += one(batch_of(lo, hi))
+        else:
+            one(batch_of(0, 1))
+    gathered = exchange.gather_ragged(results, dst=groups.role_leader(role), group=groups.role_group(role),
+                                      tag=f"{role}-scores", dtype=torch.float32)
+    return exchange.flatten_ranks(gathered) if gathered is not None else None
+
+
+def rule_scores(cfg, rule_functions, tokenizer, leader: int, prompts: list[str], responses: list[torch.Tensor],
+                answers: list[str | None]) -> torch.Tensor:
+    """Rule functions and the HTTP endpoint, weighted and summed, computed once on `leader` (the only rank that
+    decodes the responses): (B,) on every rank."""
+    full = None
+    if dist.get_rank() == leader:
+        texts = [tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
+        total = torch.zeros(len(texts))
+        weights = cfg.reward.function_weights or [1.0] * len(rule_functions)
+        for (spec, fn), w in zip(rule_functions, weights):
+            total += w * torch.tensor(reward_fns.call_reward_function(fn, spec, prompts, texts, answers))
+        if cfg.reward.http_url:
+            total += cfg.reward.http_weight * torch.tensor(reward_fns.remote_rewards(
+                cfg.reward.http_url, prompts, texts, answers, timeout_s=cfg.reward.http_timeout_s))
+        full = [total]
+    return exchange.broadcast_ragged(full, src=leader, tag="rule-scores", dtype=torch.float32)[0]
+
+
+def combine_scores(rule_scores: torch.Tensor, model_scores: list[torch.Tensor],
+                   model_weights: list[float]) -> torch.Tensor:
+    """One score per sample: the (already weighted) rule/remote rewards plus each reward model's weighted score."""
+    total = rule_scores.float().clone()
+    for scores, weight in zip(model_scores, model_weights, strict=True):
+        total += weight * scores.float()
+    return total
