@@ -53,7 +53,7 @@ from hpc_rlhf.trainers import common
 from hpc_rlhf.trainers.experience import (Experience, SampleBatch, from_ragged, make_batch, response_logprobs,
                                           shard_bounds, to_ragged)
 from hpc_rlhf.trainers.reference import FrozenModel
-from hpc_rlhf.trainers.rl_scoring import combine_scores, rule_scores, score_on_shard
+from hpc_rlhf.trainers.rl_scoring import combine_scores, rule_scores, sample_figures, score_on_shard
 from hpc_rlhf.trainers.rl_roles import build_rollout_engine, hf_names, load_prompts, merged_state
 from hpc_rlhf.trainers.rl_config import Config, check_plan_against_config, reward_role_names
 from hpc_rlhf.utils import faults
@@ -186,7 +186,8 @@ class RLRecipe:
             skipped = bool(metrics.get("actor_skipped", 0.0)) or bool(critic_figures.get("critic_skipped", 0.0))
             self.bad_steps.update(_any_rank(skipped), done)
             if run.is_main:
-                metrics.update(self._step_figures(batch, scored, rollout_logps))
+                metrics.update(sample_figures(batch, scored, from_ragged(rollout_logps, batch),
+                                              self._combined_scores(scored), self.cfg.rl.kl_estimator))
                 elapsed = t_sync - t0
                 metrics.update({
                     "time_generate": t_generate - t0, "time_score": t_score - t_generate,
@@ -431,23 +432,6 @@ class RLRecipe:
                               device=exchange.comm_device())
         dist.broadcast(values, src=leader)
         return dict(zip(CRITIC_FIGURES[:-1], values.tolist()))
-
-    def _step_figures(self, batch: SampleBatch, scored: dict[str, torch.Tensor],
-                      rollout_logps: list[torch.Tensor]) -> dict[str, float]:
-        """What rank 0 logs about the samples of a step: rewards, KL to the reference (per sequence, k1 and the
-        configured estimator, by name), length, and how far the engines' log-probs are from the actor's."""
-        mask = batch.action_mask
-        scores = self._combined_scores(scored)
-        figures = {"reward": scores.mean().item(), "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
-                   "response_length": float(sum(batch.response_lens)) / len(scores)}
-        if "ref" in scored:
-            for kind in dict.fromkeys(("k1", self.cfg.rl.kl_estimator)):
-                kl = (kl_estimate(scored["actor"], scored["ref"], kind=kind) * mask).sum(1)
-                figures[f"kl_{kind}"] = kl.mean().item()
-        gap = (from_ragged(rollout_logps, batch) - scored["actor"]).abs() * mask
-        figures["rollout_logprob_abs_diff"] = (gap.sum() / mask.sum().clamp(min=1)).item()
-        figures["rollout_logprob_abs_diff_max"] = gap.max().item()
-        return figures
 
     # -------------------------------------------------------------------------------------------- phase 8
     def _sync_weights(self) -> float:

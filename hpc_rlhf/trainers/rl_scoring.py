@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf import rewards as reward_fns
+from hpc_rlhf.algorithms.kl import kl_estimate
 from hpc_rlhf.dist import exchange, groups
 from hpc_rlhf.trainers.experience import SampleBatch, shard_bounds
 
@@ -61,3 +62,20 @@ def combine_scores(rule_scores: torch.Tensor, model_scores: list[torch.Tensor],
     for scores, weight in zip(model_scores, model_weights, strict=True):
         total += weight * scores.float()
     return total
+
+
+def sample_figures(batch: SampleBatch, scored: dict[str, torch.Tensor], rollout_logps: torch.Tensor,
+                   scores: torch.Tensor, kl_estimator: str) -> dict[str, float]:
+    """What is logged about a step's samples: rewards, KL of the actor to the reference per sequence (k1 and the
+    configured estimator, by name), response length, and how far the engines' sampling log-probs are from the
+    actor's (`rollout_logprob_abs_diff`: mean over response tokens; `_max`: the largest)."""
+    mask = batch.action_mask
+    figures = {"reward": scores.mean().item(), "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
+               "response_length": float(sum(batch.response_lens)) / len(scores)}
+    if "ref" in scored:
+        for kind in dict.fromkeys(("k1", kl_estimator)):
+            figures[f"kl_{kind}"] = (kl_estimate(scored["actor"], scored["ref"], kind=kind) * mask).sum(1).mean().item()
+    gap = (rollout_logps - scored["actor"]).abs() * mask
+    figures["rollout_logprob_abs_diff"] = (gap.sum() / mask.sum().clamp(min=1)).item()
+    figures["rollout_logprob_abs_diff_max"] = gap.max().item()
+    return figures
