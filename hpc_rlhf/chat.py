@@ -41,14 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import TextStreamer
 
-    from hpc_rlhf.config import ModelSection
-    from hpc_rlhf.models.builders import ModelFolderError, build_causal_lm, load_tokenizer
+    from hpc_rlhf.config import ConfigError, ModelSection
+    from hpc_rlhf.models.builders import build_causal_lm, check_model_folder, load_tokenizer
 
     try:
+        # The folder first: a folder that is no model at all would otherwise be reported by the tokenizer loader
+        # in terms of slow tokenizers and sentencepiece.
+        check_model_folder(args.model_dir)
         tokenizer = load_tokenizer(args.model_dir, pad_to_eos=True)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = build_causal_lm(ModelSection(path=args.model_dir), for_training=False, device=device)
-    except ModelFolderError as exc:
+    except ConfigError as exc:
         print(f"hpc-rlhf chat: {exc}", file=sys.stderr)
         return 2
     limit = args.max_context or getattr(model.config, "max_position_embeddings", None) or 4096

@@ -9,6 +9,10 @@ Field metadata understood here:
     help     one line shown by `--help`
     choices  allowed values
     min/max  inclusive bounds for numbers
+
+Keys named `output_dir` (a folder a run creates) and `output_file` (a file it writes; empty = its default) are
+checked when the configuration is loaded: a file where the folder should be, or in the way of its parents, is
+named before any rank starts.
 """
 
 from __future__ import annotations
@@ -295,6 +299,62 @@ def _set_dotted(tree: dict, key: str, value: Any, cls) -> None:
     node[parts[-1]] = value
 
 
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> ConfigError:
+    """One line naming the file, line and column (PyYAML's own text says "<unicode string>" for the file)."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return ConfigError(f"{path}: not valid YAML: {exc}")
+    mark = exc.problem_mark
+    context = ""
+    if exc.context:
+        start = exc.context_mark
+        context = f" ({exc.context}" + (f" at line {start.line + 1}, column {start.column + 1})" if start else ")")
+    return ConfigError(f"{path}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: "
+                       f"{exc.problem}{context}")
+
+
+def read_yaml_file(path: Path) -> Any:
+    """The parsed YAML file; unreadable files and syntax errors as one ConfigError naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a YAML text file (byte {exc.start} is not UTF-8)") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(path, exc) from None
+
+
+def check_output_path(value: str, key: str, where: str, folder: bool) -> None:
+    """`value` can be created as a folder (`folder`) or written as a file: nothing of the other kind is in its
+    place, and no file stands where one of its parent folders should be."""
+    if not value:
+        return
+    path = Path(value)
+    if folder and path.exists() and not path.is_dir():
+        raise ConfigError(f"{where}: {key}='{value}' is a file, not a folder; choose another {key}")
+    if not folder and path.is_dir():
+        raise ConfigError(f"{where}: {key}='{value}' is a folder; give the path of a file")
+    for parent in path.parents:
+        if parent.is_dir():
+            return
+        if parent.exists():
+            raise ConfigError(f"{where}: {key}='{value}' cannot be created: '{parent}' is a file, not a folder")
+
+
+def _check_output_paths(obj, where_of_key) -> None:
+    for key in all_keys(type(obj)):
+        leaf = key.rsplit(".", 1)[-1]
+        if leaf not in ("output_dir", "output_file"):
+            continue
+        value = obj
+        for part in key.split("."):
+            value = getattr(value, part)
+        if isinstance(value, str):
+            check_output_path(value, key, where_of_key(key), folder=leaf == "output_dir")
+
+
 def load_config(cls, path: str | Path | None = None, overrides: Iterable[str] = ()):
     """YAML file (optional) + `key=value` overrides -> checked instance of `cls`."""
     tree: dict[str, Any] = {}
@@ -304,10 +364,7 @@ def load_config(cls, path: str | Path | None = None, overrides: Iterable[str] = 
         where = str(path)
         if not path.is_file():
             raise ConfigError(f"config file '{path}' does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        loaded = read_yaml_file(path)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -315,13 +372,18 @@ def load_config(cls, path: str | Path | None = None, overrides: Iterable[str] = 
         tree = loaded
     # Validate the file on its own first so that its errors name the file.
     from_dict(cls, tree, where)
+    overridden = set()
     for text in overrides:
         key, value = parse_override(text)
         try:
             _set_dotted(tree, key, value, cls)
         except ConfigError as exc:
             raise ConfigError(f"command line: {exc}") from None
-    return from_dict(cls, tree, "command line" if list(overrides) else where)
+        overridden.add(key)
+    cfg = from_dict(cls, tree, "command line" if overridden else where)
+    _check_output_paths(cfg, lambda key: "command line" if any(key == k or key.startswith(k + ".")
+                                                               for k in overridden) else where)
+    return cfg
 
 
 def to_dict(obj) -> dict[str, Any]:

@@ -46,6 +46,24 @@ def _model_folder(folder: Path, model_class: str = "AutoModelForCausalLM", max_p
     return folder
 
 
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(size)
+
+
+def _sharded_copy(source: Path, folder: Path) -> None:
+    """`source` saved again as three safetensors shards and an index."""
+    from transformers import AutoModelForCausalLM
+
+    from hpc_rlhf.models.tiny import copy_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source)
+    shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) // 2
+    model.save_pretrained(folder, max_shard_size=shard_bytes)
+    assert (folder / "model-00002-of-00003.safetensors").is_file()
+    copy_tokenizer(folder)
+
+
 @pytest.fixture(scope="module")
 def d(tmp_path_factory) -> Path:
     """A folder of bad (and a few good) inputs, built once."""
@@ -63,6 +81,26 @@ def d(tmp_path_factory) -> Path:
     tok_config = json.loads((root / "no_pad" / "tokenizer_config.json").read_text())
     tok_config.pop("pad_token", None)
     (root / "no_pad" / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    # weights cut short, as an interrupted copy or a full disk leaves them
+    shutil.copytree(root / "model", root / "truncated")
+    _truncate(root / "truncated" / "model.safetensors", 100)
+    _sharded_copy(root / "model", root / "truncated_shard")
+    _truncate(root / "truncated_shard" / "model-00002-of-00003.safetensors", 1000)
+    _sharded_copy(root / "model", root / "missing_shard")
+    (root / "missing_shard" / "model-00002-of-00003.safetensors").unlink()
+    # tokenizers: none at all (a model folder saved without it), a truncated tokenizer.json
+    shutil.copytree(root / "model", root / "no_tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (root / "no_tokenizer" / name).unlink()
+    shutil.copytree(root / "model", root / "truncated_tokenizer")
+    _truncate(root / "truncated_tokenizer" / "tokenizer.json", 500)
+    # a reward model whose stored normalisation cannot be applied
+    shutil.copytree(root / "classifier", root / "zero_reward_std")
+    model_config = json.loads((root / "zero_reward_std" / "config.json").read_text())
+    (root / "zero_reward_std" / "config.json").write_text(json.dumps({**model_config, "reward_mean": 0.5,
+                                                                      "reward_std": 0.0}))
+    (root / "a_file").write_text("not a folder\n")
+    (root / "folder").mkdir()
 
     _write_rows(root / "sft.jsonl", [good, good])
     (root / "empty.jsonl").write_text("")
@@ -81,6 +119,9 @@ def d(tmp_path_factory) -> Path:
                                                           {"role": "assistant", "content": "yo"}]}])
 
     (root / "not_yaml.yaml").write_text("train: {lr: 1e-3\n")
+    (root / "bad_indent.yaml").write_text("train:\n  lr: 0.001\n   max_steps: 3\n")
+    (root / "binary.yaml").write_bytes(bytes(range(256)))
+    (root / "output_below_file.yaml").write_text(f"output_dir: {root}/a_file/run\n")
     (root / "list.yaml").write_text("- train.lr=1\n")
     (root / "typo.yaml").write_text("train:\n  lr: 0.001\n  max_stesp: 3\n")
     (root / "flat_section.yaml").write_text("train: 5\n")
@@ -112,6 +153,8 @@ def isolated(monkeypatch, d):
 SFT = ["sft", "model.path={d}/model", "data.train_files=[{d}/sft.jsonl]", "output_dir={d}/out", "eval.prompt_files=[]",
        *QUIET]
 GRPO = ["grpo", "actor.path={d}/model", "output_dir={d}/out", *QUIET]
+GENERATE = ["generate", "model.path={d}/model", "data.train_files=[{d}/sft.jsonl]", "output_dir={d}/out",
+            "generate.n=1", "generate.max_new_tokens=2"]
 
 # (id, argv, text the message must contain, environment)
 CLI_CASES = [
@@ -136,13 +179,30 @@ CLI_CASES = [
     ("unknown mode", ["stf"], "unknown mode 'stf'; did you mean 'sft'?"),
     # ---- configuration files
     ("missing config file", [*SFT, "--config", "{d}/nope.yaml"], "config file '{d}/nope.yaml' does not exist"),
-    ("config file not YAML", [*SFT, "--config", "{d}/not_yaml.yaml"], "{d}/not_yaml.yaml: not valid YAML"),
+    ("config file not YAML", [*SFT, "--config", "{d}/not_yaml.yaml"],
+     "{d}/not_yaml.yaml, line 2, column 1: not valid YAML: expected ',' or '}}', but got '<stream end>' "
+     "(while parsing a flow mapping at line 1, column 8)"),
+    ("config file badly indented", [*SFT, "--config", "{d}/bad_indent.yaml"],
+     "{d}/bad_indent.yaml, line 3, column 13: not valid YAML: mapping values are not allowed here"),
+    ("config file not text", [*SFT, "--config", "{d}/binary.yaml"],
+     "{d}/binary.yaml: not a YAML text file (byte 128 is not UTF-8)"),
     ("config file not a mapping", [*SFT, "--config", "{d}/list.yaml"],
      "{d}/list.yaml: the top level must be a mapping of keys, got list"),
     ("unknown key in a config file", [*SFT, "--config", "{d}/typo.yaml"],
      "{d}/typo.yaml: unknown key 'train.max_stesp'; did you mean 'train.max_steps'?"),
     ("a value where a section belongs", [*SFT, "--config", "{d}/flat_section.yaml"],
      "{d}/flat_section.yaml: section 'train' must be a mapping, got 5"),
+    # ---- output folders and files (found when the configuration is loaded)
+    ("output folder that is a file", [*SFT, "output_dir={d}/a_file"],
+     "command line: output_dir='{d}/a_file' is a file, not a folder"),
+    ("output folder below a file", [*SFT, "output_dir={d}/a_file/run"],
+     "command line: output_dir='{d}/a_file/run' cannot be created: '{d}/a_file' is a file, not a folder"),
+    ("output folder below a file (config file)", ["sft", "--config", "{d}/output_below_file.yaml"],
+     "{d}/output_below_file.yaml: output_dir='{d}/a_file/run' cannot be created: '{d}/a_file' is a file"),
+    ("generated file below a file", [*GENERATE, "generate.output_file={d}/a_file/out.jsonl"],
+     "command line: generate.output_file='{d}/a_file/out.jsonl' cannot be created: '{d}/a_file' is a file"),
+    ("generated file that is a folder", [*GENERATE, "generate.output_file={d}/folder"],
+     "command line: generate.output_file='{d}/folder' is a folder; give the path of a file"),
     # ---- batch sizes and placements (RL modes: all before any rank starts)
     ("batch does not divide the micro-batches", [*SFT, "train.micro_batch_size=5"],
      "train.batch_size=32 must be a multiple of train.micro_batch_size (5) x ranks of the role (1) = 5"),
@@ -215,6 +275,26 @@ CLI_CASES = [
     ("tokenizer without a pad token", [*SFT, "model.tokenizer={d}/no_pad"],
      "tokenizer in '{d}/no_pad' has no pad token"),
     ("missing tokenizer folder", [*SFT, "model.tokenizer={d}/nope"], "tokenizer folder '{d}/nope' does not exist"),
+    ("tokenizer path that is a file", [*SFT, "model.tokenizer={d}/a_file"],
+     "tokenizer path '{d}/a_file' is a file, not a folder"),
+    ("model folder without a tokenizer", [*SFT, "model.path={d}/no_tokenizer"],
+     "tokenizer folder '{d}/no_tokenizer' has no tokenizer files (none of tokenizer.json, tokenizer.model"),
+    ("truncated tokenizer file", [*SFT, "model.path={d}/truncated_tokenizer"],
+     "tokenizer folder '{d}/truncated_tokenizer': tokenizer.json is not valid JSON"),
+    ("truncated weights", [*SFT, "model.path={d}/truncated"],
+     "model folder '{d}/truncated': weight file model.safetensors is truncated or corrupt (100 bytes, shorter than "
+     "the"),
+    ("truncated weight shard", [*SFT, "model.path={d}/truncated_shard"],
+     "model folder '{d}/truncated_shard': weight file model-00002-of-00003.safetensors is truncated or corrupt "
+     "(1000 bytes, where its header describes"),
+    ("missing weight shard", [*SFT, "model.path={d}/missing_shard"],
+     "model folder '{d}/missing_shard': model.safetensors.index.json lists 1 shard file(s) that are missing: "
+     "model-00002-of-00003.safetensors"),
+    ("truncated reward model", [*GENERATE, "score.reward_models=[{d}/truncated]"],
+     "model folder '{d}/truncated': weight file model.safetensors is truncated or corrupt"),
+    ("reward normalisation that cannot be applied", [*GENERATE, "score.reward_models=[{d}/zero_reward_std]",
+                                                     "score.normalize=true"],
+     "model folder '{d}/zero_reward_std': config.json has reward_std=0.0, which must be a positive finite number"),
     ("attention kernel not installed", [*SFT, "model.attn_implementation=flash_attention_2"],
      "model.attn_implementation=flash_attention_2 needs"),
 ]

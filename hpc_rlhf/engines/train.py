@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hpc_rlhf.config import ConfigError, TrainSection
 from hpc_rlhf.engines import deepspeed_compat
 from hpc_rlhf.engines.schedule import warmup_cosine_scheduler
-from hpc_rlhf.models.builders import save_pretrained_on_this_rank
+from hpc_rlhf.models.saving import save_pretrained_on_this_rank
 
 CHECKPOINT_TAG = "engine"  # deepspeed's sub-folder inside a checkpoint folder; fixed so loading needs no `latest`
 COMPLETE_MARKER = "ENGINE_COMPLETE.json"  # written by the role leader once every rank of the role has saved

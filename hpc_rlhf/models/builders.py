@@ -7,6 +7,8 @@ queueing is spent on a job that cannot start.
 
 GPU-only pieces (flash-attn, bitsandbytes) are never imported here; their presence is checked with
 `importlib.util.find_spec` so that the CPU path works without them.
+
+Layers of hpc_rlhf/models, each importing only those before it: saving -> lora -> builders -> value_model.
 """
 
 from __future__ import annotations
@@ -18,13 +20,22 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hpc_rlhf.config import ConfigError, ModelSection
+from hpc_rlhf.models.lora import apply_lora, quantization_config
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+WEIGHT_FILES = (SAFETENSORS_FILE, SAFETENSORS_INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
+# Files that hold a tokenizer's vocabulary (fast tokenizers, sentencepiece, BPE, WordPiece); tokenizer_config.json
+# alone is not a tokenizer.
+TOKENIZER_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,11 +58,72 @@ def check_model_folder(path: str | Path) -> Path:
             base = _json_value(adapter, "base_model_name_or_path")
             raise ModelFolderError(f"model folder '{folder}' holds only a LoRA adapter (base model: {base}); "
                                    f"save with model.lora.merge_on_save=true to get a full model folder")
-        raise ModelFolderError(f"model folder '{folder}' has no config.json")
+        raise ModelFolderError(f"model folder '{folder}' has no config.json, so it is not a Hugging Face model "
+                               f"folder")
     if not any((folder / name).is_file() for name in WEIGHT_FILES) and not any(folder.glob("*.safetensors")):
         raise ModelFolderError(f"model folder '{folder}' has a config.json but no weights "
                                f"(expected one of {', '.join(WEIGHT_FILES)})")
+    check_safetensors_files(folder)
     return folder
+
+
+def check_safetensors_files(folder: Path) -> None:
+    """The safetensors files that transformers would load are whole: each one's size is what its header
+    describes. An interrupted copy or a full disk leaves a truncated file, on which the safetensors library
+    says only "invalid header length" without naming the file. Reads the headers only, not the weights."""
+    if (folder / SAFETENSORS_FILE).is_file():  # transformers prefers it to an index
+        shards = [SAFETENSORS_FILE]
+    elif (folder / SAFETENSORS_INDEX).is_file():
+        shards = safetensors_shards(folder)
+    else:
+        return  # PyTorch .bin weights: torch's own error on a damaged file says that it is corrupt
+    for name in shards:
+        problem = safetensors_file_problem(folder / name)
+        if problem:
+            raise ModelFolderError(f"model folder '{folder}': weight file {name} is truncated or corrupt "
+                                   f"({problem}); copy or save the model again")
+
+
+def safetensors_shards(folder: Path) -> list[str]:
+    """The shard files named by the folder's model.safetensors.index.json, each checked to exist."""
+    index = folder / SAFETENSORS_INDEX
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ModelFolderError(f"model folder '{folder}': {SAFETENSORS_INDEX} cannot be read ({exc}); the file "
+                               f"is truncated or corrupt") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        raise ModelFolderError(f"model folder '{folder}': {SAFETENSORS_INDEX} has no 'weight_map' of tensor "
+                               f"names to shard files")
+    shards = sorted(set(weight_map.values()))
+    missing = [name for name in shards if not (folder / name).is_file()]
+    if missing:
+        raise ModelFolderError(f"model folder '{folder}': {SAFETENSORS_INDEX} lists {len(missing)} shard "
+                               f"file(s) that are missing: {', '.join(missing[:3])}")
+    return shards
+
+
+def safetensors_file_problem(path: Path) -> str | None:
+    """None when the file's size matches its header, else what is wrong (the file format: an 8-byte
+    little-endian header length, a JSON header giving each tensor's byte range, then the tensor bytes)."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            return f"{size} bytes, shorter than the 8-byte header length"
+        header_length = int.from_bytes(prefix, "little")
+        if 8 + header_length > size:
+            return f"{size} bytes, shorter than the {header_length}-byte header it announces"
+        try:
+            header = json.loads(handle.read(header_length))
+            data_end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+                           default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "its header is not a safetensors header"
+    expected = 8 + header_length + data_end
+    if expected != size:
+        return f"{size} bytes, where its header describes {expected}"
+    return None
 
 
 def _json_value(path: Path, key: str):
@@ -63,8 +135,6 @@ def _json_value(path: Path, key: str):
 
 def read_model_config(folder: str | Path):
     """The folder's transformers config, with unreadable or unknown configs reported against the folder."""
-    from transformers import AutoConfig
-
     try:
         return AutoConfig.from_pretrained(str(folder))
     except (OSError, ValueError, KeyError) as exc:
@@ -84,8 +154,6 @@ def describe_architecture(config) -> str:
 
 
 def check_causal_lm_config(folder: Path, config) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     causal = architecture_names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     architectures = config.architectures or []
     fits = any(a in causal for a in architectures) if architectures else \
@@ -126,8 +194,6 @@ def check_attn_implementation(name: str) -> str:
 
 def pretrained_kwargs(model_cfg: ModelSection, device: torch.device | str | None = None) -> dict:
     """Keyword arguments of `from_pretrained` shared by every model builder."""
-    from hpc_rlhf.models.lora import quantization_config
-
     kwargs = {"dtype": resolve_dtype(model_cfg.dtype, device),
               "attn_implementation": check_attn_implementation(model_cfg.attn_implementation)}
     quant = quantization_config(model_cfg.lora)
@@ -167,7 +233,7 @@ def load_pretrained(auto_class, folder: Path, what: str, **kwargs):
         with quiet_transformers_loading():
             model, info = auto_class.from_pretrained(str(folder), output_loading_info=True,
                                                      ignore_mismatched_sizes=True, **kwargs)
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise ModelFolderError(f"model folder '{folder}' cannot be loaded as {what}: {exc}") from None
     if info["mismatched_keys"]:
         examples = sorted(info["mismatched_keys"])[:3]
@@ -211,15 +277,18 @@ def prepare_model(model, model_cfg: ModelSection, for_training: bool):
 def load_tokenizer(path: str | Path, pad_to_eos: bool = False):
     """The tokenizer of a local folder. Batches need a pad token: without one this is an error naming the
     folder, unless `pad_to_eos` asks to pad with the end-of-sequence token (a warning says so)."""
-    from transformers import AutoTokenizer
-
     folder = Path(path)
+    if folder.is_file():
+        raise ModelFolderError(f"tokenizer path '{folder}' is a file, not a folder (set model.tokenizer or "
+                               f"model.path to the folder that holds the tokenizer files)")
     if not folder.is_dir():
         raise ModelFolderError(f"tokenizer folder '{folder}' does not exist (set model.tokenizer or model.path)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelFolderError(f"tokenizer folder '{folder}' cannot be loaded: {exc}") from None
+        # transformers' own text is about converting slow tokenizers or JSON columns; say what is wrong instead.
+        raise ModelFolderError(tokenizer_folder_problem(folder)
+                               or f"tokenizer folder '{folder}' cannot be loaded: {exc}") from None
     if tokenizer.pad_token is None:
         if not pad_to_eos:
             raise ModelFolderError(f"tokenizer in '{folder}' has no pad token; add one to the tokenizer, or let "
@@ -232,6 +301,25 @@ def load_tokenizer(path: str | Path, pad_to_eos: bool = False):
     return tokenizer
 
 
+def tokenizer_folder_problem(folder: Path) -> str | None:
+    """Why a tokenizer folder that failed to load cannot load, where that can be named: a JSON file that does not
+    parse (a truncated copy), or no vocabulary file at all (not a tokenizer folder). None otherwise."""
+    for name in TOKENIZER_JSON_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            return f"tokenizer folder '{folder}': {name} is not valid JSON ({exc}); the file is truncated or corrupt"
+    if not any((folder / name).is_file() for name in TOKENIZER_VOCABULARY_FILES) and \
+            not any(folder.glob("*.tiktoken")):
+        return (f"tokenizer folder '{folder}' has no tokenizer files (none of "
+                f"{', '.join(TOKENIZER_VOCABULARY_FILES)}): save the tokenizer into the folder, or set "
+                f"model.tokenizer to the folder that has it")
+    return None
+
+
 def build_causal_lm(model_cfg: ModelSection, for_training: bool = True, device: torch.device | str | None = None):
     """The actor or reference model: `AutoModelForCausalLM` from `model_cfg.path`.
 
@@ -239,8 +327,6 @@ def build_causal_lm(model_cfg: ModelSection, for_training: bool = True, device: 
     is on, the KV cache is off, and LoRA adapters are added when `model.lora.rank > 0`; without it the model
     is frozen in eval mode. `device` moves the model there (left on the CPU when None: DeepSpeed moves it).
     """
-    from transformers import AutoModelForCausalLM
-
     folder = check_model_folder(model_cfg.path)
     config = read_model_config(folder)
     check_causal_lm_config(folder, config)
@@ -251,8 +337,6 @@ def build_causal_lm(model_cfg: ModelSection, for_training: bool = True, device: 
         model.to(device)
     prepare_model(model, model_cfg, for_training)
     if for_training and model_cfg.lora.rank > 0:
-        from hpc_rlhf.models.lora import apply_lora
-
         model = apply_lora(model, model_cfg.lora, task="causal_lm",
                            gradient_checkpointing=model_cfg.gradient_checkpointing)
     return model
@@ -262,19 +346,3 @@ def model_num_params(model, trainable_only: bool = False) -> int:
     """Number of parameters (full sizes also under ZeRO-3, where each rank holds only a shard)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()
                if p.requires_grad or not trainable_only)
-
-
-def save_pretrained_on_this_rank(model, directory: str | Path, **kwargs) -> None:
-    """`model.save_pretrained(directory, **kwargs)` that writes from whichever rank calls it.
-
-    transformers 5 writes weights only on global rank 0 whenever torch.distributed is initialised
-    (`should_save_on_this_rank`), whatever `is_main_process` says; a role leader on another rank (the critic's,
-    a reward model's) would silently write a folder without weights. The caller decides who saves.
-    """
-    had_own = "should_save_on_this_rank" in vars(model)
-    model.should_save_on_this_rank = lambda is_main_process: is_main_process
-    try:
-        model.save_pretrained(str(directory), **kwargs)
-    finally:
-        if not had_own:
-            del model.should_save_on_this_rank

@@ -7,6 +7,9 @@ head stays fully trainable (it is new, so it must be learnt, and it is small). Q
 Saving (`save_model`): with `merge=True` the adapters are folded into the weights and the folder is a plain
 model that transformers and vLLM load without peft; otherwise it is a peft adapter folder. Merging computes
 W + B A * scale into a new state dict and leaves the model as it was, so training can go on after a save.
+
+peft is imported inside the functions that use it: importing it takes about two seconds, and only runs with
+adapters (model.lora.rank > 0) need it.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import warnings
 from pathlib import Path
 
 import torch
+from transformers import BitsAndBytesConfig
 
 from hpc_rlhf.config import ConfigError, LoraSection
-from hpc_rlhf.models.builders import save_pretrained_on_this_rank
+from hpc_rlhf.models.saving import save_pretrained_on_this_rank
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +51,6 @@ def quantization_config(lora_cfg: LoraSection):
         raise ConfigError("model.lora.load_in_4bit=true needs model.lora.rank > 0: 4-bit weights cannot be "
                           "trained directly, only adapters on top of them")
     check_qlora_supported()
-    from transformers import BitsAndBytesConfig
-
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=torch.bfloat16)
 
@@ -57,7 +59,7 @@ def quantization_config(lora_cfg: LoraSection):
 def is_peft_model(model) -> bool:
     if importlib.util.find_spec("peft") is None:
         return False
-    from peft import PeftModel
+    from peft import PeftModel  # slow to import: see the module docstring
 
     return isinstance(model, PeftModel)
 
@@ -78,7 +80,7 @@ def value_head_name(model) -> str:
 
 
 def lora_config(lora_cfg: LoraSection, task: str, model=None):
-    from peft import LoraConfig, TaskType
+    from peft import LoraConfig, TaskType  # slow to import: see the module docstring
 
     if task not in TASKS:
         raise ValueError(f"LoRA task must be one of {TASKS}, got {task!r}")
@@ -98,7 +100,7 @@ def lora_config(lora_cfg: LoraSection, task: str, model=None):
 
 def apply_lora(model, lora_cfg: LoraSection, task: str = "causal_lm", gradient_checkpointing: bool = False):
     """Wrap `model` in peft LoRA adapters: only adapters (and a value model's head) remain trainable."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model, prepare_model_for_kbit_training  # slow to import: see the module docstring
 
     config = lora_config(lora_cfg, task, model)
     if getattr(model, "is_loaded_in_4bit", False):
@@ -127,7 +129,7 @@ def _dequantized_weight(module) -> torch.Tensor | None:
     weight = getattr(module, "weight", None)
     if weight is None or not hasattr(weight, "quant_state"):
         return None
-    from peft.utils.integrations import dequantize_module_weight
+    from peft.utils.integrations import dequantize_module_weight  # slow to import: see the module docstring
 
     return dequantize_module_weight(module).detach()
 
@@ -146,7 +148,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """
     if not is_peft_model(model):
         return {k: v.detach() for k, v in unwrap_model(model).state_dict().items()}
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # slow to import: see the module docstring
 
     base = unwrap_model(model)
     quantized = {_plain_name(name): w for name, module in base.named_modules()

@@ -14,6 +14,10 @@ safetensors, tokenizer), so every other part of the project loads tiny models th
 `AutoTokenizer.from_pretrained(folder)` and `AutoModelForCausalLM.from_pretrained(folder)`.
 
 Run `python -m hpc_rlhf.models.tiny` to rewrite the committed tokenizer files after changing the builder.
+
+torch, tokenizers and transformers (about three seconds to import) are imported inside the functions that build
+things: hpc_rlhf.data.assets imports this module at every run to check whether the assets are up to date, which
+needs only the names and paths above.
 """
 
 from __future__ import annotations

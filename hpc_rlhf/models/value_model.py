@@ -24,6 +24,10 @@ import math
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+                                                    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
 
 from hpc_rlhf.config import ModelSection
 from hpc_rlhf.models.builders import (ModelFolderError, architecture_names, check_model_folder,
@@ -37,10 +41,6 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------- loading
 def value_model_kind(folder: Path, config) -> str:
     """'token' | 'sequence' | 'causal_lm': which kind of folder this is (see the module docstring)."""
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-                                                        MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
-
     architectures = config.architectures or []
     kinds = (("token", MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
              ("sequence", MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
@@ -56,10 +56,6 @@ def value_model_kind(folder: Path, config) -> str:
 
 def head_class_for(folder: Path, config):
     """The transformers class that puts a per-token scalar head on this family's body."""
-    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-                                                        MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES)
-
     if config.model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
         return AutoModelForTokenClassification
     # A sequence-classification head is the same per-token Linear (pooled later), so it serves as well.
@@ -89,6 +85,7 @@ def build_value_model(model_cfg: ModelSection, for_training: bool = True,
     """
     folder = check_model_folder(model_cfg.path)
     config = read_model_config(folder)
+    check_reward_normalization_config(folder, config)
     kind = value_model_kind(folder, config)
     if kind == "causal_lm" and not model_cfg.init_value_head:
         raise ModelFolderError(f"model folder '{folder}' is a causal LM without a value head and "
@@ -98,9 +95,9 @@ def build_value_model(model_cfg: ModelSection, for_training: bool = True,
         raise ModelFolderError(f"model folder '{folder}' holds a {describe_architecture(config)} with "
                                f"{config.num_labels} labels; a reward/value model has exactly one")
     if kind == "sequence":
-        from transformers import AutoModelForSequenceClassification as auto_class
+        auto_class = AutoModelForSequenceClassification
     elif kind == "token":
-        from transformers import AutoModelForTokenClassification as auto_class
+        auto_class = AutoModelForTokenClassification
     else:
         auto_class = head_class_for(folder, config)
     config.num_labels = 1
@@ -179,6 +176,22 @@ def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     values = caught[0].squeeze(-1).float()
     # Pad positions can hold garbage (even NaN from fully masked attention rows); 0 keeps masked sums finite.
     return torch.where(attention_mask.bool().to(values.device), values, torch.zeros_like(values))
+
+
+def check_reward_normalization_config(folder: Path, config) -> None:
+    """reward_mean and reward_std in a folder's config.json, when there, are usable: a hand-edited or damaged
+    value (null, text, a std of 0) would otherwise end a run in a TypeError or turn every reward into inf."""
+    for key in ("reward_mean", "reward_std"):
+        if not hasattr(config, key):
+            continue
+        value = getattr(config, key)
+        usable = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+            (key == "reward_mean" or value > 0)
+        if not usable:
+            need = "a finite number" if key == "reward_mean" else "a positive finite number"
+            raise ModelFolderError(f"model folder '{folder}': config.json has {key}={value!r}, which must be {need} "
+                                   f"(reward normalisation); train the reward model again, or delete reward_mean "
+                                   f"and reward_std to score without normalisation")
 
 
 def reward_normalization(model) -> tuple[float, float]:

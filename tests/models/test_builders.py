@@ -278,7 +278,7 @@ def test_save_from_a_rank_other_than_zero_writes_the_weights(tmp_path, monkeypat
     import transformers.distributed.mixin as mixin
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpc_rlhf.models.builders import save_pretrained_on_this_rank
+    from hpc_rlhf.models.saving import save_pretrained_on_this_rank
 
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=32))
