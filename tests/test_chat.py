@@ -1,11 +1,14 @@
 """`hpc-rlhf chat` through a pseudo-terminal: it streams the greedy answer of the chat-templated conversation,
-/reset forgets the history, /exit leaves with status 0; a missing folder is one clear error."""
+/reset forgets the history, /exit leaves with status 0; a missing folder, or one that is not a usable model
+folder, is one clear error."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pexpect
+import pytest
 import torch
 
 from hpc_rlhf.config import TINY_ASSETS
@@ -75,3 +78,38 @@ def test_chat_names_a_missing_model_folder(tmp_path):
     child.close()
     assert child.exitstatus == 2
     assert "nowhere" in child.before and "does not exist" in child.before
+
+
+def _not_a_model(folder):
+    folder.mkdir()
+    (folder / "notes.txt").write_text("a folder of other things\n")
+
+
+def _without_tokenizer(folder):
+    shutil.copytree(REPO / MODEL, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+
+
+def _truncated_weights(folder):
+    shutil.copytree(REPO / MODEL, folder)
+    with open(folder / "model.safetensors", "r+b") as handle:
+        handle.truncate(100)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (_not_a_model, "model folder '{folder}' has no config.json, so it is not a Hugging Face model folder"),
+    (_without_tokenizer, "tokenizer folder '{folder}' has no tokenizer files"),
+    (_truncated_weights, "model folder '{folder}': weight file model.safetensors is truncated or corrupt"),
+], ids=["not a model", "no tokenizer", "truncated weights"])
+def test_chat_names_a_folder_it_cannot_use(tmp_path, capsys, make, expected):
+    from hpc_rlhf.chat import main
+    from hpc_rlhf.data.assets import ensure_assets
+
+    ensure_assets(REPO / TINY_ASSETS)
+    folder = tmp_path / "folder"
+    make(folder)
+    assert main([str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpc-rlhf chat: " + expected.format(folder=folder)), err
+    assert len(err.strip().splitlines()) == 1, err  # one line, not transformers' advice on slow tokenizers

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 SOURCE_KEY = "_source"
 JSON_EXTENSIONS = (".jsonl", ".json")
 OTHER_EXTENSIONS = {".parquet": "parquet", ".csv": "csv"}
+# What Dataset.save_to_disk (state.json) and DatasetDict.save_to_disk (dataset_dict.json) write into their folder.
+SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 
 # Reasons a row is refused; skip mode counts rows per reason.
 MALFORMED_JSON = "malformed_json"
@@ -267,6 +269,9 @@ def _read_folder(path: Path, where: str, required, on_bad_row: str, report: BadR
     try:
         loaded = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as exc:
+        if any((path / marker).is_file() for marker in SAVED_DATASET_MARKERS):
+            raise DataError(f"{where}: folder '{path}' holds a dataset saved with save_to_disk, but it cannot be "
+                            f"read ({exc}); a file in it is truncated or corrupt") from None
         raise DataError(f"{where}: folder '{path}' is not a dataset saved with save_to_disk ({exc})") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" in loaded:

@@ -155,6 +155,20 @@ def test_missing_empty_and_unknown_files(tmp_path, cache):
     assert "is not a dataset saved with save_to_disk" in load_error(tmp_path / "folder", SFT, cache_dir=cache)
 
 
+def test_saved_folder_with_a_truncated_file_is_named_as_damaged(tmp_path, cache):
+    import datasets
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_dict({"prompt": ["p1"] * 50, "response": ["r1"] * 50}).save_to_disk(str(folder))
+    (arrow,) = folder.glob("*.arrow")
+    with open(arrow, "r+b") as handle:
+        handle.truncate(100)
+    message = load_error(folder, SFT, cache_dir=cache)
+    assert message.startswith(f"data.train_files: folder '{folder}' holds a dataset saved with save_to_disk, but "
+                              f"it cannot be read (")
+    assert message.endswith("); a file in it is truncated or corrupt")
+
+
 def test_csv_missing_column_and_empty_cell_name_file_row_and_key(tmp_path, cache):
     csv = tmp_path / "pairs.csv"
     csv.write_text("prompt,chosen,rejected\np1,c1,r1\np2,,r2\n")

@@ -12,7 +12,7 @@ from hpc_rlhf.engines.train import StepInfo
 from hpc_rlhf.trainers import common
 from hpc_rlhf.utils import checkpoint as ckpt
 from hpc_rlhf.utils.metrics import MetricsLogger, read_metrics
-from tests.trainers.test_sft import one_rank_world, sft_config
+from tests.trainers.conftest import one_rank_world, sft_config
 
 
 def a_run(out: Path, *overrides: str, rank: int = 0, world_size: int = 1, start_step: int = 0) -> common.Run:

@@ -17,7 +17,7 @@ import torch
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.trainers.reference import balanced_chunks, response_logps
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.test_sft import QUIET, world  # noqa: F401 (world is a fixture)
+from tests.trainers.conftest import QUIET
 
 
 def dpo_config(out, *overrides):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hpc_rlhf.trainers.evaluation import load_eval_prompts
-from tests.trainers.test_sft import sft_config, world  # noqa: F401
+from tests.trainers.conftest import sft_config
 
 
 def test_load_eval_prompts(world, tmp_path):

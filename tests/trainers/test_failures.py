@@ -9,6 +9,9 @@ which rank was lost, its role and its phase.
 
 Non-finite losses: a GRPO job started the way a user starts it on a laptop (`python -m hpc_rlhf grpo ...`, the
 local launcher starts the 4 ranks).
+
+The one-model modes (sft, rm, dpo, kto) run in-process on a one-rank world, three tiny steps each: a nan fault
+skips exactly its step, and a failure leaves the watchdog (whose report names them) at its step and phase.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rlhf.config import TINY_ASSETS
+from hpc_rlhf.config import TINY_ASSETS, load_config
+from hpc_rlhf.dist import watchdog
 from hpc_rlhf.dist.placement import make_plan
 from hpc_rlhf.dist.watchdog import HEARTBEAT_TIMEOUT_ENV
 from hpc_rlhf.utils import checkpoint as ckpt
-from hpc_rlhf.utils.faults import FAULT_ENV
+from hpc_rlhf.utils.faults import FAULT_ENV, InjectedFault
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import REPO, worker_env
+from tests.trainers.conftest import QUIET
 
 HEARTBEAT_TIMEOUT_S = 8  # 6 ranks on 2 cores: a busy rank must not look like a frozen one
 # How soon after the injected failure the whole job must have ended: the heartbeat timeout (a frozen rank is
@@ -161,3 +166,44 @@ def test_non_finite_steps_are_skipped_by_the_whole_role_and_too_many_stop_the_ru
     assert [metrics[s]["actor_skipped"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]
     assert [metrics[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 2]
     assert math.isfinite(metrics[3]["actor_grad_norm"])  # a finite step after a skipped one updates again
+
+
+# ------------------------------------------------------------------------------------------- one-model modes
+ONE_MODEL_MODES = ["sft", "rm", "dpo", "kto"]
+# Two micro-batches per step, a learning rate still warming up at step 3, evaluation at step 2 (and before the
+# first step), no checkpoint: a few seconds per mode.
+THREE_TINY_STEPS = ["train.max_steps=3", "train.batch_size=4", "train.micro_batch_size=2", "train.warmup_steps=3",
+                    "log.every_steps=1", "log.eval_every_steps=2", "data.max_train_rows=16", "data.max_eval_rows=4",
+                    "checkpoint.every_steps=0", "checkpoint.resume=false", *QUIET]
+
+
+def run_one_model_mode(mode: str, out: Path) -> None:
+    import importlib
+
+    recipe = importlib.import_module(f"hpc_rlhf.trainers.{mode}")
+    generation_eval_off = [] if mode == "rm" else ["eval.prompt_files=[]"]  # rm has no generation evaluation
+    recipe.run(load_config(recipe.Config, None, [f"output_dir={out}", *THREE_TINY_STEPS, *generation_eval_off]))
+
+
+@pytest.mark.parametrize("mode", ONE_MODEL_MODES)
+def test_a_nan_fault_skips_exactly_its_step_in_every_one_model_mode(world, monkeypatch, tmp_path, mode):
+    monkeypatch.setenv(FAULT_ENV, "rank=0,phase=training,step=2,kind=nan")
+    run_one_model_mode(mode, tmp_path / mode)
+    rows = {row["step"]: row for row in read_metrics(tmp_path / mode) if row["step"] > 0}
+    assert sorted(rows) == [1, 2, 3]
+    assert [rows[s]["skipped_steps"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert [math.isfinite(float(rows[s]["loss"])) for s in (1, 2, 3)] == [True, False, True]
+    assert [math.isfinite(float(rows[s]["grad_norm"])) for s in (1, 2, 3)] == [True, False, True]
+    # The skipped update leaves the learning-rate schedule where it was: step 3 runs at step 2's rate.
+    assert rows[1]["lr"] < rows[2]["lr"] == rows[3]["lr"]
+
+
+@pytest.mark.parametrize("phase", ["training", "eval"])
+@pytest.mark.parametrize("mode", ONE_MODEL_MODES)
+def test_a_failure_in_a_one_model_mode_is_reported_at_its_step_and_phase(world, monkeypatch, tmp_path, mode, phase):
+    monkeypatch.setenv(FAULT_ENV, f"rank=0,phase={phase},step=2,kind=raise")
+    with pytest.raises(InjectedFault, match=f"at rank 0, phase {phase}, step 2$"):
+        run_one_model_mode(mode, tmp_path / mode)
+    # What the watchdog publishes for a failing rank (watchdog.report_failure) and every peer prints.
+    assert (watchdog.current_step(), watchdog.current_phase()) == (2, phase)
+    assert [row["step"] for row in read_metrics(tmp_path / mode)] == [0, 1]  # step 2's row is never written

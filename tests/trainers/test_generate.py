@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, load_config
-from tests.trainers.test_sft import world  # noqa: F401  (fixture: a one-rank gloo world)
 
 DATA = f"{TINY_ASSETS}/data"
 BASE = ["data.max_train_rows=10", "generate.n=3", "generate.chunk_size=3", "generate.max_new_tokens=4",

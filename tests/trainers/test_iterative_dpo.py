@@ -7,7 +7,7 @@ import json
 
 from hpc_rlhf.config import load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.test_sft import QUIET, world  # noqa: F401
+from tests.trainers.conftest import QUIET
 
 
 def rec(index, sample, score, response):

@@ -11,7 +11,7 @@ import pytest
 from hpc_rlhf.config import load_config
 from hpc_rlhf.trainers.kto import kl_partners, mismatched_example
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.test_sft import QUIET, sft_warm_start, world  # noqa: F401 (world is a fixture)
+from tests.trainers.conftest import QUIET
 
 
 def kto_config(out, *overrides):
@@ -53,11 +53,11 @@ def test_kto_config_reads_completions_by_default():
     assert cfg.data.response_key == "completion" and cfg.data.train_files[0].endswith("kto_train.jsonl")
 
 
-def test_kto_loss_falls_and_held_out_reward_gap_opens(world, tmp_path):
+def test_kto_loss_falls_and_held_out_reward_gap_opens(sft_warm_start, tmp_path):
     from hpc_rlhf.trainers import kto
 
     out = tmp_path / "kto"
-    kto.run(kto_config(out, f"model.path={sft_warm_start()}", "train.max_steps=80", "train.batch_size=32",
+    kto.run(kto_config(out, f"model.path={sft_warm_start}", "train.max_steps=80", "train.batch_size=32",
                        "train.micro_batch_size=32", "train.lr=1e-4", "train.warmup_steps=5", "log.every_steps=20",
                        "log.eval_every_steps=80", "data.max_eval_rows=256", "eval.prompt_files=[]"))
     rows = read_metrics(out)

@@ -11,7 +11,7 @@ import torch
 
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.test_sft import QUIET, sft_warm_start, world  # noqa: F401 (world is a fixture)
+from tests.trainers.conftest import QUIET
 
 
 def rm_config(out, *overrides):
@@ -20,7 +20,7 @@ def rm_config(out, *overrides):
     return load_config(rm.Config, None, [f"output_dir={out}", *QUIET, "checkpoint.resume=false", *overrides])
 
 
-def test_reward_model_ranks_held_out_pairs_and_final_reloads(world, tmp_path):
+def test_reward_model_ranks_held_out_pairs_and_final_reloads(sft_warm_start, tmp_path):
     from transformers import AutoModelForTokenClassification
 
     from hpc_rlhf.data.examples import pair_collate
@@ -29,7 +29,7 @@ def test_reward_model_ranks_held_out_pairs_and_final_reloads(world, tmp_path):
 
     out = tmp_path / "rm"
     recipe = rm.RewardModelRecipe(rm_config(
-        out, f"model.path={sft_warm_start()}", "train.max_steps=250", "train.batch_size=64",
+        out, f"model.path={sft_warm_start}", "train.max_steps=250", "train.batch_size=64",
         "train.micro_batch_size=64", "train.lr=1e-3", "train.warmup_steps=10", "log.every_steps=50",
         "log.eval_every_steps=250", "data.max_eval_rows=256"))
     recipe.setup()

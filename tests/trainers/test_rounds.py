@@ -9,7 +9,7 @@ from pathlib import Path
 from hpc_rlhf.trainers import rounds
 from hpc_rlhf.trainers.common import Run
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.test_sft import one_rank_world
+from tests.trainers.conftest import one_rank_world
 
 
 def a_run(out: Path) -> Run:

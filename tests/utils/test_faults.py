@@ -66,9 +66,16 @@ def test_point_raises_only_where_the_fault_matches(monkeypatch):
         faults.point("scoring", 2, rank=1)
 
 
-def test_point_does_nothing_without_the_variable(monkeypatch):
-    monkeypatch.delenv(FAULT_ENV, raising=False)
-    faults.point("scoring", 2, rank=1)
+def test_faults_follow_the_variable_and_none_is_left_once_it_is_unset(monkeypatch):
+    loss = torch.tensor(1.0)
+    monkeypatch.setenv(FAULT_ENV, "rank=1,step=2,kind=raise;rank=1,step=2,kind=nan")
+    assert faults.matching("scoring", 2, rank=1) is not None
+    assert torch.isnan(faults.poison(loss, 2, rank=1))
+    monkeypatch.delenv(FAULT_ENV)
+    assert faults.active() == []
+    assert faults.matching("scoring", 2, rank=1) is None
+    faults.point("scoring", 2, rank=1)  # raises InjectedFault if the parsed faults outlived the variable
+    assert faults.poison(loss, 2, rank=1) is loss
 
 
 def test_poison_makes_the_loss_and_its_gradient_nan_at_the_chosen_steps(monkeypatch):
