@@ -19,6 +19,7 @@ $(STAMP): setup.cfg requirements-cpu.txt
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -r requirements-cpu.txt
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 $(PIP) install -q --no-build-isolation --no-cache-dir "$(DEEPSPEED_SPEC)"
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
