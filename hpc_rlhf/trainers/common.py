@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from hpc_rlhf.config import TINY_ASSETS, save_config, to_dict
 from hpc_rlhf.dist import watchdog
+from hpc_rlhf.dist.exchange import comm_device
 from hpc_rlhf.utils import checkpoint as ckpt
 from hpc_rlhf.utils import faults
 from hpc_rlhf.utils.metrics import MetricsLogger
@@ -314,9 +315,21 @@ def reduce_mean(value: float, group=None) -> float:
 
 
 def reduce_sum(values: Sequence[float], group=None) -> list[float]:
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device(group))
+    dist.all_reduce(t, group=group)  # on the communication device: NCCL refuses CPU tensors
     return t.tolist()
+
+
+def mean_and_std(values: torch.Tensor, group=None) -> tuple[float, float]:
+    """Mean and (population) standard deviation of `values` over every rank of `group`, in two passes in
+    float64: the one-pass E[x^2] - E[x]^2 cancels to 0 for values such as 100 +- 0.01 in float32."""
+    values = values.detach().double().reshape(-1)
+    total, count = reduce_sum([float(values.sum()), values.numel()], group)
+    if count == 0:
+        raise ValueError("mean_and_std of no values")
+    mean = total / count
+    (squares,) = reduce_sum([float(((values - mean) ** 2).sum())], group)
+    return mean, (squares / count) ** 0.5
 
 
 # ------------------------------------------------------------------------------------------------ logging
@@ -404,10 +417,15 @@ def checkpoint_or_stop(run: Run, step: int, engines: dict, stop: "StopSignal", m
 class MicroBatch:
     """What a one-model recipe computes for one micro-batch of training rows: the loss to train on, the real
     (non-padding) tokens it holds, and the recipe's own figures for its logging window (tensors or numbers, read
-    after the optimizer step, as the loss is)."""
+    after the optimizer step, as the loss is).
+
+    `loss_tokens`: for a loss that is a mean over tokens, how many tokens this micro-batch's mean is over. The
+    training loop then turns it into this micro-batch's part of the mean over every loss token of the optimizer
+    step (all micro-batches, all ranks); None for a loss that is a mean over rows (pairs, examples)."""
     loss: torch.Tensor
     tokens: int
     figures: dict[str, Any] = field(default_factory=dict)
+    loss_tokens: int | None = None
 
 
 class FigureWindow(Protocol):
@@ -437,11 +455,24 @@ class MeanWindow:
         return means
 
 
+def step_share(micro_tokens: int, step_tokens: int, micro_batches_in_step: int) -> float:
+    """Factor that turns a micro-batch's token-mean loss into its part of the step's token mean, as DeepSpeed
+    sees it: DeepSpeed divides each backward by the accumulation steps and averages over ranks, i.e. divides by
+    the number of micro-batches in the step. One Python float (exactly 1.0 for a step of one micro-batch)."""
+    return micro_tokens * micro_batches_in_step / max(step_tokens, 1)
+
+
 def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callable[[list[int]], MicroBatch],
                     window: FigureWindow, evaluate: Callable[[], dict[str, float]], bad_steps: NonFiniteGuard,
-                    stop: StopSignal) -> dict[str, float]:
+                    stop: StopSignal, loss_tokens_of: Callable[[list[int]], int] | None = None) -> dict[str, float]:
     """The training loop of a one-model mode, the whole world one data-parallel group; returns the last
     evaluation's figures.
+
+    `loss_tokens_of(row indices)`, for a token-mean loss (SFT): how many loss tokens those rows hold. With it,
+    each micro-batch's loss (a mean over its own `MicroBatch.loss_tokens`) is rescaled into its part of the mean
+    over all loss tokens of the optimizer step, so a 2-token and a 100-token answer weigh alike per token whatever
+    micro-batch or rank they land in. Every rank counts the whole step itself (the rows are known everywhere):
+    no communication.
 
     Per optimizer step: this rank's micro-batches of `num_rows` training rows (step_micro_batches), each one's
     `micro_batch_loss(row indices)` trained on; on a logging step the window's figures, the step figures and,
@@ -460,9 +491,15 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
         done = step + 1  # steps are counted from 1, as in metrics.jsonl and checkpoint names
         watchdog.set_step(done)
         with watchdog.phase("training"):
-            for rows in step_micro_batches(run, num_rows, step):
+            micro_batches = step_micro_batches(run, num_rows, step)
+            step_loss_tokens = (loss_tokens_of(step_indices(num_rows, cfg.train.batch_size, step, cfg.train.seed))
+                                if loss_tokens_of is not None else None)
+            for rows in micro_batches:
                 micro = micro_batch_loss(rows)
-                loss = faults.poison(micro.loss, done)
+                loss = micro.loss
+                if step_loss_tokens is not None:
+                    loss = loss * step_share(micro.loss_tokens, step_loss_tokens, len(micro_batches) * run.world_size)
+                loss = faults.poison(loss, done)
                 engine.backward(loss)
                 info = engine.step()
                 window.add({"loss": loss.item(), **micro.figures})

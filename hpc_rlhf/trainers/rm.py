@@ -172,10 +172,7 @@ class RewardModelRecipe:
         examples = self.eval_examples or self.train_examples[:self.cfg.data.max_eval_rows or 256]
         self.engine.eval()
         chosen, rejected = self._held_out_scores(examples)
-        scores = torch.cat([chosen, rejected])
-        total, squares, count = common.reduce_sum([float(scores.sum()), float((scores ** 2).sum()), len(scores)])
-        mean = total / count
-        std = max(squares / count - mean ** 2, 0.0) ** 0.5
+        mean, std = common.mean_and_std(torch.cat([chosen, rejected]))
         return mean, max(std, 1e-6)
 
     def _micro_batch(self, rows: list[int]) -> common.MicroBatch:

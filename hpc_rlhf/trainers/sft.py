@@ -138,13 +138,19 @@ class SFTRecipe:
         return out
 
     def _micro_batch(self, rows: list[int]) -> common.MicroBatch:
-        loss, _, tokens = self._forward_loss([self.train_examples[i] for i in rows])
-        return common.MicroBatch(loss, tokens)
+        loss, loss_tokens, tokens = self._forward_loss([self.train_examples[i] for i in rows])
+        return common.MicroBatch(loss, tokens, loss_tokens=loss_tokens)
+
+    def _loss_tokens(self, rows: list[int]) -> int:
+        """Label tokens the loss of these rows is a mean over (what _forward_loss counts, without a forward)."""
+        return sum(int((torch.as_tensor(self.train_examples[i]["labels"])[1:] != -100).sum()) for i in rows)
 
     def train(self) -> dict[str, float]:
+        # The loss is a mean over every response token of the optimizer step (common.train_one_model).
         last_eval = common.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                            micro_batch_loss=self._micro_batch, window=common.MeanWindow(),
-                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
+                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
+                                           loss_tokens_of=self._loss_tokens)
         common.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpc_rlhf.engines.train import StepInfo
 from hpc_rlhf.trainers import common
@@ -109,3 +110,15 @@ def test_finish_training_saves_final_and_closes_the_logger(tmp_path):
     common.finish_training(run, engine, tokenizer="the tokenizer")
     assert engine.calls == [("save_hf", tmp_path / "final", "the tokenizer"), ("close",)]
 
+
+
+def test_mean_and_std_keep_the_spread_of_large_scores():
+    """Reward-model scores of 100 +- 0.01: the one-pass E[x^2] - E[x]^2 in float32 loses the spread entirely
+    (normalised rewards then come out ~10^4 too large); two passes in float64 keep it."""
+    one_rank_world()
+    scores = torch.tensor([100.01, 99.99] * 50, dtype=torch.float32)
+    mean, std = common.mean_and_std(scores)
+    assert mean == pytest.approx(100.0, abs=1e-4)
+    assert std == pytest.approx(0.01, rel=1e-3)
+    with pytest.raises(ValueError, match="no values"):
+        common.mean_and_std(torch.zeros(0))

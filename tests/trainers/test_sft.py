@@ -10,10 +10,12 @@ import json
 import shutil
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config import load_config
+from hpc_rlhf.trainers import common
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.trainers.conftest import QUIET, sft_config
 
@@ -43,6 +45,28 @@ def test_sft_learns_and_final_model_generates(world, tmp_path):
     generated = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     answer = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert answer and answer[0].isdigit()  # it learnt the answer format: a number right after "="
+
+
+def test_the_loss_is_a_token_mean_over_the_whole_step_whatever_the_micro_batches(world, tmp_path):
+    """8 answers of different lengths in one optimizer step: cut into 8 micro-batches of one row or trained as
+    one micro-batch, the step's loss and gradient are the same (each response token weighs 1 / the step's
+    tokens). A mean of per-micro-batch means would weigh a short answer's tokens more."""
+    from hpc_rlhf.trainers import sft
+
+    settings = ["train.max_steps=1", "train.batch_size=8", "train.warmup_steps=0", "log.every_steps=1",
+                "log.eval_every_steps=0", "data.max_eval_rows=8", "eval.prompt_files=[]", "checkpoint.every_steps=0",
+                "checkpoint.resume=false"]
+    figures = {}
+    for micro in (8, 1):
+        recipe = sft.SFTRecipe(sft_config(tmp_path / f"micro{micro}", *settings, f"train.micro_batch_size={micro}"))
+        recipe.setup()
+        rows = common.step_indices(len(recipe.train_examples), 8, 0, recipe.cfg.train.seed)
+        lengths = [recipe._loss_tokens([i]) for i in rows]
+        recipe.train()
+        figures[micro] = read_metrics(tmp_path / f"micro{micro}")[-1]
+    assert len(set(lengths)) > 1, f"the step's answers must differ in length for this test to mean anything: {lengths}"
+    assert figures[1]["loss"] == pytest.approx(figures[8]["loss"], rel=1e-5)
+    assert figures[1]["grad_norm"] == pytest.approx(figures[8]["grad_norm"], rel=1e-4)
 
 
 def test_packing_gives_the_same_loss_on_a_fixed_batch(world, tmp_path):
