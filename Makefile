@@ -35,7 +35,7 @@ test: venv
 	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q --durations=25 tests
 
 test-fast: venv
-	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q -m "not slow and not cluster" tests
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q -m "not learning and not cluster" tests
 
 clean-venv:
 	rm -rf $(VENV)

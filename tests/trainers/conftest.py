@@ -5,6 +5,7 @@ from (trained once per test session)."""
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -17,6 +18,34 @@ from hpc_rlhf.config import TINY_ASSETS, load_config
 from tests.distributed import REPO, hpc_rlhf_cli
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
+
+# Calibrating the learning tests over seeds (scripts/calibrate_learning_tests.py runs them this way):
+# HPC_RLHF_TEST_SEED=N trains the shared models (SFT base, warm start, the PPO test's reward model) and every tested
+# run at train.seed=N (and generate.seed=N where a mode samples); HPC_RLHF_TEST_NO_LEARNING=1 trains the tested
+# stage at train.lr=0, which must make every learning test fail; HPC_RLHF_TEST_FIGURES=FILE appends each learning
+# test's figures to FILE, one JSON object per line. Unset, the suite runs seed 0 and records nothing.
+TEST_SEED = int(os.environ.get("HPC_RLHF_TEST_SEED", "0"))
+NO_LEARNING = os.environ.get("HPC_RLHF_TEST_NO_LEARNING", "") == "1"
+
+
+def seeded(*settings: str, sampling: bool = False) -> list[str]:
+    """A shared model's settings at the calibration seed."""
+    extra = [f"train.seed={TEST_SEED}"] + ([f"generate.seed={TEST_SEED}"] if sampling else []) if TEST_SEED else []
+    return [*settings, *extra]
+
+
+def learning(*settings: str, sampling: bool = False) -> list[str]:
+    """A tested run's settings at the calibration seed, with learning switched off for the control."""
+    return seeded(*settings, sampling=sampling) + (["train.lr=0"] if NO_LEARNING else [])
+
+
+def record_figures(test: str, **figures) -> None:
+    """What a learning test measured, for the calibration table (nothing unless HPC_RLHF_TEST_FIGURES is set)."""
+    path = os.environ.get("HPC_RLHF_TEST_FIGURES")
+    if path:
+        row = {"test": test, "seed": TEST_SEED, "no_learning": NO_LEARNING, **figures}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def one_rank_world() -> None:
@@ -64,7 +93,7 @@ def sft_warm_start(world) -> Path:
 
         folder = Path(tempfile.mkdtemp(prefix="hpc_rlhf_sft_warm_"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        sft.run(sft_config(folder, *WARM_START_SETTINGS))
+        sft.run(sft_config(folder, *seeded(*WARM_START_SETTINGS)))
         _WARM_START.append(folder / "final")
     return _WARM_START[0]
 # Strong enough at plain addition that the demonstrations' carry mistake is what holds it back (DESIGN §7):
@@ -85,5 +114,6 @@ def sft_base(tmp_path_factory) -> Path:
             pytest.fail(f"HPC_RLHF_TEST_SFT_BASE={folder} has no model.safetensors: give an SFT run's final/ folder")
         return folder
     root = tmp_path_factory.mktemp("sft_base")
-    hpc_rlhf_cli("sft", "--config", "examples/tiny/sft.yaml", f"output_dir={root}", *QUIET, *SFT_BASE, threads=2)
+    hpc_rlhf_cli("sft", "--config", "examples/tiny/sft.yaml", f"output_dir={root}", *QUIET, *seeded(*SFT_BASE),
+                 threads=2)
     return root / "final"

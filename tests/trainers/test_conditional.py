@@ -9,7 +9,7 @@ import pytest
 
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET
+from tests.trainers.conftest import QUIET, learning, record_figures
 
 DATA = f"{TINY_ASSETS}/data"
 
@@ -47,6 +47,7 @@ CSFT_SETTINGS = [f"csft.response_files=[{DATA}/sft_train.jsonl]", "data.max_trai
                  "log.every_steps=50", "log.eval_every_steps=150", "eval.max_rows=200"]
 
 
+@pytest.mark.learning
 def test_asking_for_the_highest_score_beats_asking_for_the_lowest(world, tmp_path, sft_base):
     """The demonstrations drop the carry in 60% of carry problems: labelled by a rule reward, bucket 0 holds only
     dropped carries, so a model asked for score 0 adds without carrying and one asked for score 1 carries."""
@@ -56,9 +57,10 @@ def test_asking_for_the_highest_score_beats_asking_for_the_lowest(world, tmp_pat
     reward.write_text(REWARD_FILE)
     out = tmp_path / "csft"
     cfg = load_config(conditional.Config, None, [f"output_dir={out}", f"model.path={sft_base}", *QUIET,
-                                                 f"score.functions=[{reward}:correct_sum]", *CSFT_SETTINGS])
+                                                 f"score.functions=[{reward}:correct_sum]", *learning(*CSFT_SETTINGS)])
     result = conditional.run(cfg)
     high, low = result["eval_accuracy_bucket_1"], result["eval_accuracy_bucket_0"]
+    record_figures("csft", high=high, low=low, gap=high - low, mean_score=result["mean_score"])
     print(f"csft: exact match asking for score 1: {high:.3f}, for score 0: {low:.3f}; "
           f"share of correct demonstrations {result['mean_score']:.3f}")
     # measured (seeded, one thread, 200 held-out prompts) from the session's SFT model (0.695 unconditioned):

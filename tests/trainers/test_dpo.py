@@ -17,7 +17,7 @@ import torch
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.trainers.reference import balanced_chunks, response_logps
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET
+from tests.trainers.conftest import QUIET, learning, record_figures
 
 
 def dpo_config(out, *overrides):
@@ -92,15 +92,19 @@ def test_precomputed_and_colocated_reference_give_the_same_first_loss(world, tmp
     assert with_nll == pytest.approx(losses["colocated"] + 0.5 * nll, rel=1e-5)
 
 
+@pytest.mark.learning
 def test_dpo_raises_held_out_preference_accuracy_and_margin(world, tmp_path, sft_base):
     from hpc_rlhf.trainers import dpo
 
     out = tmp_path / "dpo"
-    dpo.run(dpo_config(out, f"model.path={sft_base}", "train.max_steps=80", "train.batch_size=32",
-                       "train.micro_batch_size=32", "train.lr=1e-3", "train.warmup_steps=5", "log.every_steps=20",
-                       "log.eval_every_steps=80", "data.max_eval_rows=256", "eval.prompt_files=[]"))
+    dpo.run(dpo_config(out, f"model.path={sft_base}",
+                       *learning("train.max_steps=80", "train.batch_size=32", "train.micro_batch_size=32",
+                                 "train.lr=1e-3", "train.warmup_steps=5", "log.every_steps=20",
+                                 "log.eval_every_steps=80", "data.max_eval_rows=256", "eval.prompt_files=[]")))
     rows = read_metrics(out)
     start, end = rows[0], rows[-1]
+    record_figures("dpo", accuracy=end["eval_accuracy"], margin=end["eval_margin"], eval_loss=end["eval_loss"],
+                   loss_last=end["loss"])
     # The policy starts as the reference: every implied reward is 0, so no pair is ranked right yet.
     assert start["eval_accuracy"] == 0.0 and start["eval_margin"] == 0.0
     assert start["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
@@ -112,6 +116,7 @@ def test_dpo_raises_held_out_preference_accuracy_and_margin(world, tmp_path, sft
     assert (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("variant, first_loss", [(["dpo.loss_type=ipo"], 25.0),
                                                  (["dpo.label_smoothing=0.2", "ref.mode=precompute"], math.log(2))],
                          ids=["ipo", "cdpo-precompute"])
@@ -119,11 +124,14 @@ def test_ipo_and_cdpo_losses_fall(world, tmp_path, sft_base, variant, first_loss
     from hpc_rlhf.trainers import dpo
 
     out = tmp_path / "run"
-    dpo.run(dpo_config(out, f"model.path={sft_base}", *variant, "train.max_steps=30", "train.batch_size=32",
-                       "train.micro_batch_size=32", "train.lr=1e-3", "train.warmup_steps=3", "log.every_steps=10",
-                       "log.eval_every_steps=0", "data.max_train_rows=96", "data.max_eval_rows=32",
-                       "eval.prompt_files=[]"))
+    dpo.run(dpo_config(out, f"model.path={sft_base}", *variant,
+                       *learning("train.max_steps=30", "train.batch_size=32", "train.micro_batch_size=32",
+                                 "train.lr=1e-3", "train.warmup_steps=3", "log.every_steps=10",
+                                 "log.eval_every_steps=0", "data.max_train_rows=96", "data.max_eval_rows=32",
+                                 "eval.prompt_files=[]")))
     rows = [r for r in read_metrics(out) if "loss" in r]
+    record_figures(f"dpo_loss_falls[{variant[0]}]", loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"],
+                   ratio_to_start=rows[-1]["loss"] / first_loss, margin=rows[-1]["margin"])
     # At step 0 the policy is the reference (h = 0): IPO's loss is (1 / (2 beta))^2 = 25 for beta 0.1 and cDPO's
     # is log 2 whatever the smoothing; the mean over the last 10 steps must be below it. The 96 training pairs
     # come round every 3 steps: this checks that each loss is optimised (on fresh batches IPO's target of 5 nats

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hpc_rlhf.config import load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET
+from tests.trainers.conftest import QUIET, learning, record_figures
 
 
 def rec(index, sample, score, response):
@@ -43,6 +45,7 @@ def carries(prompt: str) -> bool:
     return int(a) % 10 + int(b) % 10 >= 10
 
 
+@pytest.mark.learning
 def test_second_round_beats_the_first(world, tmp_path, sft_base):
     """Round 1's pairs are mostly carry problems (the others are rarely answered wrong), so it overshoots into
     carrying where there is none; round 2 samples that policy, its pairs are mostly those new mistakes, and it
@@ -51,12 +54,14 @@ def test_second_round_beats_the_first(world, tmp_path, sft_base):
 
     out = tmp_path / "idpo"
     cfg = load_config(iterative_dpo.Config, None, [f"output_dir={out}", f"model.path={sft_base}", *QUIET,
-                                                   *IDPO_SETTINGS])
+                                                   *learning(*IDPO_SETTINGS, sampling=True)])
     result = iterative_dpo.run(cfg)
     first, second = read_metrics(out / "round_1" / "dpo"), read_metrics(out / "round_2" / "dpo")
     start, after_1, after_2 = first[0]["eval_exact_match"], first[-1]["eval_exact_match"], \
         second[-1]["eval_exact_match"]
     rounds = read_metrics(out)
+    record_figures("idpo", start=start, round_1=after_1, round_2=after_2, gain_1=after_1 - start,
+                   gain_2=after_2 - after_1)
     pairs = [[json.loads(line) for line in (out / f"round_{r}" / "pairs.jsonl").read_text().splitlines()]
              for r in (1, 2)]
     no_carry = [sum(not carries(p["prompt"]) for p in round_pairs) / len(round_pairs) for round_pairs in pairs]

@@ -18,7 +18,7 @@ from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.trainers.rl_scoring import combine_scores
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
-from tests.trainers.conftest import QUIET
+from tests.trainers.conftest import QUIET, learning, record_figures, seeded
 
 # A reward model good enough for PPO to learn from: measured 0.972 held-out pairwise accuracy (0.81 at 200 steps,
 # 0.94 at 400). It must also judge the units digit: see hpc_rlhf.data.synthetic.wrong_answer.
@@ -40,33 +40,39 @@ def base(tmp_path_factory, sft_base) -> Path:
     (root / "sft").mkdir()
     (root / "sft" / "final").symlink_to(sft_base)
     hpc_rlhf("rm", "--config", "examples/tiny/rm.yaml", f"output_dir={root}/rm", f"model.path={root}/sft/final",
-             *QUIET, *RM_BASE, threads=2)
+             *QUIET, *seeded(*RM_BASE), threads=2)
     return root
 
 
+@pytest.mark.learning
 def test_grpo_rule_reward_beats_the_sft_plateau_colocated(base):
     out = base / "grpo"
     hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={base}/sft/final",
-             "placement=actor+ref=1,rollout@actor", "train.max_steps=60", "log.eval_every_steps=30", EVAL_ROWS,
-             *QUIET)
+             "placement=actor+ref=1,rollout@actor", *learning("train.max_steps=60", "log.eval_every_steps=30"),
+             EVAL_ROWS, *QUIET)
     curve = eval_curve(out)
     rows = read_metrics(out)
+    record_figures("grpo", curve=curve, gain=curve[-1] - curve[0], max_kl=max(r["kl_k1"] for r in rows if "kl_k1" in r))
     assert curve[-1] >= curve[0] + GAIN, f"GRPO held-out exact match {curve} (from the SFT model at {curve[0]})"
     assert max(r["kl_k1"] for r in rows if "kl_k1" in r) < MAX_KL
     assert (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.learning
 def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(base):
     """All five roles on their own ranks (actor, critic, ref, reward, two rollout engines), rewarded by the
     learned reward model alone: held-out exact match rises, and every figure of the step is logged."""
     rm_rows = read_metrics(base / "rm")
+    record_figures("ppo_reward_model", accuracy=rm_rows[-1]["eval_accuracy"])
     assert rm_rows[-1]["eval_accuracy"] >= 0.9, "the reward model this test relies on ranks held-out pairs badly"
     out = base / "ppo6"
     hpc_rlhf("ppo", "--config", "examples/tiny/ppo.yaml", f"output_dir={out}", f"actor.path={base}/sft/final",
              f"critic.path={base}/rm/final", f"reward.models=[{base}/rm/final]", "reward.functions=[]",
-             "train.max_steps=40", "log.eval_every_steps=20", EVAL_ROWS, *QUIET)
+             *learning("train.max_steps=40", "log.eval_every_steps=20"), EVAL_ROWS, *QUIET)
     curve = eval_curve(out)
     rows = read_metrics(out)
+    record_figures("ppo_rm", rm_accuracy=rm_rows[-1]["eval_accuracy"], curve=curve, gain=curve[-1] - curve[0],
+                   max_kl=max(r["kl_k1"] for r in rows if "kl_k1" in r))
     assert curve[-1] >= curve[0] + RM_PPO_GAIN, f"PPO held-out exact match {curve} (from the SFT model at {curve[0]})"
     assert max(r["kl_k1"] for r in rows if "kl_k1" in r) < MAX_KL
     for key in ("reward", "kl_k1", "entropy", "policy_loss", "value_loss", "clip_fraction", "value_clip_fraction",

@@ -9,7 +9,7 @@ import pytest
 
 from hpc_rlhf.config import load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET
+from tests.trainers.conftest import QUIET, learning, record_figures
 
 
 def rec(index, sample, score):
@@ -41,6 +41,7 @@ RS_SETTINGS = ["data.max_train_rows=384", "generate.n=8", "generate.chunk_size=6
                "eval.max_rows=200", "checkpoint.resume=true"]
 
 
+@pytest.mark.learning
 def test_rejection_sampling_beats_its_starting_model(world, tmp_path, sft_base):
     """The SFT model drops the carry in most carry problems; its correct samples carry, and fine-tuning on them
     teaches it to."""
@@ -48,10 +49,11 @@ def test_rejection_sampling_beats_its_starting_model(world, tmp_path, sft_base):
 
     out = tmp_path / "rs"
     cfg = load_config(rejection.Config, None,
-                      [f"output_dir={out}", f"model.path={sft_base}", *QUIET, *RS_SETTINGS])
+                      [f"output_dir={out}", f"model.path={sft_base}", *QUIET, *learning(*RS_SETTINGS, sampling=True)])
     result = rejection.run(cfg)
     sft_rows = read_metrics(out / "round_1" / "sft")
     before, after = sft_rows[0]["eval_accuracy"], sft_rows[-1]["eval_accuracy"]
+    record_figures("rs", before=before, after=after, gain=after - before, kept=result["kept"])
     print(f"rs: exact match {before:.3f} -> {after:.3f}; kept {result['kept']} samples of {result['prompts']} prompts; "
           f"mean sample score {result['mean_score']:.3f}, best-of-8 {result['best_of_n_score']:.3f}")
     # measured (seeded, one thread, 200 held-out prompts): 0.695 -> 0.880; with train.seed and generate.seed 1:

@@ -11,7 +11,7 @@ import torch
 
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET
+from tests.trainers.conftest import QUIET, learning, record_figures
 
 
 def rm_config(out, *overrides):
@@ -20,6 +20,7 @@ def rm_config(out, *overrides):
     return load_config(rm.Config, None, [f"output_dir={out}", *QUIET, "checkpoint.resume=false", *overrides])
 
 
+@pytest.mark.learning
 def test_reward_model_ranks_held_out_pairs_and_final_reloads(sft_warm_start, tmp_path):
     from transformers import AutoModelForTokenClassification
 
@@ -29,12 +30,15 @@ def test_reward_model_ranks_held_out_pairs_and_final_reloads(sft_warm_start, tmp
 
     out = tmp_path / "rm"
     recipe = rm.RewardModelRecipe(rm_config(
-        out, f"model.path={sft_warm_start}", "train.max_steps=250", "train.batch_size=64",
-        "train.micro_batch_size=64", "train.lr=1e-3", "train.warmup_steps=10", "log.every_steps=50",
-        "log.eval_every_steps=250", "data.max_eval_rows=256"))
+        out, f"model.path={sft_warm_start}", *learning("train.max_steps=250", "train.batch_size=64",
+                                                       "train.micro_batch_size=64", "train.lr=1e-3",
+                                                       "train.warmup_steps=10", "log.every_steps=50",
+                                                       "log.eval_every_steps=250", "data.max_eval_rows=256")))
     recipe.setup()
     result = recipe.train()
     rows = read_metrics(out)
+    record_figures("rm_ranks_pairs", accuracy_start=rows[0]["eval_accuracy"], accuracy=rows[-1]["eval_accuracy"],
+                   margin=rows[-1]["eval_margin"], loss_first=rows[1]["loss"], loss_last=rows[-1]["loss"])
     assert 0.35 < rows[0]["eval_accuracy"] < 0.65  # a new head ranks pairs by chance
     # Chance is 0.5 +- 0.03 on 256 pairs; measured after 250 steps: 0.61, margin 0.12 (the wrong answers probe the
     # units and the tens digit; tests/trainers/test_ppo.py trains one to 0.97 from a stronger SFT model).
