@@ -11,3 +11,24 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that wait for work started in the background run last: the learning tests (they need the shared
+    models), then the cluster tests (they need the local Slurm's jobs). Otherwise the collected order stays."""
+    items.sort(key=lambda item: (item.get_closest_marker("cluster") is not None,
+                                 item.get_closest_marker("learning") is not None))  # a stable sort
+
+
+def pytest_collection_finish(session):
+    """Start, as soon as the session knows its tests, the slow shared work they need (tests/background.py)."""
+    if session.config.option.collectonly or not session.items:
+        return
+    needed = {name for item in session.items for name in item.fixturenames}
+    factory = session.config._tmp_path_factory  # what the tmp_path_factory fixture hands out
+    from tests.trainers.conftest import start_shared_models
+
+    start_shared_models(factory, needed)
+    if "cluster" in needed:
+        from tests.cluster.conftest import start_cluster_session
+
+        start_cluster_session(factory, needed)

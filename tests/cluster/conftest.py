@@ -4,8 +4,10 @@
 on Debian) and stops it again at the end (KEEP_LOCAL_SLURM=1 keeps it). Only when neither is possible are the
 tests skipped, with the reason the script gives.
 
-`tiny_jobs` submits every job of the cluster tests at once, at the start of the session, so that they share
-the machine's cores instead of waiting for each other: the built-in tiny SFT (2 nodes x 2 tasks, the
+All of it starts in the background as soon as the session has collected a cluster test (tests/conftest.py,
+tests/background.py): the cluster comes up and every job is submitted while the rest of the suite runs, and the
+cluster tests, ordered last, find their jobs finished. `tiny_jobs` submits every job of the cluster tests at once,
+so that they share the machine's cores instead of waiting for each other: the built-in tiny SFT (2 nodes x 2 tasks, the
 reference), the same job preempted mid-run, the tiny job under `mpirun` and under `srun --mpi=pmix`, and a
 submitit submission (also preempted). Background threads send the preemption signals as soon as those jobs
 have logged a step. `lost_rank_jobs` (PPO jobs that each lose a rank) is submitted with them, or alone when only
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import background
 from tests.distributed import REPO, worker_env
 
 SCRIPT = REPO / "scripts" / "local_slurm.sh"
@@ -79,13 +82,20 @@ class LocalCluster:
         raise AssertionError(f"job {job_id} did not finish within {timeout:g} s: {self.job_fields(job_id)}")
 
 
-@pytest.fixture(scope="session")
-def cluster():
+@dataclass
+class ClusterState:
+    cluster: LocalCluster | None
+    started_here: bool = False
+    skip_reason: str | None = None
+
+
+def _bring_up() -> ClusterState:
     started_here = False
     if _script("status", timeout=60).returncode != 0:
         check = _script("check", timeout=60)
         if check.returncode != 0:
-            pytest.skip(f"local Slurm cluster is not up and this machine cannot host it: {check.stdout.strip()}")
+            return ClusterState(None, skip_reason="local Slurm cluster is not up and this machine cannot host it: "
+                                                  f"{check.stdout.strip()}")
         up = _script("up", timeout=900)  # apt-get install the first time: a few minutes
         assert up.returncode == 0, f"scripts/local_slurm.sh up failed:\n{up.stdout}\n{up.stderr}"
         print(up.stdout, file=sys.stderr)
@@ -97,9 +107,41 @@ def cluster():
     dumped = subprocess.run(["bash", "-c", f"source {shlex.quote(prefix)}/env.sh && env -0"], capture_output=True,
                             text=True, check=True).stdout
     env.update(kv.split("=", 1) for kv in dumped.split("\0") if kv.startswith("OMPI_"))
-    yield LocalCluster(env)
+    return ClusterState(LocalCluster(env), started_here)
+
+
+def start_cluster_session(tmp_path_factory, needed: set[str]) -> None:
+    """Bring the local cluster up and submit the jobs the collected tests need (fixture names), in the
+    background (tests/background.py): the cluster tests run last and find their jobs finished."""
+    background.start("cluster", _bring_up)
+    if "lost_rank_jobs" in needed and not background.started("lost_rank_jobs"):
+        root = tmp_path_factory.mktemp("lost_ranks")
+        background.start("lost_rank_jobs", lambda out=root: _submit_lost_rank_jobs(_up_or_none(), out))
+    if "tiny_jobs" in needed and not background.started("tiny_jobs"):
+        root = tmp_path_factory.mktemp("cluster")
+        lost_ranks_first = background.started("lost_rank_jobs")
+
+        def submit_tiny_jobs(out=root):
+            if lost_ranks_first:  # every job of the session runs at the same time: the long ones go in first
+                background.result("lost_rank_jobs")
+            return _submit_tiny_jobs(_up_or_none(), out)
+
+        background.start("tiny_jobs", submit_tiny_jobs)
+
+
+def _up_or_none() -> LocalCluster | None:
+    return background.result("cluster").cluster
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    start_cluster_session(tmp_path_factory, set())
+    state = background.result("cluster")
+    if state.cluster is None:
+        pytest.skip(state.skip_reason)
+    yield state.cluster
     # Leave the machine as the session found it; KEEP_LOCAL_SLURM=1 keeps it up for the next run.
-    if started_here and os.environ.get("KEEP_LOCAL_SLURM") != "1":
+    if state.started_here and os.environ.get("KEEP_LOCAL_SLURM") != "1":
         _script("down", timeout=120)
 
 
@@ -227,8 +269,7 @@ SMALL_PPO = ["data.eval_files=[]", "log.eval_every_steps=0", "log.progress=false
              "train.max_steps=3", "checkpoint.every_steps=1", "dist.timeout_s=300"]
 
 
-@pytest.fixture(scope="session")
-def lost_rank_jobs(cluster: LocalCluster, tmp_path_factory) -> list[LostRankJob]:
+def _submit_lost_rank_jobs(cluster: LocalCluster | None, root: Path) -> list[LostRankJob]:
     """The disjoint PPO layout of sbatch/tiny_cpu.sbatch's PPO on 2 nodes x 3 tasks (actor and the rollout
     engines on node1, critic, ref and reward on node2), every role starting from the built-in tiny model: one job
     per role loses that role's rank by kill -9 (LOST_RANK_CASES), except the reward role's, frozen (SIGSTOP)."""
@@ -236,8 +277,9 @@ def lost_rank_jobs(cluster: LocalCluster, tmp_path_factory) -> list[LostRankJob]
     from hpc_rlhf.data.assets import ensure_assets
     from hpc_rlhf.dist.placement import make_plan
 
+    if cluster is None:
+        return []
     ensure_assets(REPO / TINY_ASSETS)
-    root = tmp_path_factory.mktemp("lost_ranks")
     model = REPO / TINY_ASSETS / "models" / "llama-tiny"
     plan = make_plan(LOST_RANK_PLACEMENT, 6, 3)
     jobs = []
@@ -255,13 +297,18 @@ def lost_rank_jobs(cluster: LocalCluster, tmp_path_factory) -> list[LostRankJob]
 
 
 @pytest.fixture(scope="session")
-def tiny_jobs(cluster: LocalCluster, tmp_path_factory, lost_rank_jobs) -> TinyJobs:
-    # lost_rank_jobs: submitted first, so that every job of the session runs at the same time.
+def lost_rank_jobs(cluster: LocalCluster, tmp_path_factory) -> list[LostRankJob]:
+    start_cluster_session(tmp_path_factory, {"lost_rank_jobs"})
+    return background.result("lost_rank_jobs")
+
+
+def _submit_tiny_jobs(cluster: LocalCluster | None, root: Path) -> TinyJobs | None:
+    if cluster is None:
+        return None
     from hpc_rlhf.config import TINY_ASSETS
     from hpc_rlhf.data.assets import ensure_assets
 
     ensure_assets(REPO / TINY_ASSETS)  # once here, not by five jobs at the same time
-    root = tmp_path_factory.mktemp("cluster")
     config = write_tiny_config(root / "sft.yaml")
 
     def tiny(name: str) -> Submitted:
@@ -304,3 +351,9 @@ def tiny_jobs(cluster: LocalCluster, tmp_path_factory, lost_rank_jobs) -> TinyJo
     ppo = Submitted(ppo_id, ppo_out / "ppo", Path(f"{root}/ppo_job-{ppo_id}.out"))
     return TinyJobs(config, reference, preempted, record, mpirun, srun_pmix, job, submitit_run, submitit_record,
                     ppo)
+
+
+@pytest.fixture(scope="session")
+def tiny_jobs(cluster: LocalCluster, tmp_path_factory) -> TinyJobs:
+    start_cluster_session(tmp_path_factory, {"tiny_jobs"})
+    return background.result("tiny_jobs")

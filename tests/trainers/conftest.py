@@ -1,20 +1,19 @@
-"""What the trainer tests share: a one-rank gloo world for in-process runs, an SFT configuration, the briefly
-fine-tuned model the RM, DPO and KTO tests start from, and the SFT model the RL and iterative-mode tests start
-from (trained once per test session)."""
+"""What the trainer tests share: a one-rank gloo world for in-process runs, an SFT configuration, and the models
+trained once per session that the learning tests start from (the warm start of the RM and KTO tests, the SFT base
+of the DPO, RL and iterative-mode tests, the PPO test's reward model), with the hooks that calibrate those tests
+over seeds."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from hpc_rlhf.config import TINY_ASSETS, load_config
+from tests import background
 from tests.distributed import REPO, hpc_rlhf_cli
 
 QUIET = ["log.progress=false", "log.tensorboard=false"]
@@ -81,39 +80,68 @@ def sft_config(out: Path, *overrides: str):
 WARM_START_SETTINGS = ("train.max_steps=300", "train.batch_size=64", "train.micro_batch_size=64", "train.lr=3e-3",
                        "train.warmup_steps=20", "log.every_steps=100", "log.eval_every_steps=0",
                        "data.max_eval_rows=8", "eval.prompt_files=[]", "checkpoint.resume=false")
-_WARM_START: list[Path] = []
-
-
-@pytest.fixture
-def sft_warm_start(world) -> Path:
-    """A briefly fine-tuned model (a final/ folder), made once per test process and shared by the RM, DPO and KTO
-    tests: preferences over sums teach a random model very slowly, but sharpen one that has begun to add."""
-    if not _WARM_START:
-        from hpc_rlhf.trainers import sft
-
-        folder = Path(tempfile.mkdtemp(prefix="hpc_rlhf_sft_warm_"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        sft.run(sft_config(folder, *seeded(*WARM_START_SETTINGS)))
-        _WARM_START.append(folder / "final")
-    return _WARM_START[0]
-# Strong enough at plain addition that the demonstrations' carry mistake is what holds it back (DESIGN §7):
-# measured 0.67-0.69 held-out exact match (0.92 without a carry, 0.33 with one).
+# Strong enough at plain addition that the demonstrations' carry mistake is what holds it back (DESIGN §7).
 SFT_BASE = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=2e-3",
             "train.warmup_steps=20", "log.every_steps=100", "log.eval_every_steps=0", "eval.max_rows=300",
             "checkpoint.resume=false"]
+# A reward model good enough for PPO to learn from (tests/trainers/test_ppo.py); it must also judge the units
+# digit: see hpc_rlhf.data.synthetic.wrong_answer.
+PPO_REWARD_MODEL = ["train.max_steps=500", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
+                    "log.every_steps=100", "log.eval_every_steps=500", "checkpoint.resume=false"]
+
+# The shared models train in child processes on one thread each, started with the session (tests/background.py,
+# tests/conftest.py) while other tests run: a seeded run gives the same bits on one thread as on two.
+
+
+def start_shared_models(tmp_path_factory, needed: set[str]) -> None:
+    """Start training the shared models the collected tests need (fixture names), in the background."""
+    if "sft_warm_start" in needed and not background.started("sft_warm_start"):
+        folder = tmp_path_factory.mktemp("sft_warm_start")
+        background.start("sft_warm_start", lambda out=folder: _train("sft", out, *seeded(*WARM_START_SETTINGS)))
+    if {"sft_base", "ppo_reward_model"} & needed and not background.started("sft_base"):
+        folder = tmp_path_factory.mktemp("sft_base")
+        background.start("sft_base", lambda out=folder: _sft_base(out))
+    if "ppo_reward_model" in needed and not background.started("ppo_reward_model"):
+        folder = tmp_path_factory.mktemp("ppo_reward_model")
+        background.start("ppo_reward_model", lambda out=folder: _train(
+            "rm", out, "--config", "examples/tiny/rm.yaml", f"model.path={background.result('sft_base')}",
+            *seeded(*PPO_REWARD_MODEL)))
+
+
+def _train(mode: str, out: Path, *args: str) -> Path:
+    hpc_rlhf_cli(mode, f"output_dir={out}", *QUIET, *args)
+    return out / "final"
+
+
+def _sft_base(out: Path) -> Path:
+    if os.environ.get("HPC_RLHF_TEST_SFT_BASE"):
+        folder = Path(os.environ["HPC_RLHF_TEST_SFT_BASE"])
+        if not (folder / "model.safetensors").is_file():
+            raise AssertionError(f"HPC_RLHF_TEST_SFT_BASE={folder} has no model.safetensors: give an SFT run's "
+                                 "final/ folder")
+        return folder
+    return _train("sft", out, "--config", "examples/tiny/sft.yaml", *seeded(*SFT_BASE))
+
+
+@pytest.fixture(scope="session")
+def sft_warm_start(tmp_path_factory) -> Path:
+    """A briefly fine-tuned model (a final/ folder) the RM and KTO tests start from: preferences over sums teach a
+    random model very slowly, but sharpen one that has begun to add."""
+    start_shared_models(tmp_path_factory, {"sft_warm_start"})
+    return background.result("sft_warm_start")
 
 
 @pytest.fixture(scope="session")
 def sft_base(tmp_path_factory) -> Path:
-    """A final/ folder: SFT on the imperfect demonstrations (examples/tiny/sft.yaml), ~2 minutes on 2 threads.
+    """A final/ folder: SFT on the imperfect demonstrations (examples/tiny/sft.yaml), 1000 steps.
 
     HPC_RLHF_TEST_SFT_BASE=FOLDER reuses a folder made with these settings (for iterating on one test file)."""
-    if os.environ.get("HPC_RLHF_TEST_SFT_BASE"):
-        folder = Path(os.environ["HPC_RLHF_TEST_SFT_BASE"])
-        if not (folder / "model.safetensors").is_file():
-            pytest.fail(f"HPC_RLHF_TEST_SFT_BASE={folder} has no model.safetensors: give an SFT run's final/ folder")
-        return folder
-    root = tmp_path_factory.mktemp("sft_base")
-    hpc_rlhf_cli("sft", "--config", "examples/tiny/sft.yaml", f"output_dir={root}", *QUIET, *seeded(*SFT_BASE),
-                 threads=2)
-    return root / "final"
+    start_shared_models(tmp_path_factory, {"sft_base"})
+    return background.result("sft_base")
+
+
+@pytest.fixture(scope="session")
+def ppo_reward_model(tmp_path_factory) -> Path:
+    """A reward model trained from the SFT base on correct-vs-wrong pairs (examples/tiny/rm.yaml), a final/ folder."""
+    start_shared_models(tmp_path_factory, {"ppo_reward_model"})
+    return background.result("ppo_reward_model")

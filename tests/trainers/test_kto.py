@@ -54,7 +54,7 @@ def test_kto_config_reads_completions_by_default():
 
 
 @pytest.mark.learning
-def test_kto_loss_falls_and_held_out_reward_gap_opens(sft_warm_start, tmp_path):
+def test_kto_loss_falls_and_held_out_reward_gap_opens(world, tmp_path, sft_warm_start):
     from hpc_rlhf.trainers import kto
 
     out = tmp_path / "kto"

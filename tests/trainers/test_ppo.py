@@ -18,12 +18,8 @@ from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.trainers.rl_scoring import combine_scores
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
-from tests.trainers.conftest import QUIET, learning, record_figures, seeded
+from tests.trainers.conftest import QUIET, learning, record_figures
 
-# A reward model good enough for PPO to learn from: measured 0.972 held-out pairwise accuracy (0.81 at 200 steps,
-# 0.94 at 400). It must also judge the units digit: see hpc_rlhf.data.synthetic.wrong_answer.
-RM_BASE = ["train.max_steps=500", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
-           "log.every_steps=100", "log.eval_every_steps=500", "checkpoint.resume=false"]
 EVAL_ROWS = "eval.max_rows=300"
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"  # the built-in random model, for the tests of mechanics
 hpc_rlhf = hpc_rlhf_cli
@@ -33,21 +29,10 @@ def eval_curve(out: Path) -> list[float]:
     return [r["eval_accuracy"] for r in read_metrics(out) if isinstance(r.get("eval_accuracy"), float)]
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory, sft_base) -> Path:
-    """The shared SFT model (as sft/final), then a reward model on correct-vs-wrong pairs from it."""
-    root = tmp_path_factory.mktemp("rl")
-    (root / "sft").mkdir()
-    (root / "sft" / "final").symlink_to(sft_base)
-    hpc_rlhf("rm", "--config", "examples/tiny/rm.yaml", f"output_dir={root}/rm", f"model.path={root}/sft/final",
-             *QUIET, *seeded(*RM_BASE), threads=2)
-    return root
-
-
 @pytest.mark.learning
-def test_grpo_rule_reward_beats_the_sft_plateau_colocated(base):
-    out = base / "grpo"
-    hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={base}/sft/final",
+def test_grpo_rule_reward_beats_the_sft_plateau_colocated(tmp_path, sft_base):
+    out = tmp_path / "grpo"
+    hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
              "placement=actor+ref=1,rollout@actor", *learning("train.max_steps=60", "log.eval_every_steps=30"),
              EVAL_ROWS, *QUIET)
     curve = eval_curve(out)
@@ -59,15 +44,15 @@ def test_grpo_rule_reward_beats_the_sft_plateau_colocated(base):
 
 
 @pytest.mark.learning
-def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(base):
+def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(tmp_path, sft_base, ppo_reward_model):
     """All five roles on their own ranks (actor, critic, ref, reward, two rollout engines), rewarded by the
     learned reward model alone: held-out exact match rises, and every figure of the step is logged."""
-    rm_rows = read_metrics(base / "rm")
+    rm_rows = read_metrics(ppo_reward_model.parent)
     record_figures("ppo_reward_model", accuracy=rm_rows[-1]["eval_accuracy"])
     assert rm_rows[-1]["eval_accuracy"] >= 0.9, "the reward model this test relies on ranks held-out pairs badly"
-    out = base / "ppo6"
-    hpc_rlhf("ppo", "--config", "examples/tiny/ppo.yaml", f"output_dir={out}", f"actor.path={base}/sft/final",
-             f"critic.path={base}/rm/final", f"reward.models=[{base}/rm/final]", "reward.functions=[]",
+    out = tmp_path / "ppo6"
+    hpc_rlhf("ppo", "--config", "examples/tiny/ppo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
+             f"critic.path={ppo_reward_model}", f"reward.models=[{ppo_reward_model}]", "reward.functions=[]",
              *learning("train.max_steps=40", "log.eval_every_steps=20"), EVAL_ROWS, *QUIET)
     curve = eval_curve(out)
     rows = read_metrics(out)

@@ -21,7 +21,7 @@ def rm_config(out, *overrides):
 
 
 @pytest.mark.learning
-def test_reward_model_ranks_held_out_pairs_and_final_reloads(sft_warm_start, tmp_path):
+def test_reward_model_ranks_held_out_pairs_and_final_reloads(world, tmp_path, sft_warm_start):
     from transformers import AutoModelForTokenClassification
 
     from hpc_rlhf.data.examples import pair_collate

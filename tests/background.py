@@ -1,0 +1,50 @@
+"""Expensive shared work that starts with the test session and runs while other tests run.
+
+The session's SFT base, the warm-start model, the PPO test's reward model and the local Slurm cluster with its
+jobs take minutes of wall time, most of it in child processes, while most tests leave a core idle. So
+`tests/conftest.py` starts each of them, when a collected test needs it, as soon as collection is done, in a
+thread of this module that waits on the child processes; the fixtures that hand them out wait for the result.
+Tests that need them are ordered last (learning tests, then cluster tests), so by then the work is done or close.
+
+A job's exception is raised again by `result`, in the fixture that asked, so a failed base fails the tests that
+need it with its own message, as it would have without the head start.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+_JOBS: dict[str, Future] = {}
+_LOCK = threading.Lock()
+
+
+def start(name: str, work: Callable[[], Any]) -> None:
+    """Run `work()` in a thread of its own, once per session under `name` (a second start is ignored)."""
+    with _LOCK:
+        if name in _JOBS:
+            return
+        future: Future = Future()
+        _JOBS[name] = future
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # noqa: BLE001 - handed to the fixture that waits for it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"background-{name}", daemon=True).start()
+
+
+def started(name: str) -> bool:
+    return name in _JOBS
+
+
+def result(name: str, work: Callable[[], Any] | None = None) -> Any:
+    """Wait for the job `name` and return its result; with `work`, start it first if nobody has."""
+    if name not in _JOBS:
+        if work is None:
+            raise KeyError(f"no background job '{name}' was started")
+        start(name, work)
+    return _JOBS[name].result()
