@@ -3,11 +3,14 @@
     1. SFT on the tiny addition task, whose demonstrations carry a systematic mistake (DESIGN §7)
     2. a reward model on correct-vs-wrong preference pairs, started from the SFT model
     3. PPO with every role on its own rank (actor, critic, ref, reward, 2 rollout engines: 6 ranks)
+    4. the control: the SFT model trained on, on the same demonstrations at the SFT run's final learning rate,
+       for as long as the PPO stage took (as many SFT steps as fit in that time at the SFT stage's measured pace)
 
 Each stage is the ordinary `hpc-rlhf MODE --config examples/tiny/MODE.yaml` command, run as a subprocess, so
 the demo is also a worked example of chaining the modes. At the end it prints held-out exact-match accuracy of
-the SFT model and of the PPO actor, and writes `ppo/plot.png` (reward, KL, accuracy per step) next to the
-TensorBoard logs.
+the SFT model, of the PPO actor and of the control, so what RL adds over more imitation shows beside what it
+adds over the starting point, and writes `ppo/plot.png` (reward, KL, accuracy per step) next to the
+TensorBoard logs. `--seed N` runs every stage at train.seed N.
 """
 
 from __future__ import annotations
@@ -66,23 +69,43 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def seconds_per_step(rows: list[dict], stage_seconds: float) -> float:
+    """The SFT stage's pace from the wall-clock stamps of its first and last logged steps (evaluations between
+    them included, as in any run); from the whole stage's time when fewer than two steps were logged."""
+    stamped = [(r["step"], r["time"]) for r in rows if r.get("step", 0) > 0 and "time" in r]
+    if len(stamped) >= 2 and stamped[-1][0] > stamped[0][0]:
+        (s0, t0), (s1, t1) = stamped[0], stamped[-1]
+        return (t1 - t0) / (s1 - s0)
+    return stage_seconds / max(stamped[-1][0] if stamped else 1, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hpc-rlhf demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/demo", help="folder for the three runs")
     parser.add_argument("--quick", action="store_true", help="far fewer steps (a smoke run, not a result)")
+    parser.add_argument("--seed", type=int, default=0, help="train.seed of every stage")
     args = parser.parse_args(argv)
     out = Path(args.out)
     quick = ["train.max_steps=20", "log.eval_every_steps=10"] if args.quick else []
+    quick += [f"train.seed={args.seed}"]
     from hpc_rlhf.data.assets import ensure_assets
 
     ensure_assets()
     times = {}
-    times["sft"] = stage("1/3 supervised fine-tuning", "sft", [f"output_dir={out}/sft", *quick])
-    times["rm"] = stage("2/3 reward model", "rm", [f"output_dir={out}/rm", f"model.path={out}/sft/final", *quick])
-    times["ppo"] = stage("3/3 PPO (actor, critic, ref, reward, 2 rollout engines on 6 ranks)", "ppo",
+    times["sft"] = stage("1/4 supervised fine-tuning", "sft", [f"output_dir={out}/sft", *quick])
+    times["rm"] = stage("2/4 reward model", "rm", [f"output_dir={out}/rm", f"model.path={out}/sft/final", *quick])
+    times["ppo"] = stage("3/4 PPO (actor, critic, ref, reward, 2 rollout engines on 6 ranks)", "ppo",
                          [f"output_dir={out}/ppo", f"actor.path={out}/sft/final", f"critic.path={out}/rm/final",
                           f"reward.models=[{out}/rm/final]", *quick])
-    sft_rows, rm_rows, ppo_rows = (read_metrics(out / m) for m in ("sft", "rm", "ppo"))
+    sft_rows = read_metrics(out / "sft")
+    sft_lr = last(sft_rows, "lr")
+    control_steps = max(1, round(times["ppo"] / seconds_per_step(sft_rows, times["sft"])))
+    times["control"] = stage(f"4/4 control: SFT trained on for the PPO stage's time ({control_steps} steps)", "sft",
+                             [f"output_dir={out}/sft_control", f"model.path={out}/sft/final", *quick,
+                              f"train.max_steps={control_steps}", f"train.lr={sft_lr}", "train.warmup_steps=0",
+                              "train.min_lr_ratio=1.0", f"log.eval_every_steps={control_steps}",
+                              "checkpoint.resume=false"])
+    rm_rows, ppo_rows, control_rows = (read_metrics(out / m) for m in ("rm", "ppo", "sft_control"))
     plot(ppo_rows, out / "ppo" / "plot.png")
     before, after = first(ppo_rows, "eval_accuracy"), last(ppo_rows, "eval_accuracy")
     print("\n=== results (held-out 2-digit additions, greedy, exact match)")
@@ -90,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reward model pairwise accuracy : {last(rm_rows, 'eval_accuracy')}")
     print(f"PPO actor, before RL           : {before}")
     print(f"PPO actor, after RL            : {after}")
+    print(f"control, SFT trained on        : {last(control_rows, 'eval_accuracy')} ({control_steps} more SFT steps at "
+          f"lr {sft_lr:.2g}, {times['control']:.0f} s against PPO's {times['ppo']:.0f} s)")
     print("stage times (s)                : " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     print(f"plot                           : {out / 'ppo' / 'plot.png'}")
     print(f"TensorBoard                    : tensorboard --logdir {out}")
