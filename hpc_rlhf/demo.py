@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpc_rlhf.data.assets import ensure_assets
 from hpc_rlhf.utils.metrics import read_metrics
 
 EXAMPLES = Path("examples/tiny")
@@ -73,8 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     quick = ["train.max_steps=20", "log.eval_every_steps=10"] if args.quick else []
-    from hpc_rlhf.data.assets import ensure_assets
-
     ensure_assets()
     times = {}
     times["sft"] = stage("1/3 supervised fine-tuning", "sft", [f"output_dir={out}/sft", *quick])

@@ -35,6 +35,8 @@ from typing import Any, Mapping, Sequence
 
 import submitit
 
+from hpc_rlhf import cli
+
 PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.common.Preempted.EXIT_CODE (not imported: that pulls in torch)
 STOP_SIGNAL = "USR1"  # what the trainers' StopSignal handles (besides SIGTERM)
 # Slurm needs this much time after the stop signal for the last step, the checkpoint and the exit.
@@ -86,8 +88,6 @@ def run_rank(argv: Sequence[str]) -> int:
     instead of 75, and the batch script would not requeue. A preempted rank therefore ignores both from here on
     (Python leaves an ignored signal ignored at shutdown).
     """
-    from hpc_rlhf import cli
-
     try:
         code = cli.main(list(argv))
     except SystemExit as exc:  # Preempted is a SystemExit(75); argparse exits with 2
@@ -209,11 +209,9 @@ def submit(mode: str, config: str | None = None, overrides: Sequence[str] = (), 
     `folder` receives submitit's pickles and logs (one subfolder per job id; it must be on a file system the
     nodes share). The job runs in the current directory, so relative config paths work as they do here.
     """
-    from hpc_rlhf.cli import COMMANDS, TRAINING_MODES
-
-    if mode not in TRAINING_MODES:
-        kind = "a command, not a training mode" if mode in COMMANDS else "not a mode"
-        raise SlurmLaunchError(f"submit: '{mode}' is {kind}; choose one of {', '.join(TRAINING_MODES)}")
+    if mode not in cli.TRAINING_MODES:
+        kind = "a command, not a training mode" if mode in cli.COMMANDS else "not a mode"
+        raise SlurmLaunchError(f"submit: '{mode}' is {kind}; choose one of {', '.join(cli.TRAINING_MODES)}")
     if config is not None and not Path(config).is_file():
         raise SlurmLaunchError(f"submit: config file {config} does not exist")
     params = slurm_parameters(nodes=nodes, tasks_per_node=tasks_per_node, gpus_per_node=gpus_per_node,
