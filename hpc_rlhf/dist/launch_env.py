@@ -186,7 +186,8 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchInfo:
         raise BootstrapError(f"launch environment ({name}): {num_nodes} nodes but SLURM_TASKS_PER_NODE is not "
                              f"set, so the ranks per node are unknown")
     local_world = per_node[node_rank]
-    _check_below(name, "SLURM_LOCALID", local_rank, f"the tasks on node {node_rank} in {tasks_var or ntasks_var}", local_world)
+    _check_below(name, "SLURM_LOCALID", local_rank, f"the tasks on node {node_rank} in {tasks_var or ntasks_var}",
+                 local_world)
 
     # An explicit MASTER_ADDR/MASTER_PORT wins: sites often need a specific (InfiniBand) host name or port.
     master_addr = env.get("MASTER_ADDR", "").strip() or hosts[0]
