@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpc_rlhf.config import ConfigError, ModelSection
+
 HELP = "commands: /reset forgets the conversation, /exit leaves"
 
 
@@ -38,10 +40,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # torch and transformers (~3 s) only once the arguments are good: `--help` and usage errors answer at once.
     import torch
     from transformers import TextStreamer
 
-    from hpc_rlhf.config import ConfigError, ModelSection
     from hpc_rlhf.models.builders import build_causal_lm, check_model_folder, load_tokenizer
 
     try:

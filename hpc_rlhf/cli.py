@@ -1,15 +1,20 @@
 """`hpc-rlhf <mode> ...` (also `python -m hpc_rlhf <mode> ...`).
 
 Training modes live in `hpc_rlhf/trainers/<mode>.py`; each defines a `Config` dataclass and `run(cfg)`.
-Other commands (plan, assets, demo, ...) define `main(argv) -> int`. Modules are imported only when their
-command runs, so `hpc-rlhf plan` on a login node does not import torch.distributed machinery it does not use.
+Other commands (plan, assets, demo, ...) define `main(argv) -> int`. Those modules are imported by name only when
+their command runs (importlib), so `hpc-rlhf plan` on a login node imports neither torch nor transformers. What
+this module imports itself (the config loader, the local launcher) imports no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
+
+from hpc_rlhf.config import ConfigError, format_help, load_config
+from hpc_rlhf.launch.local import run_or_spawn
 
 # mode -> module defining Config and run(cfg)
 TRAINING_MODES = {
@@ -61,8 +66,6 @@ def usage() -> str:
 
 
 def run_training_mode(mode: str, argv: list[str]) -> int:
-    from hpc_rlhf.config import ConfigError, format_help, load_config
-
     module = importlib.import_module(TRAINING_MODES[mode])
     parser = argparse.ArgumentParser(prog=f"hpc-rlhf {mode}", description=DESCRIPTIONS.get(mode),
                                      add_help=False)
@@ -83,8 +86,6 @@ def run_training_mode(mode: str, argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
         return 2
-    from hpc_rlhf.launch.local import run_or_spawn
-
     return run_or_spawn(mode, cfg, module.run, argv)
 
 
@@ -98,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         return run_training_mode(mode, rest)
     if mode in COMMANDS:
         return int(importlib.import_module(COMMANDS[mode]).main(rest) or 0)
-    import difflib
-
     near = difflib.get_close_matches(mode, list(TRAINING_MODES) + list(COMMANDS), n=1)
     hint = f"; did you mean '{near[0]}'?" if near else ""
     print(f"hpc-rlhf: unknown mode '{mode}'{hint}\n\n{usage()}", file=sys.stderr)

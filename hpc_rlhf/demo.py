@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpc_rlhf.data.assets import ensure_assets
 from hpc_rlhf.utils.metrics import read_metrics
 
 EXAMPLES = Path("examples/tiny")
@@ -88,8 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     quick = ["train.max_steps=20", "log.eval_every_steps=10"] if args.quick else []
     quick += [f"train.seed={args.seed}"]
-    from hpc_rlhf.data.assets import ensure_assets
-
     ensure_assets()
     times = {}
     times["sft"] = stage("1/4 supervised fine-tuning", "sft", [f"output_dir={out}/sft", *quick])

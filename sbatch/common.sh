@@ -3,7 +3,8 @@
 # Slurm runs a copy of the batch script from its spool folder, so the scripts find this file through
 # HPC_RLHF_HOME (default: the folder `sbatch` was called from, SLURM_SUBMIT_DIR). Submit from the repository
 # root, or export HPC_RLHF_HOME=/path/to/hpc_rlhf. Jobs run in the submit folder: relative paths in configs
-# (examples/tiny/...) are read from there.
+# (examples/tiny/...) are read from there. The ranks start through launch/srun.sh, the entry point for srun
+# (launch/env.sh: the python command and the ranks' defaults, shared with it).
 #
 # Settings every script understands (environment variables, exported before `sbatch` or set in the script):
 #   MODE, CONFIG        the training mode and its YAML config (CONFIG= empty: the mode's defaults)
@@ -17,6 +18,8 @@
 #   MASTER_ADDR/PORT    rendezvous; default: first host of the allocation, port 20000 + job id % 20000
 #   NCCL_*              passed to every rank unchanged when set (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...);
 #                       when unset NCCL picks its own defaults
+
+source "$(dirname "${BASH_SOURCE[0]}")/../launch/env.sh"
 
 HPC_PREEMPTED_EXIT_CODE=75  # hpc_rlhf.trainers.common.Preempted: checkpoint written, run me again
 HPC_ROLE_MODES=" ppo grpo "  # modes whose roles are placed on ranks; the others are one data-parallel group
@@ -47,16 +50,10 @@ hpc_setup() {
   # hpc_rlhf's bootstrap derives the same values; exporting them lets other tools (and NCCL's logs) see them.
   export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
   export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
-  export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-  if [ -n "${CONTAINER:-}" ]; then
-    [ -f "$CONTAINER" ] || hpc_die "CONTAINER=$CONTAINER is not a file (build it: see containers/README.md)"
-    command -v apptainer >/dev/null || hpc_die "CONTAINER is set but apptainer is not on PATH (module load apptainer?)"
-    # --nv maps the host's NVIDIA driver and GPUs into the container.
-    HPC_PYTHON=(apptainer exec --nv "$CONTAINER" python)
-  else
-    HPC_PYTHON=(${PYTHON:-python})
-  fi
+  hpc_rank_env
+  # launch/srun.sh, a process of its own, reads them too.
+  export PYTHON CONTAINER
+  hpc_python || hpc_die "the ranks' python command cannot run here (see the line above)"
   hpc_log "mode=$MODE config=${CONFIG:-<defaults>} nodes=$SLURM_JOB_NODELIST tasks=$SLURM_NTASKS" \
           "(per node $(hpc_ranks_per_node)) master=$MASTER_ADDR:$MASTER_PORT python=${HPC_PYTHON[*]}"
   local nccl
@@ -85,8 +82,7 @@ hpc_check_plan() {
 # the job runs again under the same id, appending to the same log (--open-mode=append), and resumes from the
 # newest checkpoint in output_dir.
 hpc_train() {
-  # `hpc_rlhf.launch.slurm rank` is `hpc_rlhf MODE` plus a clean exit code 75 for srun (see run_rank there).
-  local args=(-m hpc_rlhf.launch.slurm rank "$MODE")
+  local args=("$MODE")
   [ -z "$CONFIG" ] || args+=(--config "$CONFIG")
   # The placement that was checked is the one the ranks use; single-model modes are told the world size.
   if hpc_is_role_mode; then args+=("placement=$PLACEMENT"); else args+=("dist.nproc=$SLURM_NTASKS"); fi
@@ -94,9 +90,10 @@ hpc_train() {
   # the ranks can finish their checkpoint, so it only notes the signal.
   local signalled=0
   trap 'signalled=1; hpc_log "SIGTERM: job preempted or cancelled; ranks are checkpointing"' TERM
-  # --kill-on-bad-exit: one failed rank ends the step at once, instead of the others waiting in a collective
-  # until its timeout. Ranks that are already stopping for a checkpoint ignore that SIGTERM and finish.
-  srun --kill-on-bad-exit=1 "${HPC_PYTHON[@]}" "${args[@]}" "$@" &
+  # launch/srun.sh execs `srun --kill-on-bad-exit=1 ... python -m hpc_rlhf.launch.slurm rank MODE ...`: one
+  # failed rank ends the step at once, instead of the others waiting in a collective until its timeout. Ranks that
+  # are already stopping for a checkpoint ignore that SIGTERM and finish.
+  "$HPC_RLHF_HOME/launch/srun.sh" "${args[@]}" "$@" &
   local pid=$! rc
   wait "$pid"; rc=$?
   while [ "$signalled" = 1 ]; do signalled=0; wait "$pid"; rc=$?; done

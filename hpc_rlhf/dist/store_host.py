@@ -1,9 +1,9 @@
 """The job's rendezvous store, served by a process of its own on rank 0's node, so that it outlives rank 0.
 
 Why: the TCPStore at MASTER_ADDR:MASTER_PORT is where the ranks meet, and afterwards where the watchdog keeps
-its heartbeats and failure records (hpc_rlhf.dist.watchdog). Under torchrun the agent serves it; under srun,
-mpirun and the local launcher torch would serve it from inside rank 0, so anything that ended rank 0 took the
-records with it:
+its heartbeats and failure records (hpc_rlhf.dist.watchdog; their format: hpc_rlhf.dist.liveness). Under
+torchrun the agent serves it; under srun, mpirun and the local launcher torch would serve it from inside rank 0,
+so anything that ended rank 0 took the records with it:
 - a rank 0 killed in its training loop could only be named, not placed: its peers had last read its heartbeat a
   beat before it entered the phase it died in;
 - when another rank died, srun's --kill-on-bad-exit SIGTERMs every task; a rank 0 that died of it took the
@@ -26,13 +26,14 @@ state it could break. It closes every inherited file descriptor, so that it hold
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+
+from hpc_rlhf.dist import liveness
 
 LOOPBACK = "127.0.0.1"
 CLOSE_KEY = "hpc_rlhf/store_host/close"
@@ -145,37 +146,28 @@ def _serve(port: int, world_size: int, timeout_s: float, ready_fd: int, parent: 
     while os.getppid() == parent and not store.check([CLOSE_KEY]):
         time.sleep(POLL_S)
     rank0_gone = os.getppid() != parent
-    from hpc_rlhf.dist import watchdog
-
-    records = dist.PrefixStore(watchdog.key_prefix(), store)
-    beat0 = _beat(records, 0)
+    records = dist.PrefixStore(liveness.key_prefix(), store)
+    beat0 = liveness.read_heartbeat(records, 0)
     if beat0 is None:
         return  # rank 0 never started its watchdog: no one reads records; close so that joiners fail now
-    if rank0_gone and beat0["state"] == watchdog.RUNNING:
-        watchdog.publish(records, watchdog.failure_record(
+    if rank0_gone and beat0["state"] == liveness.RUNNING:
+        liveness.publish(records, liveness.failure_record(
             0, beat0["role"], beat0["phase"], beat0["step"], "failed",
             f"its process (pid {beat0['pid']}) is gone (seen by the rendezvous store's process)",
             primary=True, by=-1))
     _linger(records, world_size)
 
 
-def _beat(records, rank: int) -> dict | None:
-    key = f"hb/{rank}"
-    return json.loads(records.get(key)) if records.check([key]) else None
-
-
 def _linger(records, world_size: int) -> None:
     """Serve until no rank can still need the store: each has stopped, failed, been terminated, or beats no more."""
-    from hpc_rlhf.dist import watchdog
-
     last_seq: dict[int, tuple[int, float]] = {}
     deadline = time.monotonic() + LINGER_MAX_S
     while time.monotonic() < deadline:
         now = time.monotonic()
         needed = False
         for rank in range(world_size):
-            beat = _beat(records, rank)
-            if beat is None or beat["state"] != watchdog.RUNNING:
+            beat = liveness.read_heartbeat(records, rank)
+            if beat is None or beat["state"] != liveness.RUNNING:
                 continue
             seq, since = last_seq.get(rank, (None, now))
             if seq != beat["seq"]:

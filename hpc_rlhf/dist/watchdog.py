@@ -14,16 +14,19 @@ its allocation until the walltime. So every rank runs a small daemon thread that
   SIGTERM that launchers send first (torchrun then waits 30 s before its SIGKILL), so it would hold the job;
 - publishes what it found as a failure record, as a rank whose run raised does (`report_failure`), and reads
   the record count every beat, so every rank learns of a failure within one interval;
-- treats an unreachable store as the failure of the rank that hosts it (rank 0 under the local launcher, srun
-  and mpirun; torchrun's agent hosts its own store, which outlives the ranks). A store that accepts a request
-  but never answers (its host is frozen) is caught by a second thread that times the store operations.
+- treats an unreachable store as the failure of the rank that hosts it (`store_host_rank`, passed in: rank 0 in
+  a world that torch's env:// rendezvous made; None under hpc_rlhf's bootstrap, where the store has a process
+  of its own, rank 0's store process or torchrun's agent, which outlives the ranks). A store that accepts a
+  request but never answers (its host is frozen) is caught by a second thread that times the store operations.
 
 On a failure the thread prints ONE line to stderr, naming the failed rank, its role and its phase,
 
     hpc_rlhf: rank 3 (role rollout) failed during scoring: its process (pid 4242) is gone [step 2; seen by rank 0]
 
 records it for the local launcher (HPC_RLHF_ERROR_FILE) and ends the process with os._exit(1): the main thread
-may be blocked inside a collective that will never return, so no orderly exit is possible.
+may be blocked inside a collective that will never return, so no orderly exit is possible. What a heartbeat and a
+failure record hold, and where they live in the store, is hpc_rlhf.dist.liveness (the store's process and the
+local launcher read them too).
 
 Causes and consequences. When a rank is killed, the ranks in a collective with it fail at once with
 "Connection closed by peer"; those failures are effects. `report_failure` publishes such communication
@@ -38,12 +41,15 @@ attributes; all store traffic happens in the thread.
 Timeout: `dist.heartbeat_timeout_s` (default 45 s, so that a frozen rank's job, reported and ended, is gone
 within a minute; 0 turns the watchdog off), or the environment variable HPC_RLHF_HEARTBEAT_TIMEOUT_S, which
 wins (handy to switch it off while a debugger holds a rank).
+
+Length: this module is over 600 lines because `Watchdog` is one state machine (beat, judge, report, linger,
+stop) whose two threads and the main thread share its state and locks; cut into modules, one decision would be
+spread over several. Its data (heartbeats, records, keys) is apart, in hpc_rlhf.dist.liveness.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
@@ -55,6 +61,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from hpc_rlhf.dist import liveness
+from hpc_rlhf.dist.liveness import (FAILED, RUNNING, STOPPED, TERMINATED, failure_record, format_failure,
+                                    key_prefix, publish)
 from hpc_rlhf.utils import faults
 
 log = logging.getLogger("hpc_rlhf")
@@ -62,10 +71,6 @@ log = logging.getLogger("hpc_rlhf")
 HEARTBEAT_TIMEOUT_ENV = "HPC_RLHF_HEARTBEAT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 45.0
 RING_WATCHED = 8
-KEY_PREFIX = "hpc_rlhf/watchdog"
-FAILURE_COUNT, FAILURE_LOG = "failures/count", "failures/log"
-RUNNING, STOPPED, FAILED = "running", "stopped", "failed"
-TERMINATED = "terminated"  # ended by SIGTERM's default action: its launcher is ending the job (see start())
 
 # Errors a collective or the store raises because a peer went away: effects of a failure elsewhere.
 CONSEQUENCE_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
@@ -152,34 +157,6 @@ def is_consequence(exc: BaseException) -> bool:
     return False
 
 
-def failure_record(rank: int, role: str, phase: str, step: int, kind: str, detail: str, *, primary: bool,
-                   by: int) -> dict[str, Any]:
-    """A published failure: `kind` is 'failed' or 'stopped responding'; `by` is the rank that published it."""
-    return {"rank": rank, "role": role, "phase": phase, "step": step, "kind": kind, "detail": detail,
-            "primary": primary, "by": by, "time": time.time()}
-
-
-def publish(store, record: dict[str, Any]) -> None:
-    """Add a failure record to the job's log in `store` (a PrefixStore on key_prefix())."""
-    # Appended first, counted second: a reader that sees the count finds the record.
-    store.append(FAILURE_LOG, json.dumps(record) + "\n")
-    store.add(FAILURE_COUNT, 1)
-
-
-def key_prefix() -> str:
-    """Where this attempt's heartbeats and records live: torchrun's agent store outlives worker restarts."""
-    return f"{KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def format_failure(record: dict[str, Any], seen_by: int | None = None) -> str:
-    """The one line printed for a failure record."""
-    notes = [f"step {record['step']}"]
-    if seen_by is not None and seen_by != record["rank"]:
-        notes.append(f"seen by rank {seen_by}")
-    return (f"hpc_rlhf: rank {record['rank']} (role {record['role']}) {record['kind']} during {record['phase']}: "
-            f"{record['detail']} [{'; '.join(notes)}]")
-
-
 def process_alive(pid: int) -> bool:
     """Whether process `pid` on this host still runs (a zombie, killed but not yet reaped, does not)."""
     try:
@@ -220,9 +197,7 @@ def exit_with_message(message: str, end_pid: int | None = None) -> None:
     whose failure it learnt of first, and that is this rank's line, not the death of the peer it killed."""
     try:
         print(message, file=sys.stderr, flush=True)
-        from hpc_rlhf.launch.local import _record_failure
-
-        _record_failure(message.removeprefix("hpc_rlhf: "))
+        liveness.record_failure(message.removeprefix("hpc_rlhf: "))
         if end_pid is not None:
             try:
                 os.kill(end_pid, signal.SIGKILL)
@@ -243,14 +218,17 @@ class _PeerView:
 class Watchdog:
     """One rank's watchdog. `store` is a Store only this object uses (a client connection of its own).
 
-    store_host_rank: the rank whose process hosts the store (None: an outside process, torchrun's agent).
-    roles: this rank's role names; None = ask hpc_rlhf.dist.groups (once initialised), else "trainer".
+    store_host_rank: the rank whose process hosts the store (None: a process of its own, torchrun's agent or rank
+    0's store process).
+    roles: this rank's role names, or a function that returns them once they are known (None before: "trainer");
+    roles are known only once the process groups exist, after the watchdog has started.
     on_fatal: called once with the line to print; the default prints it, kills a frozen peer that this rank
     found on its host (`frozen_peer_pid`) and ends the process.
     """
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, *, progress: Progress | None = None,
-                 roles: Sequence[str] | None = None, interval_s: float | None = None,
+                 roles: Sequence[str] | Callable[[], Sequence[str] | None] | None = None,
+                 interval_s: float | None = None,
                  store_host_rank: int | None = 0, store_address: str = "the rendezvous store",
                  on_fatal: Callable[[str], None] | None = None):
         if timeout_s <= 0:
@@ -260,7 +238,8 @@ class Watchdog:
         self.interval = interval_s or default_interval(self.timeout_s)
         self.grace = 3 * self.interval
         self.progress = progress or Progress()
-        self.roles = list(roles) if roles else None
+        self.roles = None if roles is None or callable(roles) else list(roles) or None
+        self._roles_of = roles if callable(roles) else None
         self.store_host_rank = store_host_rank
         self.store_address = store_address
         self.on_fatal = on_fatal or self._exit
@@ -303,20 +282,19 @@ class Watchdog:
 
     def role(self) -> str:
         if self.roles is None:
-            from hpc_rlhf.dist import groups
-
-            if not groups.is_initialized():
+            names = self._roles_of() if self._roles_of is not None else None
+            if names is None:
                 return "trainer"
-            self.roles = groups.my_roles() or ["none"]
+            self.roles = list(names) or ["none"]
         return "+".join(self.roles)
 
     def _write_own(self, state: str, patient: bool = True) -> None:
         if self._terminated:
             state = TERMINATED  # the last word, even if the thread was about to write another
         self._seq += 1
-        beat = {"seq": self._seq, "role": self.role(), "phase": self.progress.name, "step": self.progress.step,
-                "host": self.host, "pid": self.pid, "pidns": self.pidns, "state": state}
-        self._op(self.store.set, f"hb/{self.rank}", json.dumps(beat), patient=patient)
+        beat = liveness.heartbeat(self._seq, self.role(), self.progress.name, self.progress.step, self.host,
+                                  self.pid, self.pidns, state)
+        self._op(self.store.set, liveness.heartbeat_key(self.rank), beat, patient=patient)
 
     def publish_now(self) -> None:
         """This rank's heartbeat, written at once from the calling thread."""
@@ -326,19 +304,18 @@ class Watchdog:
         self._op(publish, self.store, record)
 
     def _read_failures(self) -> None:
-        count = int(self._op(self.store.add, FAILURE_COUNT, 0))
+        count = self._op(liveness.failure_count, self.store)
         if count <= self._records_read:
             return
-        raw = self._op(self.store.get, FAILURE_LOG).decode()
-        self.records = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        self.records = self._op(liveness.read_failures, self.store)
         self._records_read = len(self.records)
-        self._op(self.store.set, f"seen/{self.rank}", str(self._records_read))  # see _linger_for_readers
+        # see _linger_for_readers
+        self._op(self.store.set, liveness.seen_key(self.rank), str(self._records_read))
 
     def _read_peer(self, peer: _PeerView, now: float) -> None:
-        key = f"hb/{peer.rank}"
-        if not self._op(self.store.check, [key]):
+        beat = self._op(liveness.read_heartbeat, self.store, peer.rank)
+        if beat is None:
             return
-        beat = json.loads(self._op(self.store.get, key))
         if beat["seq"] != peer.seq:
             peer.seq, peer.changed_at = beat["seq"], now
         peer.beat = beat
@@ -439,7 +416,7 @@ class Watchdog:
         if self.store_host_rank != self.rank:
             return
         try:
-            count = int(self._op(self.store.add, FAILURE_COUNT, 0, patient=False))
+            count = self._op(liveness.failure_count, self.store, patient=False)
             # The failed ranks and those that found a failure need no telling. A rank that published an
             # effect (a broken collective) is still waiting to read its cause.
             causes = [r for r in self.records if r["primary"]]
@@ -447,11 +424,16 @@ class Watchdog:
             waiting = [r for r in range(self.world_size) if r not in informed]
             deadline = time.monotonic() + 2 * self.grace
             while waiting and time.monotonic() < deadline:
-                waiting = [r for r in waiting if not self._op(self.store.check, [f"seen/{r}"], patient=False)
-                           or int(self._op(self.store.get, f"seen/{r}", patient=False)) < count]
+                waiting = [r for r in waiting if self._records_seen_by(r) < count]
                 time.sleep(self.interval / 4)
         except Exception:  # noqa: BLE001 - lingering is a courtesy; the report must go on
             pass
+
+    def _records_seen_by(self, rank: int) -> int:
+        key = liveness.seen_key(rank)
+        if not self._op(self.store.check, [key], patient=False):
+            return 0
+        return int(self._op(self.store.get, key, patient=False))
 
     def _store_lost(self, exc: BaseException) -> None:
         """The store failed or stalled: report the cause if one is known, else blame the store's host."""
@@ -597,13 +579,9 @@ class Watchdog:
         waiting = [r for r in range(self.world_size) if r != self.rank]
         try:
             while waiting and time.monotonic() < deadline:
-                still = []
-                for rank in waiting:
-                    key = f"hb/{rank}"
-                    if self._op(self.store.check, [key], patient=False) and \
-                            json.loads(self._op(self.store.get, key, patient=False))["state"] == RUNNING:
-                        still.append(rank)
-                waiting = still
+                waiting = [rank for rank in waiting
+                           if (self._op(liveness.read_heartbeat, self.store, rank, patient=False) or {}).get("state")
+                           == RUNNING]
                 if waiting:
                     time.sleep(self.interval / 4)
         except Exception:  # noqa: BLE001 - a courtesy: the exit goes on
@@ -640,10 +618,14 @@ def store_address() -> tuple[str, int] | None:
     return (addr, int(port)) if addr and port and port.isdigit() else None
 
 
-def start(role_names: Sequence[str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+def start(role_names: Sequence[str] | Callable[[], Sequence[str] | None] | None = None,
+          timeout_s: float = DEFAULT_TIMEOUT_S, *, store_host_rank: int | None,
           interval_s: float | None = None) -> Watchdog | None:
     """Start this rank's watchdog (every rank of the world calls it). Returns None where there is nothing to
-    watch: a one-rank world, a timeout of 0, or a world without a TCP rendezvous store."""
+    watch: a one-rank world, a timeout of 0, or a world without a TCP rendezvous store.
+
+    role_names: as Watchdog's `roles`. store_host_rank: the rank whose process serves the rendezvous store, or
+    None when a process of its own does (hpc_rlhf.dist.bootstrap.store_host_rank() says which)."""
     global _ACTIVE, _ATEXIT_REGISTERED
     import torch.distributed as dist
 
@@ -660,11 +642,9 @@ def start(role_names: Sequence[str] | None = None, timeout_s: float = DEFAULT_TI
     host, port = address
     client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                            timeout=timedelta(seconds=timeout_s))
-    from hpc_rlhf.dist.bootstrap import store_host_rank
-
     _ACTIVE = Watchdog(dist.PrefixStore(key_prefix(), client), dist.get_rank(), dist.get_world_size(), timeout_s,
                        progress=_PROGRESS, roles=role_names, interval_s=interval_s,
-                       store_host_rank=store_host_rank(), store_address=f"{host}:{port}")
+                       store_host_rank=store_host_rank, store_address=f"{host}:{port}")
     if not _ATEXIT_REGISTERED:
         atexit.register(stop)  # a normal exit must not look like a death to the peers
         _ATEXIT_REGISTERED = True

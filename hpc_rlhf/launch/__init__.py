@@ -1,4 +1,8 @@
-"""Launchers: the local one (ranks on this machine) and the Slurm one (submitit, requeue).
+"""The launch library: the local launcher (`local`: run a mode on the world a launcher made, or start the ranks
+on this machine) and the Slurm one (`slurm`: submitit submission, requeue, the per-rank runner of srun).
+
+What users run to start a job is the top-level launch/ folder (srun.sh, mpirun.sh, torchrun.sh, local.sh,
+submit.py); those scripts are thin and call into this package through `python -m hpc_rlhf ...`.
 
 Names are loaded on first use, so a training rank that only needs the local launcher does not import submitit.
 """

@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
-import json
 import os
 import signal
 import subprocess
@@ -30,29 +29,23 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from hpc_rlhf.config import ConfigError
-from hpc_rlhf.dist import watchdog
-from hpc_rlhf.dist.bootstrap import LOOPBACK, BootstrapError, detect_launch, free_port, init_distributed, shutdown
+from hpc_rlhf.data.loading import DataError
+from hpc_rlhf.dist import liveness, watchdog
+from hpc_rlhf.dist.bootstrap import free_port, init_distributed, shutdown
+from hpc_rlhf.dist.launch_env import LOOPBACK, BootstrapError, detect_launch
+from hpc_rlhf.dist.liveness import ERROR_FILE_VAR
+from hpc_rlhf.dist.placement import PlacementError
+from hpc_rlhf.rewards import RewardFunctionError
 
 PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.common.Preempted: checkpoint written, requeue me
 
 LOCAL_LAUNCH_FLAG = "HPC_RLHF_LOCAL_LAUNCH"
-# Where a locally launched rank records why and when it failed. A rank that fails makes its peers fail a moment
-# later in their next collective, and may even exit after them; the recorded times tell which came first.
-ERROR_FILE_VAR = "HPC_RLHF_ERROR_FILE"
 FORK_VAR = "HPC_RLHF_LOCAL_FORK"  # 0: start every local rank as a fresh interpreter, even with a CPU-only torch
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # Errors that describe bad input rather than a bug: shown as one line, exit code 2, no traceback.
 USER_ERRORS = (ConfigError, BootstrapError, ValueError)
-
-
-def run_input_errors() -> tuple[type[Exception], ...]:
-    """Bad input found while a run sets up (data rows, placements, reward functions): one line, exit code 2.
-    Imported here, not at the top, so that the launcher itself stays light."""
-    from hpc_rlhf.data.loading import DataError
-    from hpc_rlhf.dist.placement import PlacementError
-    from hpc_rlhf.rewards import RewardFunctionError
-
-    return ConfigError, BootstrapError, DataError, PlacementError, RewardFunctionError
+# Bad input found while a run sets up (data rows, placements, reward functions): one line, exit code 2 too.
+RUN_INPUT_ERRORS = (ConfigError, BootstrapError, DataError, PlacementError, RewardFunctionError)
 
 
 def ranks_needed(cfg: Any) -> int:
@@ -100,6 +93,7 @@ def _import_what_ranks_use() -> None:
     each training rank would otherwise import for itself, ~2 CPU-seconds each). Only a saving: what fails to
     import here fails again, with the rank's own message, where a rank needs it."""
     try:
+        # Heavy (transformers, deepspeed) and only worth it when ranks are forked: imported here, on purpose.
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer  # noqa: F401
 
         from hpc_rlhf.engines.deepspeed_compat import import_deepspeed
@@ -127,7 +121,7 @@ def _run_on_this_rank(mode: str, cfg: Any, run_fn: Callable[[Any], Any], needed:
     try:
         launch = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, expected_world_size=needed)
     except USER_ERRORS as exc:
-        _record_failure(str(exc))
+        liveness.record_failure(str(exc))
         print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
         return 2
     try:
@@ -146,36 +140,19 @@ def _run_on_this_rank(mode: str, cfg: Any, run_fn: Callable[[Any], Any], needed:
         for late in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(late, signal.SIG_IGN)
         return PREEMPTED_EXIT_CODE
-    except run_input_errors() as exc:
-        _record_failure(str(exc))
+    except RUN_INPUT_ERRORS as exc:
+        liveness.record_failure(str(exc))
         watchdog.report_failure(exc)  # failure handling: tell the other ranks at once
         print(f"rank {launch.rank}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - any failure of a rank ends that rank with a message
-        _record_failure(f"{type(exc).__name__}: {exc}")
+        liveness.record_failure(f"{type(exc).__name__}: {exc}")
         watchdog.report_failure(exc)  # failure handling: tell the other ranks at once
         traceback.print_exc()
         print(f"rank {launch.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     finally:
         shutdown()
-
-
-def _record_failure(message: str) -> None:
-    path = os.environ.get(ERROR_FILE_VAR)
-    if path:
-        try:
-            Path(path).write_text(json.dumps({"time": time.time(), "message": message}))
-        except OSError:
-            pass  # reporting must not hide the error being reported
-
-
-def _recorded_failure(path: Path) -> tuple[float, str] | None:
-    try:
-        record = json.loads(path.read_text())
-        return float(record["time"]), str(record["message"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 # ------------------------------------------------------------------------------------------- local launcher
@@ -354,7 +331,7 @@ def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = 
                     proc.wait()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        records = {rank: _recorded_failure(error_files[rank]) for rank in failures}
+        records = {rank: liveness.read_recorded_failure(error_files[rank]) for rank in failures}
 
     if not failures:
         return 0

@@ -3,13 +3,14 @@
     job = submit("sft", "examples/tiny/sft.yaml", ["train.max_steps=50"], nodes=2, tasks_per_node=2)
     job.results()          # one entry per task, when the job is done
 
-or from a shell (the same arguments; everything after `--` is a key=value override of the mode)::
+or from a shell (the same arguments; everything after `--` is a key=value override of the mode), through the
+entry point users run, launch/submit.py (or `hpc-rlhf submit`, or `python -m hpc_rlhf.launch.slurm`)::
 
-    python -m hpc_rlhf.launch.slurm sft --config examples/tiny/sft.yaml --nodes 2 --tasks-per-node 2 \
+    python launch/submit.py sft --config examples/tiny/sft.yaml --nodes 2 --tasks-per-node 2 \
         --wait -- train.max_steps=50
 
-Inside an srun step, `python -m hpc_rlhf.launch.slurm rank MODE ...` runs one rank (`run_rank`): what the
-sbatch scripts start on every task.
+Inside an srun step, `python -m hpc_rlhf.launch.slurm rank MODE ...` runs one rank (`run_rank`): what
+launch/srun.sh, and so the sbatch scripts, start on every task.
 
 Each Slurm task runs `hpc_rlhf.cli.main([mode, ...])` in submitit's process; our bootstrap recognises the srun
 step from its SLURM_* variables, so submitit jobs form the same world as sbatch jobs.
@@ -34,6 +35,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import submitit
+
+from hpc_rlhf import cli
 
 PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.common.Preempted.EXIT_CODE (not imported: that pulls in torch)
 STOP_SIGNAL = "USR1"  # what the trainers' StopSignal handles (besides SIGTERM)
@@ -86,8 +89,6 @@ def run_rank(argv: Sequence[str]) -> int:
     instead of 75, and the batch script would not requeue. A preempted rank therefore ignores both from here on
     (Python leaves an ignored signal ignored at shutdown).
     """
-    from hpc_rlhf import cli
-
     try:
         code = cli.main(list(argv))
     except SystemExit as exc:  # Preempted is a SystemExit(75); argparse exits with 2
@@ -209,11 +210,9 @@ def submit(mode: str, config: str | None = None, overrides: Sequence[str] = (), 
     `folder` receives submitit's pickles and logs (one subfolder per job id; it must be on a file system the
     nodes share). The job runs in the current directory, so relative config paths work as they do here.
     """
-    from hpc_rlhf.cli import COMMANDS, TRAINING_MODES
-
-    if mode not in TRAINING_MODES:
-        kind = "a command, not a training mode" if mode in COMMANDS else "not a mode"
-        raise SlurmLaunchError(f"submit: '{mode}' is {kind}; choose one of {', '.join(TRAINING_MODES)}")
+    if mode not in cli.TRAINING_MODES:
+        kind = "a command, not a training mode" if mode in cli.COMMANDS else "not a mode"
+        raise SlurmLaunchError(f"submit: '{mode}' is {kind}; choose one of {', '.join(cli.TRAINING_MODES)}")
     if config is not None and not Path(config).is_file():
         raise SlurmLaunchError(f"submit: config file {config} does not exist")
     params = slurm_parameters(nodes=nodes, tasks_per_node=tasks_per_node, gpus_per_node=gpus_per_node,
@@ -226,12 +225,12 @@ def submit(mode: str, config: str | None = None, overrides: Sequence[str] = (), 
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m hpc_rlhf.launch.slurm") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m hpc_rlhf.launch.slurm",
+        prog=prog,
         description="Queue an hpc-rlhf training mode on Slurm with submitit (requeued on preemption).",
-        epilog="example: python -m hpc_rlhf.launch.slurm sft --config examples/tiny/sft.yaml --nodes 2 "
-               "--tasks-per-node 2 --wait -- train.max_steps=50")
+        epilog=f"example: {prog} sft --config examples/tiny/sft.yaml --nodes 2 --tasks-per-node 2 --wait -- "
+               f"train.max_steps=50")
     parser.add_argument("mode", help="training mode (sft, rm, dpo, kto, ppo, grpo)")
     parser.add_argument("--config", "-c", default=None, help="YAML config of the mode")
     parser.add_argument("--nodes", type=int, default=1)
@@ -251,12 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m hpc_rlhf.launch.slurm") -> int:
+    """The command line: a submission (launch/submit.py, `hpc-rlhf submit`), or one rank (`rank MODE ...`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["rank"]:  # inside an srun step (see sbatch/common.sh): one rank, not a submission
         return run_rank(argv[1:])
     own, overrides = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = build_parser()
+    parser = build_parser(prog)
     try:
         args = parser.parse_args(own)
     except SystemExit as exc:

@@ -26,9 +26,12 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.config import TINY_ASSETS, save_config, to_dict
-from hpc_rlhf.dist import watchdog
+from hpc_rlhf.config import TINY_ASSETS, ConfigError, save_config, to_dict
+from hpc_rlhf.data.assets import ensure_assets, is_up_to_date
+from hpc_rlhf.dist import bootstrap, groups, watchdog
 from hpc_rlhf.dist.exchange import comm_device
+from hpc_rlhf.models.builders import check_model_folder, read_model_config
+from hpc_rlhf.models.lora import save_model
 from hpc_rlhf.utils import checkpoint as ckpt
 from hpc_rlhf.utils import faults
 from hpc_rlhf.utils.metrics import MetricsLogger
@@ -75,8 +78,6 @@ def ensure_tiny_assets_if_used(*paths) -> None:
     """Generate the built-in assets (rank 0, once) when a config points into them and they are missing."""
     if not uses_tiny_assets(*paths):
         return
-    from hpc_rlhf.data.assets import ensure_assets, is_up_to_date
-
     if dist.get_rank() == 0 and not is_up_to_date(TINY_ASSETS):
         ensure_assets(TINY_ASSETS)
     dist.barrier()
@@ -105,9 +106,7 @@ def start_run(cfg, mode: str) -> Run:
     rank, world = dist.get_rank(), dist.get_world_size()
     configure_logging(rank)
     # failure handling: a rank that dies or freezes ends the whole job within dist.heartbeat_timeout_s
-    from hpc_rlhf.dist import groups
-
-    watchdog.start(groups.my_roles() if groups.is_initialized() else None, watchdog.heartbeat_timeout(cfg))
+    watchdog.start(_my_roles, watchdog.heartbeat_timeout(cfg), store_host_rank=bootstrap.store_host_rank())
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     seed_everything(cfg.train.seed if hasattr(cfg, "train") else 0)
     output_dir = Path(cfg.output_dir)
@@ -116,6 +115,11 @@ def start_run(cfg, mode: str) -> Run:
         save_config(cfg, output_dir / "config.yaml")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return Run(cfg=cfg, mode=mode, output_dir=output_dir, rank=rank, world_size=world, device=device)
+
+
+def _my_roles() -> list[str] | None:
+    """This rank's roles, once the recipe has created the role groups (what the watchdog names a rank by)."""
+    return groups.my_roles() if groups.is_initialized() else None
 
 
 def open_logger(run: Run, total_steps: int) -> MetricsLogger:
@@ -173,8 +177,6 @@ def step_micro_batches(run: Run, num_rows: int, step: int) -> list[list[int]]:
 
 
 def check_batch_sizes(train_cfg, role_size: int) -> None:
-    from hpc_rlhf.config import ConfigError
-
     per_step = train_cfg.micro_batch_size * role_size
     if train_cfg.batch_size % per_step:
         raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of train.micro_batch_size "
@@ -185,9 +187,6 @@ def check_fits_model(length: int, model_path: str, key: str) -> None:
     """Input validation up front: sequences of `length` tokens must fit the positions the model was built for.
     Past them, rotary models run on positions they never saw (silently worse) and learned-position models fail
     with an index error in the middle of a step. `key` names the setting that sets the length."""
-    from hpc_rlhf.config import ConfigError
-    from hpc_rlhf.models.builders import check_model_folder, read_model_config
-
     limit = getattr(read_model_config(check_model_folder(model_path)), "max_position_embeddings", None)
     if limit is not None and length > limit:
         raise ConfigError(f"{key}={length} is longer than the {limit} positions of the model in '{model_path}' "
@@ -372,8 +371,6 @@ def save_final_model(engine, directory: str | Path, tokenizer, lora_cfg) -> None
     the engine's group calls this.
     """
     if lora_cfg.rank > 0:
-        from hpc_rlhf.models.lora import save_model
-
         with engine.gathered_parameters() as module:
             if engine.is_leader:
                 save_model(module, directory, tokenizer=tokenizer, merge=lora_cfg.merge_on_save)

@@ -26,9 +26,15 @@ import torch.distributed as dist
 
 from hpc_rlhf.config import (CheckpointSection, ConfigError, DataSection, DistSection, LogSection, ModelSection,
                              TrainSection, field, section)
+from hpc_rlhf.data.examples import prompt_example
+from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.data.synthetic import exact_match
-from hpc_rlhf.trainers import common
-from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data, load_prompt_rows
+from hpc_rlhf.data.templates import encode
+from hpc_rlhf.models.builders import load_tokenizer
+from hpc_rlhf.trainers import common, sft
+from hpc_rlhf.trainers.evaluation import generation_accuracy, load_eval_prompts
+from hpc_rlhf.trainers.generate import (GenerateSection, ScoreSection, Scorer, _prompt_data, load_policy,
+                                        load_prompt_rows)
 from hpc_rlhf.trainers.rejection import _rs_score, sft_config_for
 from hpc_rlhf.trainers.rounds import copy_final, open_round_logger, sample_round
 from hpc_rlhf.trainers.sft import GenerationEvalSection
@@ -101,12 +107,6 @@ def _write_jsonl(rows: Sequence[dict], path: Path) -> None:
 def score_existing(cfg: Config, run: common.Run) -> list[dict]:
     """Rows of `csft.response_files` as scored records (every rank scores all of them: rule rewards are cheap;
     reward models over a large file are better run once with `hpc-rlhf generate`-style sharding)."""
-    from hpc_rlhf.data.examples import prompt_example
-    from hpc_rlhf.data.loading import load_rows
-    from hpc_rlhf.data.templates import encode
-    from hpc_rlhf.models.builders import load_tokenizer
-    from hpc_rlhf.trainers.generate import Scorer
-
     data = cfg.data
     rows, _ = load_rows(cfg.csft.response_files, required={data.prompt_key: str, data.response_key: str},
                         where="csft.response_files", on_bad_row=data.on_bad_row, max_rows=data.max_train_rows)
@@ -128,9 +128,6 @@ def score_existing(cfg: Config, run: common.Run) -> list[dict]:
 
 def bucket_accuracies(model_dir: Path, cfg: Config, rows: Sequence[dict], device) -> dict[str, float]:
     """Held-out exact match asking for each bucket in turn (sharded over the world)."""
-    from hpc_rlhf.trainers.evaluation import generation_accuracy
-    from hpc_rlhf.trainers.generate import load_policy
-
     model, tokenizer = load_policy(dataclasses.replace(cfg.model, path=str(model_dir)), device)
     out = {}
     for bucket in range(cfg.csft.highest + 1):
@@ -161,8 +158,6 @@ def run(cfg: Config) -> dict[str, Any]:
     data_file = out / "data" / "csft_data.jsonl"
     eval_rows = []
     if cfg.eval.prompt_files:
-        from hpc_rlhf.trainers.evaluation import load_eval_prompts
-
         eval_rows = load_eval_prompts(cfg)
     eval_file = out / "data" / f"eval_prompts_bucket_{ask}.jsonl"
     if run_.is_main:
@@ -174,8 +169,6 @@ def run(cfg: Config) -> dict[str, Any]:
     sft_cfg = sft_config_for(cfg, cfg.model.path, data_file, out / "sft")
     if eval_rows:
         sft_cfg.eval = dataclasses.replace(cfg.eval, prompt_files=[str(eval_file)])
-    from hpc_rlhf.trainers import sft
-
     result = dict(sft.run(sft_cfg) or {})
     final = out / "sft" / "final"
     if run_.is_main:

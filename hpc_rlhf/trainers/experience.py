@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from hpc_rlhf.algorithms.logprobs import token_logprobs
+
 
 def shard_bounds(count: int, parts: int, index: int) -> tuple[int, int]:
     """[start, end) of part `index` when `count` items are cut into `parts` contiguous, near-equal parts."""
@@ -132,6 +134,4 @@ def from_ragged(seqs: Sequence[torch.Tensor], batch: SampleBatch, dtype=torch.fl
 
 def response_logprobs(logits: torch.Tensor, batch: SampleBatch, temperature: float = 1.0) -> torch.Tensor:
     """(B, T, V) logits -> (B, T-1) log-probs of the next token (meaningful where action_mask is 1)."""
-    from hpc_rlhf.algorithms.logprobs import token_logprobs
-
     return token_logprobs(logits[:, :-1], batch.input_ids[:, 1:].to(logits.device), temperature=temperature)

@@ -34,6 +34,9 @@ from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.dist.exchange import comm_device
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
+from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
+from hpc_rlhf.models.value_model import build_value_model, sequence_scores
+from hpc_rlhf.rewards import call_reward_function, load_reward_function
 from hpc_rlhf.trainers import common
 
 log = logging.getLogger("hpc_rlhf")
@@ -109,22 +112,16 @@ class Scorer:
     """Rule functions and reward models; `score(records, token ids)` adds "scores" and "score" to each record."""
 
     def __init__(self, cfg: ScoreSection, model_cfg: ModelSection, device: torch.device):
-        from hpc_rlhf.rewards import load_reward_function
-
         self.cfg = cfg
         self.functions = [(spec, load_reward_function(spec)) for spec in cfg.functions]
         self.reward_models = []
         for path in cfg.reward_models:
-            from hpc_rlhf.models.value_model import build_value_model
-
             rm_cfg = ModelSection(path=path, dtype=model_cfg.dtype, attn_implementation=model_cfg.attn_implementation)
             self.reward_models.append((path, build_value_model(rm_cfg, for_training=False, device=device)))
         self.device = device
 
     @torch.no_grad()
     def _model_scores(self, model, sequences: list[list[int]], pad_id: int) -> list[float]:
-        from hpc_rlhf.models.value_model import sequence_scores
-
         out: list[float] = []
         step = self.cfg.micro_batch_size
         for start in range(0, len(sequences), step):
@@ -136,8 +133,6 @@ class Scorer:
 
     def score(self, records: list[dict], texts_with_specials: list[str], sequences: list[list[int]],
               pad_id: int) -> None:
-        from hpc_rlhf.rewards import call_reward_function
-
         columns: dict[str, list[float]] = {}
         prompts = [r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"]) for r in records]
         answers = [r.get("answer") for r in records]
@@ -278,8 +273,6 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def load_policy(model_cfg: ModelSection, device: torch.device):
-    from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
-
     tokenizer = load_tokenizer(model_cfg.tokenizer or model_cfg.path)
     return build_causal_lm(model_cfg, for_training=False, device=device), tokenizer
 

@@ -38,11 +38,12 @@ import torch.distributed as dist
 
 from hpc_rlhf.config import (CheckpointSection, DataSection, DistSection, LogSection, ModelSection, TrainSection,
                              field, section)
-from hpc_rlhf.trainers import rounds
+from hpc_rlhf.trainers import dpo, rounds
 from hpc_rlhf.trainers.dpo import DPOSection
 from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data
 from hpc_rlhf.trainers.reference import ReferenceSection
 from hpc_rlhf.trainers.rejection import _rs_generate, _rs_score
+from hpc_rlhf.trainers.rm import PreferenceDataSection
 from hpc_rlhf.trainers.sft import GenerationEvalSection
 
 
@@ -97,9 +98,6 @@ def preference_pairs(records: Sequence[dict], min_gap: float = 0.0) -> list[dict
 
 
 def dpo_config_for(cfg: Config, model_path: str, pairs_file: Path, output_dir: Path):
-    from hpc_rlhf.trainers import dpo
-    from hpc_rlhf.trainers.rm import PreferenceDataSection
-
     shared = {f.name: getattr(cfg.data, f.name) for f in dataclasses.fields(DataSection)}
     data = PreferenceDataSection(**{**shared, "train_files": [str(pairs_file)], "eval_files": [],
                                     "max_train_rows": None, "prompt_key": "prompt", "chosen_key": "chosen",
@@ -128,8 +126,6 @@ def run(cfg: Config) -> dict[str, Any]:
             tmp.write_text("".join(json.dumps(p) + "\n" for p in pairs))
             tmp.replace(pairs_file)
         dist.barrier()
-        from hpc_rlhf.trainers import dpo
-
         last = {"mean_score": sum(rec["score"] for rec in records) / len(records), "pairs": len(pairs)}
         last.update(dpo.run(dpo_config_for(cfg, model_path, pairs_file, round_dir / "dpo")) or {})
         model_path = str(round_dir / "dpo" / "final")

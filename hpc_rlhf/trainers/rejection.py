@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hpc_rlhf.config import (CheckpointSection, DataSection, DistSection, LogSection, ModelSection, TrainSection,
                              field, section)
-from hpc_rlhf.trainers import rounds
+from hpc_rlhf.trainers import rounds, sft
 from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data
 from hpc_rlhf.trainers.sft import GenerationEvalSection
 
@@ -103,8 +103,6 @@ def write_sft_rows(records: Sequence[dict], path: Path, prompt_key: str, respons
 # ------------------------------------------------------------------------------------------------ the rounds
 def sft_config_for(cfg, model_path: str, data_file: Path, output_dir: Path):
     """An SFT recipe config that trains `model_path` on `data_file` with this mode's train/eval/log sections."""
-    from hpc_rlhf.trainers import sft
-
     data = dataclasses.replace(cfg.data, train_files=[str(data_file)], eval_files=[], max_train_rows=None,
                                prompt_key="prompt", response_key="response")
     return sft.Config(output_dir=str(output_dir), model=dataclasses.replace(cfg.model, path=model_path), data=data,
@@ -134,8 +132,6 @@ def run(cfg: Config) -> dict[str, Any]:
                 "best_of_n_score": sum(rec["score"] for rec in select_samples(records)) / prompts,
                 "kept": len(kept), "prompts": prompts}
         if cfg.sft_after:
-            from hpc_rlhf.trainers import sft
-
             last.update(sft.run(sft_config_for(cfg, model_path, data_file, round_dir / "sft")) or {})
             model_path = str(round_dir / "sft" / "final")
         rounds.finish_round(run_, logger, r, last)

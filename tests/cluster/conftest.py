@@ -7,11 +7,11 @@ tests skipped, with the reason the script gives.
 All of it starts in the background as soon as the session has collected a cluster test (tests/conftest.py,
 tests/background.py): the cluster comes up and every job is submitted while the rest of the suite runs, and the
 cluster tests, ordered last, find their jobs finished. `tiny_jobs` submits every job of the cluster tests at once,
-so that they share the machine's cores instead of waiting for each other: the built-in tiny SFT (2 nodes x 2 tasks, the
-reference), the same job preempted mid-run, the tiny job under `mpirun` and under `srun --mpi=pmix`, and a
-submitit submission (also preempted). Background threads send the preemption signals as soon as those jobs
-have logged a step. `lost_rank_jobs` (PPO jobs that each lose a rank) is submitted with them, or alone when only
-its tests run.
+so that they share the machine's cores instead of waiting for each other: the built-in tiny SFT (2 nodes x 2
+tasks, the reference), the same job preempted mid-run, the tiny job under `mpirun` and under `srun --mpi=pmix`
+(through launch/mpirun.sh and launch/srun.sh), and a submitit submission (also preempted). Background threads send
+the preemption signals as soon as those jobs have logged a step. `lost_rank_jobs` (PPO jobs that each lose a rank)
+is submitted with them, or alone when only its tests run.
 """
 
 from __future__ import annotations
@@ -319,7 +319,8 @@ def _submit_tiny_jobs(cluster: LocalCluster | None, root: Path) -> TinyJobs | No
 
     def wrapped(name: str, nodes: int, tasks: int, command: str) -> Submitted:
         out = root / name
-        script = command.format(probe=shlex.quote(PROBE), config=config, out=out, py=shlex.quote(sys.executable))
+        script = command.format(probe=shlex.quote(PROBE), config=config, out=out, py=shlex.quote(sys.executable),
+                                launch=shlex.quote(str(REPO / "launch")))
         job_id = cluster.sbatch(f"--nodes={nodes}", f"--ntasks={tasks}", f"--output={root}/{name}-%j.out",
                                 "--time=15", f"--wrap={script}")
         return Submitted(job_id, out, Path(f"{root}/{name}-{job_id}.out"))
@@ -328,13 +329,14 @@ def _submit_tiny_jobs(cluster: LocalCluster | None, root: Path) -> TinyJobs | No
     record = Preemption()
     threading.Thread(target=_signal_when_running, args=(cluster, preempted, record), daemon=True).start()
     reference = tiny("reference")
-    train = ("-m hpc_rlhf sft --config {config} output_dir={out} dist.nproc=2 dist.backend=gloo "
+    train = ("sft --config {config} output_dir={out} dist.nproc=2 dist.backend=gloo "
              f"train.max_steps={MPI_STEPS}")
     # One node: mpirun starts both ranks itself, so they carry the batch step's SLURM_PROCID=0 and our
-    # bootstrap must take rank, size and master address from MPI.
-    mpirun = wrapped("mpirun", 1, 2, "mpirun -n 2 {py} -c {probe} && mpirun -n 2 {py} " + train)
+    # bootstrap must take rank, size and master address from MPI. The training runs through the entry points
+    # users run (launch/mpirun.sh, launch/srun.sh).
+    mpirun = wrapped("mpirun", 1, 2, "mpirun -n 2 {py} -c {probe} && PYTHON={py} {launch}/mpirun.sh -n 2 -- " + train)
     srun_pmix = wrapped("srun_pmix", 2, 2, "srun --mpi=pmix {py} -c {probe} && "
-                                           "srun --mpi=pmix --kill-on-bad-exit=1 {py} " + train)
+                                           "PYTHON={py} {launch}/srun.sh --mpi=pmix -- " + train)
     from hpc_rlhf.launch.slurm import submit
 
     submitit_dir = root / "submitit"

@@ -4,7 +4,7 @@ import torch
 from hpc_rlhf.data.examples import (IGNORE_INDEX, kto_example, pad_collate, pair_collate, preference_example,
                                     prompt_example, sft_example)
 from hpc_rlhf.data.templates import TemplateError
-from tests.data.test_templates import CHAT, SPECIALS, char_ids, tiny_tokenizer
+from tests.data.conftest import CHAT, SPECIALS, char_ids, tiny_tokenizer
 
 BOS, EOS, END = SPECIALS.index("<s>"), SPECIALS.index("</s>"), SPECIALS.index("<|end|>")
 M = IGNORE_INDEX

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import pytest
 
-from hpc_rlhf.dist import store_host, watchdog
+from hpc_rlhf.dist import liveness, store_host, watchdog
 from tests.distributed import REPO, worker_env
 
 
@@ -36,10 +36,10 @@ def _client(port: int):
 
     store = dist.TCPStore(store_host.LOOPBACK, port, is_master=False, wait_for_workers=False,
                           timeout=timedelta(seconds=5))
-    return store, dist.PrefixStore(watchdog.key_prefix(), store)
+    return store, dist.PrefixStore(liveness.key_prefix(), store)
 
 
-def _beat(rank: int, seq: int, state: str = watchdog.RUNNING, **fields) -> str:
+def _beat(rank: int, seq: int, state: str = liveness.RUNNING, **fields) -> str:
     beat = {"seq": seq, "role": "actor", "phase": "training", "step": 3, "host": socket.gethostname(),
             "pid": os.getpid(), "pidns": "", "state": state}
     return json.dumps({**beat, **fields})
@@ -78,11 +78,11 @@ def test_a_killed_rank_0_is_published_with_its_phase_and_the_store_serves_until_
     records.set("hb/1", _beat(1, seq=1, role="critic"))
     rank0.kill()
 
-    _wait_for(lambda: int(records.add(watchdog.FAILURE_COUNT, 0)) == 1, 5, "rank 0's failure record")
-    [record] = [json.loads(line) for line in records.get(watchdog.FAILURE_LOG).decode().splitlines()]
+    _wait_for(lambda: int(records.add(liveness.FAILURE_COUNT, 0)) == 1, 5, "rank 0's failure record")
+    [record] = [json.loads(line) for line in records.get(liveness.FAILURE_LOG).decode().splitlines()]
     assert (record["rank"], record["role"], record["phase"], record["step"]) == (0, "actor", "training", 3)
     assert record["primary"] and record["kind"] == "failed"
-    assert watchdog.format_failure(record, 1).startswith(
+    assert liveness.format_failure(record, 1).startswith(
         f"hpc_rlhf: rank 0 (role actor) failed during training: its process (pid {rank0.proc.pid}) is gone")
 
     # A launcher's SIGTERM does not end it, and it serves while rank 1 still beats.
@@ -93,7 +93,7 @@ def test_a_killed_rank_0_is_published_with_its_phase_and_the_store_serves_until_
     assert watchdog.process_alive(rank0.host_pid)
     assert records.check(["hb/1"])
 
-    records.set("hb/1", _beat(1, seq=99, state=watchdog.FAILED, role="critic"))
+    records.set("hb/1", _beat(1, seq=99, state=liveness.FAILED, role="critic"))
     _wait_for(lambda: not watchdog.process_alive(rank0.host_pid), 5, "the store's process to leave")
 
 
@@ -131,7 +131,7 @@ def test_a_port_in_use_is_said():
 def test_close_lets_it_leave_while_its_parent_lives():
     host = store_host.start(0, 2, timeout_s=5)
     store, records = _client(host.port)
-    records.set("hb/0", _beat(0, seq=1, state=watchdog.STOPPED))
+    records.set("hb/0", _beat(0, seq=1, state=liveness.STOPPED))
     store.set("kept", "yes")
     assert store.get("kept") == b"yes"
     host.close(store)
@@ -145,6 +145,6 @@ if __name__ == "__main__":
     host = store_host.start(0, world_size, timeout_s=30)
     if heartbeat:
         client = dist.TCPStore(store_host.LOOPBACK, host.port, is_master=False, timeout=timedelta(seconds=5))
-        dist.PrefixStore(watchdog.key_prefix(), client).set("hb/0", _beat(0, seq=1))
+        dist.PrefixStore(liveness.key_prefix(), client).set("hb/0", _beat(0, seq=1))
     print(f"serving {host.port} {host.pid}", flush=True)
     time.sleep(600)

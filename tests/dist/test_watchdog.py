@@ -13,8 +13,9 @@ from datetime import timedelta
 import pytest
 
 from hpc_rlhf.dist import watchdog
-from hpc_rlhf.dist.watchdog import (Progress, Watchdog, failure_record, format_failure, is_consequence,
-                                    process_alive, watched_ranks)
+from hpc_rlhf.dist.bootstrap import store_host_rank
+from hpc_rlhf.dist.liveness import STOPPED
+from hpc_rlhf.dist.watchdog import Progress, Watchdog, is_consequence, process_alive, watched_ranks
 from hpc_rlhf.utils.faults import FAULT_ENV, InjectedFault
 
 TIMEOUT = 0.5     # heartbeat timeout of the in-process watchdogs
@@ -37,13 +38,6 @@ def test_every_rank_is_watched_by_eight_others_in_a_large_world():
         for peer in watched_ranks(rank, world, None):
             watchers[peer] += 1
     assert set(watchers.values()) == {8}
-
-
-def test_the_failure_line_names_rank_role_phase_and_step():
-    record = failure_record(3, "rollout", "scoring", 2, "failed", "RuntimeError: boom", primary=True, by=3)
-    assert format_failure(record, seen_by=0) == \
-        "hpc_rlhf: rank 3 (role rollout) failed during scoring: RuntimeError: boom [step 2; seen by rank 0]"
-    assert format_failure(record, seen_by=3).endswith("[step 2]")
 
 
 def test_communication_errors_are_consequences_other_errors_are_causes():
@@ -165,6 +159,20 @@ def test_healthy_ranks_raise_no_alarm(server):
     assert world.dogs[0].peers[2].beat["role"] == "rollout"
 
 
+def test_roles_named_by_a_function_are_asked_for_until_they_are_known(server):
+    from torch.distributed import TCPStore
+
+    known: list[str] | None = None
+    client = TCPStore("127.0.0.1", server, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    dog = Watchdog(client, 0, 2, TIMEOUT, roles=lambda: known, interval_s=INTERVAL, store_host_rank=None)
+    assert dog.role() == "trainer"  # before the recipe has made its role groups
+    known = ["actor", "ref"]
+    assert dog.role() == "actor+ref"
+    known = None
+    assert dog.role() == "actor+ref"  # asked until known, then kept
+    assert Watchdog(client, 0, 2, TIMEOUT, roles=lambda: [], store_host_rank=None).role() == "none"
+
+
 def test_a_silent_rank_is_reported_with_its_last_phase(server):
     world = Ranks(server, 3, ["actor", "ref", "rollout"])
     world.dogs[2].progress.name, world.dogs[2].progress.step = "scoring", 2
@@ -208,7 +216,7 @@ def test_a_rank_that_stopped_in_order_is_not_a_failure(server):
     victim = subprocess.Popen([sys.executable, "-c", "pass"])
     world.dogs[1].pid = victim.pid
     world.beat(0, 1)
-    world.dogs[1]._write_own(watchdog.STOPPED)
+    world.dogs[1]._write_own(STOPPED)
     victim.wait()
     time.sleep(TIMEOUT + 0.1)
     world.beat(0)
@@ -411,7 +419,7 @@ def test_a_frozen_store_host_is_named_after_the_timeout(host_process):
 def test_the_store_host_stopping_in_order_is_no_failure(host_process):
     proc, port = host_process
     world, done = _threaded_world(port, proc.pid)
-    world.dogs[0]._write_own(watchdog.STOPPED)
+    world.dogs[0]._write_own(STOPPED)
     time.sleep(3 * INTERVAL)
     proc.kill()
     assert not done.wait(TIMEOUT + 1)
@@ -424,7 +432,7 @@ def test_stop_writes_the_last_heartbeat(server):
     world.dogs[1].start()
     world.dogs[1].stop()
     world.beat(0)
-    assert world.dogs[0].peers[1].beat["state"] == watchdog.STOPPED
+    assert world.dogs[0].peers[1].beat["state"] == STOPPED
     assert not any(t.is_alive() for t in world.dogs[1]._threads)
 
 
@@ -434,7 +442,7 @@ def test_the_store_host_leaves_only_after_the_others_stopped(server):
     host.interval = 0.2  # waits at most 2 x grace = 1.2 s
     host.grace = 3 * host.interval
     world.beat(0, 1)
-    threading.Timer(0.3, lambda: world.dogs[1]._write_own(watchdog.STOPPED)).start()
+    threading.Timer(0.3, lambda: world.dogs[1]._write_own(STOPPED)).start()
     start = time.monotonic()
     host.stop()
     waited = time.monotonic() - start
@@ -523,7 +531,7 @@ def _phases_worker() -> None:
     def run(cfg):
         rank = dist.get_rank()
         StopSignal()  # as in the recipes: torchrun's SIGTERM to the survivors only asks for a stop
-        dog = watchdog.start([ROLES[rank]], watchdog.heartbeat_timeout(cfg))
+        dog = watchdog.start([ROLES[rank]], watchdog.heartbeat_timeout(cfg), store_host_rank=store_host_rank())
         for step in range(1, 4):
             watchdog.set_step(step)
             for name in ("rollout", "scoring", "training"):
@@ -545,7 +553,7 @@ def _uneven_worker() -> None:
 
     def run(cfg):
         rank = dist.get_rank()
-        watchdog.start([ROLES[rank]], 1.0)
+        watchdog.start([ROLES[rank]], 1.0, store_host_rank=store_host_rank())
         # Rank 0 (the store's host) finishes first, the others over several heartbeat timeouts.
         time.sleep([0.0, 1.5, 3.0][rank])
 
@@ -565,7 +573,7 @@ def _sigterm_in_setup_worker() -> None:
 
     def run(cfg):
         rank = dist.get_rank()
-        dog = watchdog.start([ROLES[rank]], 1.0)
+        dog = watchdog.start([ROLES[rank]], 1.0, store_host_rank=store_host_rank())
         dist.barrier()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)

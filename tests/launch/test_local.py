@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rlhf.config import ConfigError, DistSection
+from hpc_rlhf.dist import liveness
 from hpc_rlhf.launch import local
 from hpc_rlhf.launch.local import run_or_spawn, spawn_local
 
@@ -404,11 +405,11 @@ def rank_case(case: str, folder: Path) -> int:
         time.sleep(120)
     elif case == "slow-exit":
         if rank == 1:
-            local._record_failure("RuntimeError: lost the data")
+            liveness.record_failure("RuntimeError: lost the data")
             time.sleep(1.5)
             sys.exit(5)
         # Rank 0 exits as soon as rank 1 has recorded its failure, so it is the first to exit.
-        wait_for(Path(os.environ[local.ERROR_FILE_VAR]).with_name("rank1.json").exists)
+        wait_for(Path(os.environ[liveness.ERROR_FILE_VAR]).with_name("rank1.json").exists)
         sys.exit(7)
     elif case in ("launcher-trap", "launcher-trap-fork"):
         target = functools.partial(rank_case, "trap", folder) if case.endswith("fork") else None

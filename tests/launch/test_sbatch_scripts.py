@@ -67,7 +67,7 @@ def test_each_script_checks_the_plan_before_training_through_common_sh(path):
     calls = [line.strip().split()[0] for line in text.splitlines() if line.strip().startswith("hpc_")]
     # set-up, the plan check, then one or more training steps (tiny_cpu makes its starting models first)
     assert calls[:2] == ["hpc_setup", "hpc_check_plan"] and len(calls) >= 3 and set(calls[2:]) == {"hpc_train"}
-    # srun, its flags and the requeue live in common.sh only
+    # srun and its flags live in launch/srun.sh, the requeue in common.sh only
     assert not any(line.lstrip().startswith(("srun", "scontrol")) for line in text.splitlines())
 
 
@@ -104,11 +104,14 @@ def test_tiny_job_mode_and_config_are_single_variables():
     assert (found["nodes"], found["ntasks-per-node"]) == ("2", "2") and "gpus-per-node" not in found
 
 
-def test_common_sh_uses_kill_on_bad_exit_and_requeues_on_75():
+def test_common_sh_starts_ranks_through_launch_srun_sh_and_requeues_on_75():
     text = (SBATCH / "common.sh").read_text()
-    assert "srun --kill-on-bad-exit=1" in text
+    code = [line.strip() for line in text.splitlines() if not line.strip().startswith("#")]
+    assert any(line.startswith('"$HPC_RLHF_HOME/launch/srun.sh"') for line in code)
+    assert not any(line.startswith("srun") for line in code)
     assert "HPC_PREEMPTED_EXIT_CODE=75" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
-    assert "apptainer exec --nv" in text
+    assert "exec srun --kill-on-bad-exit=1" in (REPO / "launch" / "srun.sh").read_text()
+    assert "apptainer exec --nv" in (REPO / "launch" / "env.sh").read_text()
 
 
 # ---------------------------------------------------------------------------- common.sh run with stand-ins

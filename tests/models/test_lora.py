@@ -10,7 +10,7 @@ from hpc_rlhf.models.builders import ModelFolderError, build_causal_lm, model_nu
 from hpc_rlhf.models.lora import (apply_lora, merge_and_unload_for_save, merged_state_dict, quantization_config,
                                   save_model)
 from hpc_rlhf.models.value_model import build_value_model, save_value_model, sequence_scores
-from tests.models.test_builders import make_model_folder, padded_batch
+from tests.models.conftest import make_model_folder, padded_batch
 
 RANK = 4
 TARGETS = ["q_proj", "v_proj"]

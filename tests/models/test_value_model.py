@@ -12,7 +12,7 @@ from hpc_rlhf.models.builders import ModelFolderError
 from hpc_rlhf.models.value_model import (build_value_model, gather_last, last_token_index,
                                          position_ids_from_mask, reward_normalization, save_value_model,
                                          sequence_scores, set_reward_normalization, token_values)
-from tests.models.test_builders import FAMILIES, make_model_folder, padded_batch
+from tests.models.conftest import FAMILIES, make_model_folder, padded_batch
 
 
 @pytest.fixture(scope="module")
