@@ -314,6 +314,46 @@ def broadcast_batch(batch: dict[str, torch.Tensor] | None, src: int, group: dist
     return received
 
 
+# ------------------------------------------------------------------------------------------ point to point
+def send_ragged(seqs: Sequence[torch.Tensor], dst: int, tag: str = "ragged",
+                dtype: torch.dtype | None = None) -> None:
+    """A list of 1-D tensors from this rank to global rank `dst`, which calls `recv_ragged` (no group needed:
+    for a message with one consumer, a point-to-point send instead of a broadcast over a two-rank group)."""
+    what = f"send_ragged('{tag}')"
+    device = comm_device()
+    header, error = None, None
+    try:
+        if seqs is None:
+            raise ExchangeError(f"the sending rank {dist.get_rank()} must pass a list of tensors, got None")
+        flat, lengths = pack_ragged(list(seqs), dtype)
+        header = make_header(Kind.RAGGED, message_tag(tag), flat.dtype, (len(lengths), flat.numel()))
+    except ExchangeError as exc:
+        error = exc
+    dist.send((header if header is not None else _failed_header()).to(device), dst)
+    if error is not None:
+        raise ExchangeError(f"{what}: {error}") from None
+    if len(lengths):
+        dist.send(lengths.to(device), dst)
+    if flat.numel():
+        dist.send(_to_wire(flat, device), dst)
+
+
+def recv_ragged(src: int, tag: str = "ragged") -> list[torch.Tensor]:
+    """What global rank `src` sends with `send_ragged` (same tag)."""
+    what = f"recv_ragged('{tag}')"
+    device = comm_device()
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    dtype, (count, total) = read_header(header.cpu(), Kind.RAGGED, message_tag(tag), what)
+    lengths = torch.empty(count, dtype=torch.int64, device=device)
+    if count:
+        dist.recv(lengths, src)
+    buf = _wire_buffer(dtype, total, device)
+    if total:
+        dist.recv(buf, src)
+    return unpack_ragged(_from_wire(buf, dtype, (total,)).cpu(), lengths.cpu())
+
+
 # ------------------------------------------------------------------------------------------------ gathers
 def _ragged_headers(seqs: Sequence[torch.Tensor], tag: str, dtype: torch.dtype | None, group, device, what):
     """All-gather every rank's (dtype, count, total) and agree on one dtype, raising alike on every rank."""
