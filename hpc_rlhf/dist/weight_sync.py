@@ -15,11 +15,11 @@ Receivers rebuild (name, view) pairs and pass each bucket to `load_fn` (a rollou
 Memory and overlap, on the sender: tensors of one dtype are copied into a bucket buffer of `bucket_mb`; a full
 bucket goes out with an asynchronous broadcast, and while it travels the next module is gathered and packed
 into a second buffer (double buffering). The buffers come from a `BucketPool` kept between syncs (no fresh
-allocation per bucket or per sync); a pool lends at most two buffers, or one per dtype when more dtypes than two
-are being packed at once. A tensor at least as large as a bucket goes straight through: broadcast from its own
-storage, uncopied, and waited for before the stream moves on (it may be a ZeRO-3 gathered parameter that is
-released as soon as the stream moves on). So the sender never holds more than the module being streamed plus
-two buckets (`SyncStats.peak_buffer_bytes` reports what the pool lent). Receivers receive into two reused
+allocation per bucket or per sync): one being filled per dtype plus one in flight, so two for a model of one
+dtype. A tensor at least as large as a bucket goes straight through: broadcast from its own storage, uncopied,
+and waited for before the stream moves on (it may be a ZeRO-3 gathered parameter that is released as soon as
+the stream moves on). So the sender never holds more than the module being streamed plus two buckets (one more
+per further dtype; `SyncStats.peak_buffer_bytes` reports what the pool lent). Receivers receive into two reused
 buffers as well and load one bucket while the next is arriving.
 
 Streaming contract: every tensor the iterator yields is copied (or, when it is larger than a bucket, sent) before
@@ -92,8 +92,9 @@ class BucketPool:
     """Byte buffers of `bucket_bytes` on `device`, lent to a Bucketer and taken back once a send is done.
 
     `acquire` prefers a free buffer; with none free it waits for the oldest send in flight when `limit` buffers
-    exist already, and allocates a new one otherwise (so more than `limit` only when every buffer is being
-    filled, one per dtype). Buffers stay allocated between syncs; `clear` frees them.
+    exist already, and allocates a new one otherwise. A Bucketer opens the next bucket of a dtype before the
+    full one has been handed back, so it borrows one buffer per dtype being filled plus one in flight: two for
+    a model of one dtype. Buffers stay allocated between syncs; `clear` frees them.
     """
 
     def __init__(self, bucket_bytes: int, device: torch.device, limit: int = 2):

@@ -320,6 +320,11 @@ class TrainEngine:
         one is requested: copy what you keep. Tied parameters are yielded under each of their names.
         """
         emit = on_every_rank or self.is_leader
+        if self.zero_stage == 3:
+            # Forward passes without a backward (scoring, generation) can leave prefetched parameters gathered
+            # or still in flight; release them first (DeepSpeed's public call for it).
+            with self._in_group():
+                self.engine.empty_partition_cache()
         for name, tensor in merged_tensors(self.module, gather=self._gathered, emit=emit):
             yield name, tensor
 

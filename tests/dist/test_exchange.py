@@ -168,6 +168,15 @@ def _roundtrip(rank: int, world: int):
             assert got[0] == [] and got[1] == []
             assert_same_seqs(got[2], make_seqs(400, torch.int64))
 
+    # point to point, no group: rank 3 -> rank 1 (bf16, empty sequences included), then 1 -> 3 an empty list,
+    # while ranks 0 and 2 take no part
+    if rank == 3:
+        ex.send_ragged(make_seqs(500, torch.bfloat16), dst=1, tag="p2p")
+        assert ex.recv_ragged(1, tag="p2p-back") == []
+    elif rank == 1:
+        assert_same_seqs(ex.recv_ragged(3, tag="p2p"), make_seqs(500, torch.bfloat16))
+        ex.send_ragged([], dst=3, tag="p2p-back", dtype=torch.int64)
+
     # time a 0.47 MB experience batch sent as one ragged message (for the report; not asserted)
     import time
     responses = [torch.arange(920) for _ in range(64)]
@@ -234,6 +243,15 @@ def _errors(rank: int, world: int):
     mine = [torch.zeros(2, 2)] if rank == 2 else [torch.zeros(2)]
     expect_error(lambda: ex.gather_ragged(mine, dst=0), "must be a 1-D tensor" if rank == 2 else
                  "header of group rank 2: the sending rank could not build its message")
+
+    # Point to point: a receiver expecting another message raises (an empty message: the ranks stay in step); a
+    # sender with bad input makes its receiver raise too.
+    if rank == 0:
+        ex.send_ragged([], dst=1, tag="scores", dtype=torch.float32)
+        expect_error(lambda: ex.send_ragged(None, dst=1, tag="scores"), "must pass a list of tensors")
+    elif rank == 1:
+        expect_error(lambda: ex.recv_ragged(0, tag="values"), "tag")
+        expect_error(lambda: ex.recv_ragged(0, tag="scores"), "the sending rank could not build its message")
 
     # ... and the group still works afterwards.
     sent = make_seqs(42, torch.float32)
