@@ -3,13 +3,14 @@
 The actor's leader (`src`) streams (name, tensor) pairs of the full model (`TrainEngine.full_state()`: one
 module gathered at a time under ZeRO-3) and sends them bucket by bucket while the next module is gathered:
 
-    header   exchange's fixed-size int64 header: tensor count n, names size, payload bytes, the sender's bucket
-             size, dtype
-    body     int64: per tensor (offset in the bucket, ndim, shape padded with zeros), then the n names (utf-8,
-             newline-separated) packed into int64 words
-    payload  the bucket's bytes (uint8 on the wire, so every dtype travels bit for bit on any backend)
+    header   exchange's fixed-size int64 header: tensor count n, names size, data bytes, the sender's bucket
+             size, where the description is, dtype
+    payload  the bucket's bytes (uint8 on the wire, so every dtype travels bit for bit on any backend), then its
+             description: int64 words, per tensor (offset in the bucket, ndim, shape padded with zeros), then
+             the n names (utf-8, newline-separated) packed into int64 words
 
-and at the end a header with n = 0. Nothing is pickled and a receiver never posts a buffer of the wrong size.
+and at the end a header with n = 0 (two messages per bucket; a tensor sent straight through from its own storage
+has its description in a message of its own). Nothing is pickled and a receiver never posts a buffer of the wrong size.
 Receivers rebuild (name, view) pairs and pass each bucket to `load_fn` (a rollout engine's `load_weights`).
 
 Memory and overlap, on the sender: tensors of one dtype are copied into a bucket buffer of `bucket_mb`; a full
@@ -99,6 +100,9 @@ class BucketPool:
 
     def __init__(self, bucket_bytes: int, device: torch.device, limit: int = 2):
         self.bucket_bytes = bucket_bytes
+        # room after a full bucket for its description (80 bytes and the name per tensor), so that both travel
+        # in one message; a description that does not fit travels apart
+        self.description_room = max(4096, bucket_bytes // 64)
         self.device = torch.device(device)
         self.limit = limit
         self.free: list[torch.Tensor] = []
@@ -107,16 +111,20 @@ class BucketPool:
         self.lent = 0
         self.peak_lent_bytes = 0
 
+    @property
+    def buffer_bytes(self) -> int:
+        return self.bucket_bytes + self.description_room
+
     def acquire(self) -> torch.Tensor:
         if not self.free and self.in_flight and self.allocated >= self.limit:
             self._finish_oldest()
         if self.free:
             buffer = self.free.pop()
         else:
-            buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+            buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
             self.allocated += 1
         self.lent += 1
-        self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent * self.bucket_bytes)
+        self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent * self.buffer_bytes)
         return buffer
 
     def release(self, buffer: torch.Tensor, works: list | None = None) -> None:
@@ -244,21 +252,41 @@ def _count(stats: SyncStats, bucket: Bucket) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- the wire
-def _describe(bucket: Bucket | None, bucket_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, body) of a bucket; None: the end marker."""
-    if bucket is None:
-        return make_header(Kind.TENSOR, _TAG, torch.uint8, (0, 0, 0, 0)), torch.zeros(0, dtype=torch.int64)
+def _align(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
+
+
+def _description(bucket: Bucket) -> torch.Tensor:
+    """int64 words: one meta row per tensor, then the names (utf-8, newline-separated, zero-padded)."""
     names = bucket.encoded_names()
-    padded = torch.zeros((len(names) + 7) // 8 * 8, dtype=torch.uint8)
+    padded = torch.zeros(_align(len(names)), dtype=torch.uint8)
     padded[:len(names)] = names
-    body = torch.cat([bucket.meta().reshape(-1), padded.view(torch.int64)])
-    header = make_header(Kind.TENSOR, _TAG, bucket.flat.dtype,
-                         (len(bucket.names), len(names), bucket.nbytes, bucket_bytes))
-    return header, body
+    return torch.cat([bucket.meta().reshape(-1), padded.view(torch.int64)])
+
+
+def _header(bucket: Bucket | None, bucket_bytes: int, inline: bool) -> torch.Tensor:
+    """count, names bytes, data bytes, the sender's bucket size, description inline (1) or apart (0)."""
+    if bucket is None:
+        return make_header(Kind.TENSOR, _TAG, torch.uint8, (0, 0, 0, 0, 0))
+    return make_header(Kind.TENSOR, _TAG, bucket.flat.dtype, (len(bucket.names), len(bucket.encoded_names()),
+                                                              bucket.nbytes, bucket_bytes, int(inline)))
 
 
 def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
     return flat.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _payload(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(payload, description sent apart or None). A pool buffer has room after its data for the description,
+    which then travels in the same message; a tensor sent straight through carries it apart."""
+    description = _description(bucket)
+    if bucket.storage is not None:
+        start = _align(bucket.nbytes)
+        end = start + description.numel() * 8
+        if end <= bucket.storage.numel():
+            bucket.storage[start:end].copy_(description.view(torch.uint8))
+            return bucket.storage[:end], None
+    return _as_bytes(bucket.flat), description
 
 
 def send_weights(named_params: Iterable[tuple[str, torch.Tensor]], src: int,
@@ -269,28 +297,25 @@ def send_weights(named_params: Iterable[tuple[str, torch.Tensor]], src: int,
     start, stats = time.perf_counter(), SyncStats()
     device = comm_device(group)
     pool = bucket_pool(bucket_mb, device)
-    pool.peak_lent_bytes = pool.lent * pool.bucket_bytes
+    pool.peak_lent_bytes = pool.lent * pool.buffer_bytes
 
-    def send(bucket: Bucket | None) -> list:
-        header, body = _describe(bucket, pool.bucket_bytes)
-        works = [dist.broadcast(header.to(device), src, group=group, async_op=True)]
-        if body.numel():
-            works.append(dist.broadcast(body.to(device), src, group=group, async_op=True))
-        if bucket is not None and bucket.nbytes:
-            works.append(dist.broadcast(_as_bytes(bucket.flat), src, group=group, async_op=True))
-        return works
+    def send(tensor: torch.Tensor) -> object:
+        return dist.broadcast(tensor.to(device), src, group=group, async_op=True)
 
     try:
         for bucket in Bucketer(pool.bucket_bytes, device, pool).buckets(named_params):
-            works = send(bucket)
+            payload, description = _payload(bucket)
+            works = [send(_header(bucket, pool.bucket_bytes, description is None))]
+            if description is not None:
+                works.append(send(description))
+            works.append(send(payload))
             if bucket.storage is None:  # straight through from the caller's tensor: done before it moves on
                 for work in works:
                     work.wait()
             else:
                 pool.release(bucket.storage, works)
             _count(stats, bucket)
-        for work in send(None):
-            work.wait()
+        send(_header(None, pool.bucket_bytes, True)).wait()
     finally:
         pool.drain()
     stats.peak_buffer_bytes = pool.peak_lent_bytes
@@ -311,6 +336,16 @@ def _receive_buffer(device: torch.device, slot: int, nbytes: int, bucket_bytes: 
     return buffers[slot][:nbytes]
 
 
+def _bucket_from(raw: torch.Tensor, description: torch.Tensor, dtype: torch.dtype, count: int, names_len: int,
+                 nbytes: int, what: str) -> Bucket:
+    rows = description[:count * _META_WIDTH].view(count, _META_WIDTH).tolist()
+    names = bytes(description[count * _META_WIDTH:].view(torch.uint8)[:names_len].numpy()).decode("utf-8")
+    names = names.split("\n")
+    if len(names) != count:
+        raise ExchangeError(f"{what}: a bucket lists {count} tensors but {len(names)} names")
+    return Bucket(raw[:nbytes].view(dtype), names, [tuple(r[2:2 + r[1]]) for r in rows], [r[0] for r in rows])
+
+
 def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn) -> SyncStats:
     """Take buckets from `src` until its end marker; `load_fn` gets each bucket's (name, view) pairs.
 
@@ -321,32 +356,34 @@ def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn) 
     start, stats = time.perf_counter(), SyncStats()
     device = comm_device(group)
     what = "weight sync"
-    pending: Bucket | None = None  # received, not yet loaded: loaded while the next bucket arrives
+    pending: tuple | None = None  # received, not yet loaded: loaded while the next bucket arrives
     slot = 0
     while True:
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
         dist.broadcast(header, src, group=group)
-        dtype, (count, names_len, nbytes, bucket_bytes) = read_header(header.cpu(), Kind.TENSOR, _TAG, what)
+        dtype, (count, names_len, nbytes, bucket_bytes, inline) = read_header(header.cpu(), Kind.TENSOR, _TAG, what)
         if count == 0:
             break
-        body = torch.empty(count * _META_WIDTH + (names_len + 7) // 8, dtype=torch.int64, device=device)
-        dist.broadcast(body, src, group=group)
-        body = body.cpu()
-        rows = body[:count * _META_WIDTH].view(count, _META_WIDTH).tolist()
-        names = bytes(body[count * _META_WIDTH:].view(torch.uint8)[:names_len].numpy()).decode("utf-8").split("\n")
-        if len(names) != count:
-            raise ExchangeError(f"{what}: a bucket lists {count} tensors but {len(names)} names")
-        raw = _receive_buffer(device, slot, nbytes, bucket_bytes)
-        work = dist.broadcast(raw, src, group=group, async_op=True) if nbytes else None
+        words = count * _META_WIDTH + _align(names_len) // 8
+        description = None
+        if not inline:
+            description = torch.empty(words, dtype=torch.int64, device=device)
+            dist.broadcast(description, src, group=group)
+        size = _align(nbytes) + 8 * words if inline else nbytes
+        raw = _receive_buffer(device, slot, size, bucket_bytes)
+        work = dist.broadcast(raw, src, group=group, async_op=True)
         if pending is not None:
-            load_fn(pending.views())
-        if work is not None:
-            work.wait()
-        pending = Bucket(raw.view(dtype), names, [tuple(r[2:2 + r[1]]) for r in rows], [r[0] for r in rows])
-        _count(stats, pending)
+            load_fn(_bucket_from(*pending).views())
+        work.wait()
+        if inline:
+            description = raw[_align(nbytes):size].view(torch.int64)
+        pending = (raw, description.cpu(), dtype, count, names_len, nbytes, what)
+        stats.tensors += count
+        stats.bytes += nbytes
+        stats.buckets += 1
         slot = 1 - slot
     if pending is not None:
-        load_fn(pending.views())
+        load_fn(_bucket_from(*pending).views())
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -364,7 +401,7 @@ def load_local_weights(named_params: Iterable[tuple[str, torch.Tensor]], load_fn
     if first is None:
         return stats
     pool = bucket_pool(bucket_mb, torch.device(device) if device else first[1].device)
-    pool.peak_lent_bytes = pool.lent * pool.bucket_bytes
+    pool.peak_lent_bytes = pool.lent * pool.buffer_bytes
 
     def everything():
         yield first

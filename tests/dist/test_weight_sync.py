@@ -86,7 +86,7 @@ def test_pool_lends_two_buffers_and_reuses_them_across_syncs():
             seen_buffers.append(bucket.storage.data_ptr())
             assert all(torch.equal(view, torch.full((100,), float(name[1:]))) for name, view in bucket.views())
             pool.release(bucket.storage)
-    assert pool.allocated <= 2 and pool.peak_lent_bytes <= 2 * KB
+    assert pool.allocated <= 2 and pool.peak_lent_bytes <= 2 * pool.buffer_bytes
     assert len(set(seen_buffers)) == pool.allocated  # every bucket of both syncs in the same buffers
 
 
@@ -100,12 +100,13 @@ def test_a_tensor_larger_than_a_bucket_goes_straight_through_uncopied():
 
 
 def test_local_load_borrows_at_most_two_buckets(tmp_path):
-    from hpc_rlhf.dist.weight_sync import release_buffers
+    from hpc_rlhf.dist import weight_sync
 
-    release_buffers()
+    weight_sync.release_buffers()
     source = mixed_model(0)
     stats = load_local_weights(named_stream(source), lambda views: None, bucket_mb=2 / 1024)
-    assert stats.buckets > 3 and 0 < stats.peak_buffer_bytes <= 2 * 2 * KB
+    assert stats.buckets > 3
+    assert 0 < stats.peak_buffer_bytes <= 2 * weight_sync.BucketPool(2 * KB, "cpu").buffer_bytes
 
 
 def test_bad_names_and_sizes_are_refused():
@@ -162,9 +163,9 @@ def _sync(rank: int):
         assert stats.buckets > 5 and stats.tensors == len(list(model.parameters())) + len(extra)
         # double buffering: one buffer being filled per dtype (fp32, bf16, fp64, int16) plus one in flight at
         # most, and the same buffers in the next sync (fp32 and bf16 only: three)
-        bucket_bytes = int(bucket_mb * 2**20)
-        assert 0 < stats.peak_buffer_bytes <= (4 + 1) * bucket_bytes
         pool = weight_sync.bucket_pool(bucket_mb, torch.device("cpu"))
+        bucket_bytes = pool.buffer_bytes  # a bucket and room for its description
+        assert 0 < stats.peak_buffer_bytes <= (4 + 1) * bucket_bytes
         buffers = sorted(b.data_ptr() for b in pool.free)
         again = send_weights(named_stream(mixed_module(0)), leader, sync_group, bucket_mb=bucket_mb)
         assert again.peak_buffer_bytes <= (2 + 1) * bucket_bytes

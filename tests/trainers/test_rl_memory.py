@@ -41,6 +41,7 @@ from hpc_rlhf.config import TINY_ASSETS
 
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 BUCKET_MB = 1
+ROOM = 16 * 1024  # what a 1 MB bucket buffer holds besides the bucket: its description (dist/weight_sync.py)
 SLACK = 64 * 1024  # headers, bucket descriptions and other small tensors of the sync
 COMMON = [f"actor.path={TINY_MODEL}", "train.max_steps=1", "train.zero_stage=3",
           "train.zero3_param_persistence_threshold=0", "rollout.prompts_per_step=4", "rollout.n_samples=4",
@@ -75,9 +76,10 @@ def test_no_phase_holds_more_than_one_module(tmp_path, case):
             if peak > unit:
                 over.append(f"rank {rank}, phase {phase}: {peak} bytes gathered at once, one module is at most "
                             f"{unit}")
-        if report["sync_live"] is not None and report["sync_live"] > unit + 2 * BUCKET_MB * 2**20 + SLACK:
+        buckets = 2 * (BUCKET_MB * 2**20 + ROOM)
+        if report["sync_live"] is not None and report["sync_live"] > unit + buckets + SLACK:
             over.append(f"rank {rank}, weight sync: the leader held {report['sync_live']} bytes at once, the bound "
-                        f"is one module ({unit}) + two buckets ({2 * BUCKET_MB * 2**20}) + {SLACK}")
+                        f"is one module ({unit}) + two buckets ({buckets}) + {SLACK}")
     print(json.dumps(reports))
     assert not over, "\n".join(over)
     # the measurement saw what it claims to bound: every phase gathered something on the actor's ranks
