@@ -239,9 +239,12 @@ class RLRecipe:
                     mine, mine_logps = out.flat_responses(), out.flat_logprobs()
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
             responses = rl_exchange.share_engines(mine, to, len(engines), torch.long)
-            logps = rl_exchange.share_engines(mine_logps, "rollout-logprobs", len(engines), torch.float32) \
-                if with_logprobs else None
-        return responses, logps
+            logps = None
+            if with_logprobs:  # as long as the responses, which every rank of those routes holds
+                lengths = [[len(r) for r in part] if part is not None else None for part in responses]
+                logps = rl_exchange.concatenated(rl_exchange.share_engines(
+                    mine_logps, "rollout-logprobs", len(engines), torch.float32, lengths))
+        return rl_exchange.concatenated(responses), logps
 
     @contextlib.contextmanager
     def _engine_awake(self):
@@ -310,8 +313,10 @@ class RLRecipe:
         scored = {}
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
             for role in ["actor", "critic", "ref", *self.reward_roles]:
-                if self.plan.has(role):
-                    full = rl_exchange.share(local.get(role), f"scores/{role}")  # to the trained roles only
+                if self.plan.has(role):  # to the trained roles only; lengths known from the responses
+                    lengths = None if batch is None else [1] * len(responses) if role.startswith("reward") \
+                        else batch.response_lens
+                    full = rl_exchange.share(local.get(role), f"scores/{role}", lengths=lengths)
                     if full is not None:
                         scored[role] = torch.cat(full) if role.startswith("reward") else from_ragged(full, batch)
         return scored

@@ -61,7 +61,7 @@ def rule_scores(cfg, rule_functions, tokenizer, leader: int, prompts: list[str],
             total += cfg.reward.http_weight * torch.tensor(reward_fns.remote_rewards(
                 cfg.reward.http_url, prompts, texts, answers, timeout_s=cfg.reward.http_timeout_s))
         full = [total]
-    return rl_exchange.share(full, "scores/rules")[0]
+    return rl_exchange.share(full, "scores/rules", lengths=[len(prompts)])[0]
 
 
 def combine_scores(rule_scores: torch.Tensor, model_scores: list[torch.Tensor],

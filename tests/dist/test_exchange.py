@@ -177,6 +177,18 @@ def _roundtrip(rank: int, world: int):
         assert_same_seqs(ex.recv_ragged(3, tag="p2p"), make_seqs(500, torch.bfloat16))
         ex.send_ragged([], dst=3, tag="p2p-back", dtype=torch.int64)
 
+    # known sizes (derived from shared state): one message, no header; in the subgroup and point to point
+    known = torch.arange(12, dtype=torch.float32)
+    if rank in members:
+        got = ex.broadcast_known(known if rank == 2 else None, src=2, group=sub, numel=12, dtype=torch.float32)
+        assert torch.equal(got, known)
+        assert ex.broadcast_known(torch.zeros(0) if rank == 0 else None, src=0, group=sub, numel=0,
+                                  dtype=torch.float32).numel() == 0
+    if rank == 0:
+        ex.send_known(known.to(torch.bfloat16), dst=1, numel=12, dtype=torch.bfloat16)
+    elif rank == 1:
+        assert torch.equal(ex.recv_known(0, numel=12, dtype=torch.bfloat16), known.to(torch.bfloat16))
+
     # time a 0.47 MB experience batch sent as one ragged message (for the report; not asserted)
     import time
     responses = [torch.arange(920) for _ in range(64)]
@@ -252,6 +264,13 @@ def _errors(rank: int, world: int):
     elif rank == 1:
         expect_error(lambda: ex.recv_ragged(0, tag="values"), "tag")
         expect_error(lambda: ex.recv_ragged(0, tag="scores"), "the sending rank could not build its message")
+
+    # A known-size message whose sender holds something else raises on the sender before anything is sent.
+    if rank == 0:
+        expect_error(lambda: ex.broadcast_known(torch.zeros(3), src=0, group=None, numel=4, dtype=torch.float32),
+                     "torch.float32 x 3, but the receivers expect torch.float32 x 4")
+        expect_error(lambda: ex.send_known(torch.zeros(4, dtype=torch.int64), dst=1, numel=4, dtype=torch.float32),
+                     "torch.int64 x 4")
 
     # ... and the group still works afterwards.
     sent = make_seqs(42, torch.float32)
