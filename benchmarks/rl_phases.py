@@ -81,7 +81,7 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
             return result
         return call
 
-    def route_of(values, key, dtype=None):
+    def route_of(values, key, dtype=None, lengths=None):
         path = groups.route(key)
         return path.ranks, (groups.route_group(key) if len(path.ranks) > 2 and dist.get_rank() in path.ranks
                             else None)
@@ -198,7 +198,7 @@ def report(args, metrics: list[dict], ranks: list[dict], wall: float) -> None:
     print(benchlib.table(["data movement per step", "seconds (median)", "share of step"], rows))
     print(f"\n   {calls} exchange calls per step on rank 0, each preceded by a synchronisation of its ranks costing "
           f"at most ~{barrier * 1e3:.1f} ms (a barrier of all {len(ranks)} ranks), so at most "
-          f"~{calls * barrier:.3f} s per step ({benchlib.ratio(calls * barrier, step)} of it) is the "
+          f"~{calls * barrier:.3f} s per step ({calls * barrier / step:.1%} of it) is the "
           f"instrumentation's own; {med['samples_per_s']:.1f} samples/s")
 
 

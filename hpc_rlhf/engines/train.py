@@ -14,10 +14,14 @@ gradients over the role, so an optimizer step follows the mean over `train.batch
 Memory under ZeRO-3: no method here makes the whole model present on a rank. Forward passes (through the engine
 or the bare `module`, e.g. for scoring or generation) fetch one module's parameters at a time through
 DeepSpeed's hooks; `full_state()` streams the full weights one module at a time. Besides the module being run,
-DeepSpeed keeps a window of parameters gathered (prefetched, or kept because they are used again soon):
-`ZERO3_WINDOW_SHARE` of the model, never more than DeepSpeed's own defaults (1e9 parameters), which size that
-window for models of tens of billions of parameters and would otherwise keep a model of up to a billion
-parameters gathered whole from forward to backward. `gathered_parameters()` (every parameter at once) is for
+DeepSpeed keeps a window of parameters gathered (prefetched, or kept because they are used again soon), a
+bucket of full-size gradients before it reduce-scatters them, and steps the optimizer over sub-groups of the
+rank's partition (AdamW's temporaries are as large as a sub-group): each at most `ZERO3_WINDOW_SHARE` of the
+model, and never more than DeepSpeed's own defaults (1e9 parameters, a 5e8-element gradient bucket, 1e9-element
+sub-groups). Those defaults are sized for models of tens of billions of parameters: left as they are, a model of
+up to a billion parameters would stay gathered whole from forward to backward, every rank would hold all of its
+gradients unreduced, and the optimizer step would make temporary copies of the rank's whole partition
+(measured: benchmarks/memory_scaling.py). `gathered_parameters()` (every parameter at once) is for
 code outside the RL step: evaluation by generation in the one-model modes and saving LoRA adapters.
 """
 
@@ -40,11 +44,12 @@ from hpc_rlhf.engines.schedule import warmup_cosine_scheduler
 from hpc_rlhf.models.lora import merged_tensors
 from hpc_rlhf.models.saving import save_pretrained_on_this_rank
 
-# Parameters DeepSpeed may keep gathered besides the module running now, as a share of the model (see the module
-# docstring): stage3_max_live_parameters, stage3_max_reuse_distance and stage3_prefetch_bucket_size.
+# What DeepSpeed may hold besides the module running now, as a share of the model (see the module docstring):
+# parameters gathered ahead or kept for reuse, the bucket gradients are reduced from, an optimizer sub-group.
 ZERO3_WINDOW_SHARE = 1 / 8
 DEEPSPEED_WINDOW_DEFAULTS = {"stage3_max_live_parameters": 10**9, "stage3_max_reuse_distance": 10**9,
-                             "stage3_prefetch_bucket_size": 5 * 10**7}
+                             "stage3_prefetch_bucket_size": 5 * 10**7, "reduce_bucket_size": 5 * 10**8,
+                             "sub_group_size": 10**9}
 CHECKPOINT_TAG = "engine"  # deepspeed's sub-folder inside a checkpoint folder; fixed so loading needs no `latest`
 COMPLETE_MARKER = "ENGINE_COMPLETE.json"  # written by the role leader once every rank of the role has saved
 
@@ -90,8 +95,9 @@ def gradient_accumulation_steps(train_cfg: TrainSection, role_size: int) -> int:
 
 
 def zero3_window(num_params: int) -> dict[str, int]:
-    """DeepSpeed's ZeRO-3 gathering window for a model of `num_params` parameters (see the module docstring)."""
-    share = int(num_params * ZERO3_WINDOW_SHARE)
+    """DeepSpeed's ZeRO-3 gathering window and gradient bucket for a model of `num_params` parameters (see the
+    module docstring)."""
+    share = max(1, int(num_params * ZERO3_WINDOW_SHARE))
     return {key: min(default, share) for key, default in DEEPSPEED_WINDOW_DEFAULTS.items()}
 
 

@@ -131,9 +131,11 @@ def test_zero3_gathering_window_is_a_share_of_the_model_capped_at_deepspeeds_def
 
     small = deepspeed_config(train_cfg(zero_stage=3), 1, torch.float32, num_params=8_000_000)["zero_optimization"]
     assert (small["stage3_max_live_parameters"], small["stage3_max_reuse_distance"],
-            small["stage3_prefetch_bucket_size"]) == (1_000_000, 1_000_000, 1_000_000)
+            small["stage3_prefetch_bucket_size"], small["reduce_bucket_size"], small["sub_group_size"]) == \
+        (1_000_000,) * 5
     large = deepspeed_config(train_cfg(zero_stage=3), 1, torch.float32, num_params=70 * 10**9)["zero_optimization"]
-    assert (large["stage3_max_live_parameters"], large["stage3_prefetch_bucket_size"]) == (10**9, 5 * 10**7)
+    assert (large["stage3_max_live_parameters"], large["stage3_prefetch_bucket_size"],
+            large["reduce_bucket_size"]) == (10**9, 5 * 10**7, 5 * 10**8)
     assert "stage3_max_live_parameters" not in deepspeed_config(train_cfg(zero_stage=2), 1, torch.float32,
                                                                 num_params=10)["zero_optimization"]
 
