@@ -158,7 +158,8 @@ def run_config(ranks: int, model: Path, tmp: Path) -> list[dict]:
             f"train.micro_batch_size={MICRO_BATCH}",
             f"critic_train.batch_size={PROMPTS * SAMPLES}", f"critic_train.micro_batch_size={MICRO_BATCH}",
             f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", "data.max_train_rows=64",
-            f"rollout.weight_sync_bucket_mb={BUCKET_MB}", "data.eval_files=[]", "log.eval_every_steps=0", "log.tensorboard=false", "log.progress=false",
+            f"rollout.weight_sync_bucket_mb={BUCKET_MB}", "data.eval_files=[]", "log.eval_every_steps=0",
+            "log.tensorboard=false", "log.progress=false",
             "checkpoint.every_steps=0", "checkpoint.resume=false"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks + 2}",
            "--max_restarts=0", str(Path(__file__).resolve()), "--worker", str(out), *args]

@@ -36,7 +36,9 @@ Activation allowance (b = micro batch, s = sequence length, h = hidden, L = laye
 Overhead: a flat allowance per rank (`overhead_gb`, default 2 GB) for the CUDA context, NCCL buffers and
 allocator fragmentation.
 Roles colocated on the same ranks (`actor+ref`, `rollout@actor`) add up (`hpc-rlhf plan` sums them): the
-estimate is the peak with every model resident, which is what happens while the hybrid engine generates beside the actor's training state.
+estimate is the peak with every model resident, which is what happens while a hybrid vLLM engine generates
+beside the actor's training state (the hybrid hf engine generates with the actor's own module and holds no
+copy: an upper bound there).
 The actor's leader also holds the weight sync's two bucket buffers (`weight_sync_bucket_mb` each, when
 given) while it streams the weights to the engines. The model ignores MoE expert activations (experts are
 counted in the parameters, activations use the dense formula) and the communication buffers of ZeRO 1-2.

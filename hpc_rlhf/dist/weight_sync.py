@@ -39,8 +39,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.dist.exchange import (HEADER_LEN, MAX_NDIM, ExchangeError, Kind, code_dtype, comm_device,
-                                    make_header, message_tag, read_header)
+from hpc_rlhf.dist.exchange import (HEADER_LEN, MAX_NDIM, ExchangeError, Kind, comm_device, make_header,
+                                    message_tag, read_header)
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], object]
 _META_WIDTH = 2 + MAX_NDIM
