@@ -80,7 +80,6 @@ def test_no_phase_holds_more_than_one_module(tmp_path, case):
         if report["sync_live"] is not None and report["sync_live"] > unit + buckets + SLACK:
             over.append(f"rank {rank}, weight sync: the leader held {report['sync_live']} bytes at once, the bound "
                         f"is one module ({unit}) + two buckets ({buckets}) + {SLACK}")
-    print(json.dumps(reports))
     assert not over, "\n".join(over)
     # the measurement saw what it claims to bound: every phase gathered something on the actor's ranks
     actor_ranks = reports[:2]
