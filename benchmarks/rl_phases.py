@@ -6,12 +6,15 @@ time_step (as seen by rank 0, the actor's leader). The models are RANDOM-INIT fo
 config, 1M parameters; the critic and reward model are the same body with a new scalar head): the timing does
 not depend on what the weights have learnt, so no SFT or RM run is needed first.
 
-Data movement: every experience exchange the recipe makes (`exchange.broadcast_ragged`, `gather_ragged`) is
-wrapped, in the ranks of this benchmark only, by a barrier on the same group followed by the call itself. The
-barrier absorbs the time a rank waits for slower roles ("wait"), so the call's own time is the transfer
-("move"). The share of the step spent moving data is (move + time_sync) / time_step on rank 0; time_sync
-covers gathering the actor's weights and broadcasting them to both rollout engines. The barriers cost a few
-ms each; their measured latency and count are printed, so their effect on time_step can be judged.
+Data movement: every experience message the recipe sends (`rl_exchange.share`: to the ranks of its route,
+by broadcast over the route's group or point to point; and the gathers inside a scoring role,
+`exchange.gather_ragged`) is wrapped, in the ranks of this benchmark only, by a synchronisation of exactly the
+ranks taking part (a barrier on the group; a ping-pong of one element between the two ranks of a point-to-point
+route) followed by the call itself. The synchronisation absorbs the time a rank waits for slower roles
+("wait"), so the call's own time is the transfer ("move"). The share of the step spent moving data is
+(move + time_sync) / time_step on rank 0; time_sync covers gathering the actor's weights and streaming them to
+both rollout engines. The synchronisations cost time themselves: their count and measured latency are printed,
+so their effect on time_step can be judged.
 
     .venv/bin/python benchmarks/rl_phases.py
     .venv/bin/python benchmarks/rl_phases.py --steps 30 --placement actor=2,critic=1,ref=1,reward=1,rollout=1
@@ -38,21 +41,38 @@ EXCHANGE_FILE = "exchange_rank{rank}.json"
 # ------------------------------------------------------------------------------------------------ worker
 def worker(out_dir: Path, ppo_args: list[str]) -> int:
     """One rank under torchrun: instrument the exchanges, run the PPO mode, write this rank's figures."""
+    import torch
     import torch.distributed as dist
 
     from hpc_rlhf import cli
-    from hpc_rlhf.dist import exchange
-    from hpc_rlhf.trainers import ppo
+    from hpc_rlhf.dist import exchange, groups
+    from hpc_rlhf.trainers import ppo, rl_exchange
     from hpc_rlhf.utils import metrics
 
     totals = {"wait": 0.0, "move": 0.0, "calls": 0}
     per_step: list[dict] = []
 
-    def instrumented(fn):
-        def call(*args, **kwargs):
-            group = kwargs.get("group")
-            t0 = time.perf_counter()
+    def in_step(ranks, group) -> None:
+        """Return once every rank of `ranks` has arrived (they are the ranks of the call that follows)."""
+        if len(ranks) > 2:
             dist.barrier(group=group)
+        elif len(ranks) == 2:
+            other = ranks[1] if dist.get_rank() == ranks[0] else ranks[0]
+            token = torch.zeros(1)
+            if dist.get_rank() == ranks[0]:
+                dist.send(token, other)
+                dist.recv(token, other)
+            else:
+                dist.recv(token, other)
+                dist.send(token, other)
+
+    def timed(fn, ranks_and_group):
+        def call(*args, **kwargs):
+            ranks, group = ranks_and_group(*args, **kwargs)
+            if dist.get_rank() not in ranks or len(ranks) == 1:
+                return fn(*args, **kwargs)  # takes no part, or nothing travels
+            t0 = time.perf_counter()
+            in_step(ranks, group)
             t1 = time.perf_counter()
             result = fn(*args, **kwargs)
             totals["wait"] += t1 - t0
@@ -61,8 +81,16 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
             return result
         return call
 
-    exchange.broadcast_ragged = instrumented(exchange.broadcast_ragged)
-    exchange.gather_ragged = instrumented(exchange.gather_ragged)
+    def route_of(values, key, dtype=None, lengths=None):
+        path = groups.route(key)
+        return path.ranks, (groups.route_group(key) if len(path.ranks) > 2 and dist.get_rank() in path.ranks
+                            else None)
+
+    def group_of(seqs, dst, group=None, **kwargs):
+        return exchange.group_ranks(group), group
+
+    rl_exchange.share = timed(rl_exchange.share, route_of)
+    exchange.gather_ragged = timed(exchange.gather_ragged, group_of)
     advance = metrics.MetricsLogger.advance
 
     def advance_and_record(self, n: int = 1) -> None:  # every rank calls it once per RL step
@@ -78,7 +106,7 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
         start = time.perf_counter()
         for _ in range(20):
             dist.barrier()
-        barrier_s = (time.perf_counter() - start) / 20
+        barrier_s = (time.perf_counter() - start) / 20  # a 6-rank barrier: the dearest synchronisation used
         steps = [{k: s[k] - (per_step[i - 1][k] if i else 0) for k in s} for i, s in enumerate(per_step)]
         (out_dir / EXCHANGE_FILE.format(rank=dist.get_rank())).write_text(
             json.dumps({"steps": steps, "barrier_s": barrier_s}))
@@ -168,9 +196,10 @@ def report(args, metrics: list[dict], ranks: list[dict], wall: float) -> None:
             ["moving data: exchange + sync (rank 0)", moving, benchlib.ratio(moving, step)],
             ["waiting for other roles at exchanges (rank 0)", wait0, benchlib.ratio(wait0, step)]]
     print(benchlib.table(["data movement per step", "seconds (median)", "share of step"], rows))
-    print(f"\n   {calls} exchange calls per step, each preceded by a barrier of ~{barrier * 1e3:.1f} ms "
-          f"(~{calls * barrier:.3f} s per step added by the instrumentation); "
-          f"{med['samples_per_s']:.1f} samples/s")
+    print(f"\n   {calls} exchange calls per step on rank 0, each preceded by a synchronisation of its ranks costing "
+          f"at most ~{barrier * 1e3:.1f} ms (a barrier of all {len(ranks)} ranks), so at most "
+          f"~{calls * barrier:.3f} s per step ({calls * barrier / step:.1%} of it) is the "
+          f"instrumentation's own; {med['samples_per_s']:.1f} samples/s")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Three gloo ranks (torchrun, one thread each): rank 0 holds ~40 MB of fp32 weight
 small Llama (hidden 320, 4 layers, vocabulary 8000: 10.1M parameters); ranks 1 and 2 hold a model of the same
 shapes and load what they receive into it. Methods, all over the whole 3-rank group:
 
-  bucketed N MB   hpc_rlhf.dist.weight_sync.send_weights / receive_weights with bucket_mb=N; the receiver's
+  bucketed N MB   hpc_rlhf.dist.weight_sync.send_weights / receive_weights with bucket_mb=N: tensors packed
+                  into buffers reused between syncs, a full bucket sent asynchronously while the next is
+                  packed, tensors of a bucket's size or more sent straight from their storage; the receiver's
                   load_fn copies every view into its own tensor of that name (what a rollout engine does)
   per tensor      one dist.broadcast per tensor, straight into the receiver's tensor (no copies; the way
                   DESIGN §9 measured 0.6 GB/s)

@@ -10,8 +10,11 @@ disagreement raises on all ranks alike and nobody is left waiting. No message is
 
 Ranks: `src`/`dst` are global ranks (as in torch.distributed); results of gathers are listed in group-rank
 order. Tensors travel on the group's device: the current CUDA device for NCCL groups, the CPU otherwise.
-A ragged list is packed as one flat tensor plus an int64 lengths tensor (`pack_ragged`), so a batch of
-sequences costs a header and two transfers whatever its size.
+A ragged list is packed as one flat tensor plus an int64 lengths tensor (`pack_ragged`), which travel as one
+payload after the header, so a batch of sequences costs two messages whatever its size. A tensor whose dtype
+and size both sides derive from state they share (`broadcast_known`, `send_known`) travels as one message
+without a header: on a CPU cluster and for the small experience tensors of an RL step, messages cost latency
+rather than bandwidth.
 """
 
 from __future__ import annotations
@@ -178,6 +181,31 @@ def pack_ragged(seqs: Sequence[torch.Tensor], dtype: torch.dtype | None = None) 
     return torch.cat([s.detach() for s in seqs]), lengths
 
 
+def _lengths_bytes(count: int) -> int:
+    return (count * 8 + 15) // 16 * 16  # so the values behind the lengths are aligned for any dtype
+
+
+def _ragged_payload_bytes(dtype: torch.dtype, count: int, total: int) -> int:
+    return _lengths_bytes(count) + total * torch.empty((), dtype=dtype).element_size()
+
+
+def _ragged_payload(flat: torch.Tensor, lengths: torch.Tensor, device) -> torch.Tensor:
+    """The lengths and the values of a ragged list as one uint8 message (bit for bit, any dtype)."""
+    payload = torch.zeros(_ragged_payload_bytes(flat.dtype, len(lengths), flat.numel()), dtype=torch.uint8,
+                          device=device)
+    head = _lengths_bytes(len(lengths))
+    payload[:len(lengths) * 8] = lengths.to(device).view(torch.uint8)
+    if flat.numel():
+        payload[head:] = flat.detach().reshape(-1).to(device).contiguous().view(torch.uint8)
+    return payload
+
+
+def _unpack_payload(payload: torch.Tensor, dtype: torch.dtype, count: int, total: int) -> list[torch.Tensor]:
+    lengths = payload[:count * 8].view(torch.int64).cpu()
+    values = payload[_lengths_bytes(count):].view(dtype) if total else torch.empty(0, dtype=dtype)
+    return unpack_ragged(values, lengths)
+
+
 def unpack_ragged(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
     """Inverse of pack_ragged. The pieces are views of `flat`."""
     sizes = [int(n) for n in lengths.tolist()]
@@ -239,19 +267,14 @@ def broadcast_ragged(seqs: Sequence[torch.Tensor] | None, src: int, group: dist.
         if error is not None:
             raise error
         if len(lengths):
-            dist.broadcast(lengths.to(device), src, group=group)
-        if flat.numel():
-            dist.broadcast(_to_wire(flat, device), src, group=group)
+            dist.broadcast(_ragged_payload(flat, lengths, device), src, group=group)
         return list(seqs)
     header = _announce(torch.zeros(HEADER_LEN, dtype=torch.int64), src, group, device)
     dtype, (count, total) = read_header(header.cpu(), Kind.RAGGED, message_tag(tag), what)
-    lengths = torch.empty(count, dtype=torch.int64, device=device)
+    payload = torch.empty(_ragged_payload_bytes(dtype, count, total), dtype=torch.uint8, device=device)
     if count:
-        dist.broadcast(lengths, src, group=group)
-    buf = _wire_buffer(dtype, total, device)
-    if total:
-        dist.broadcast(buf, src, group=group)
-    return unpack_ragged(_from_wire(buf, dtype, (total,)), lengths.cpu())
+        dist.broadcast(payload, src, group=group)
+    return _unpack_payload(payload, dtype, count, total)
 
 
 def broadcast_batch(batch: dict[str, torch.Tensor] | None, src: int, group: dist.ProcessGroup | None,
@@ -312,6 +335,82 @@ def broadcast_batch(batch: dict[str, torch.Tensor] | None, src: int, group: dist
             dist.broadcast(buf, src, group=group)
         received[k] = _from_wire(buf, dtype, shape)
     return received
+
+
+# ------------------------------------------------------------------------------------------ point to point
+def send_ragged(seqs: Sequence[torch.Tensor], dst: int, tag: str = "ragged",
+                dtype: torch.dtype | None = None) -> None:
+    """A list of 1-D tensors from this rank to global rank `dst`, which calls `recv_ragged` (no group needed:
+    for a message with one consumer, a point-to-point send instead of a broadcast over a two-rank group)."""
+    what = f"send_ragged('{tag}')"
+    device = comm_device()
+    header, error = None, None
+    try:
+        if seqs is None:
+            raise ExchangeError(f"the sending rank {dist.get_rank()} must pass a list of tensors, got None")
+        flat, lengths = pack_ragged(list(seqs), dtype)
+        header = make_header(Kind.RAGGED, message_tag(tag), flat.dtype, (len(lengths), flat.numel()))
+    except ExchangeError as exc:
+        error = exc
+    dist.send((header if header is not None else _failed_header()).to(device), dst)
+    if error is not None:
+        raise ExchangeError(f"{what}: {error}") from None
+    if len(lengths):
+        dist.send(_ragged_payload(flat, lengths, device), dst)
+
+
+def recv_ragged(src: int, tag: str = "ragged") -> list[torch.Tensor]:
+    """What global rank `src` sends with `send_ragged` (same tag)."""
+    what = f"recv_ragged('{tag}')"
+    device = comm_device()
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    dtype, (count, total) = read_header(header.cpu(), Kind.RAGGED, message_tag(tag), what)
+    payload = torch.empty(_ragged_payload_bytes(dtype, count, total), dtype=torch.uint8, device=device)
+    if count:
+        dist.recv(payload, src)
+    return [t.cpu() for t in _unpack_payload(payload, dtype, count, total)]
+
+
+# ------------------------------------------------------------------------------------- known-size messages
+def _check_known(t, numel: int, dtype: torch.dtype, what: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != numel:
+        got = f"{t.dtype} x {t.numel()}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ExchangeError(f"{what}: the sender's tensor is {got}, but the receivers expect {dtype} x {numel} "
+                            "(sizes derived from shared state disagree: a bug, not bad input)")
+
+
+def broadcast_known(t: torch.Tensor | None, src: int, group: dist.ProcessGroup | None, numel: int,
+                    dtype: torch.dtype, tag: str = "known") -> torch.Tensor:
+    """A 1-D tensor of `numel` values of `dtype`, which every rank of the group knows from state they share
+    (DESIGN §9: the header's alternative): one message, no header. The source checks its tensor first and
+    raises without sending when it differs; the watchdog then ends the job (its receivers would wait)."""
+    what = f"broadcast_known('{tag}')"
+    _check_member(group, src, what)
+    device = comm_device(group)
+    if dist.get_rank() == src:
+        _check_known(t, numel, dtype, what)
+        if numel:
+            dist.broadcast(_to_wire(t, device), src, group=group)
+        return t.reshape(-1)
+    buf = _wire_buffer(dtype, numel, device)
+    if numel:
+        dist.broadcast(buf, src, group=group)
+    return _from_wire(buf, dtype, (numel,))
+
+
+def send_known(t: torch.Tensor, dst: int, numel: int, dtype: torch.dtype, tag: str = "known") -> None:
+    """Point-to-point `broadcast_known`: `dst` calls `recv_known` with the same size and dtype."""
+    _check_known(t, numel, dtype, f"send_known('{tag}')")
+    if numel:
+        dist.send(_to_wire(t, comm_device()), dst)
+
+
+def recv_known(src: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    buf = _wire_buffer(dtype, numel, comm_device())
+    if numel:
+        dist.recv(buf, src)
+    return _from_wire(buf, dtype, (numel,)).cpu()
 
 
 # ------------------------------------------------------------------------------------------------ gathers

@@ -5,18 +5,28 @@ Memory model (GB = 10^9 bytes; P = parameters of the role's model; N = ranks of 
 Parameters are counted from the shape (embeddings, attention with grouped KV heads, gated MLP per expert,
 router, RMSNorms, LM head unless tied). Value models (critic, reward) replace the LM head by a scalar head.
 
-Training roles (actor, critic), mixed-precision Adam, 16 bytes per parameter before sharding:
-    weights      2 bytes/param (bf16)          / N under ZeRO-3
-    gradients    2 bytes/param (bf16)          / N under ZeRO-2 and 3
-    optimizer   12 bytes/param (fp32 master weights, Adam m and v) / N under ZeRO-1, 2 and 3;
+Training roles (actor, critic), mixed-precision Adam, 16 bytes per parameter before sharding (d = the training
+dtype's bytes: 2 for bf16 on GPU, the default; 4 for fp32, as on CPU: 20 bytes per parameter):
+    weights      d bytes/param                 / N under ZeRO-3
+    gradients    d bytes/param                 / N under ZeRO-2 and 3
+    optimizer   12 bytes/param (fp32 master weights, Adam m and v) / N under ZeRO-1, 2 and 3 (DeepSpeed keeps
+                 the fp32 master partition apart even when training in fp32);
                  with Adam offload these live in CPU memory (reported as `cpu_optimizer`), not on the GPU.
-Inference roles (ref, reward): bf16 weights, 2 bytes/param, sharded (/ N) only under ZeRO-3.
+ZeRO-3's working set, on top of the shards (measured: benchmarks/memory_scaling.py): the module being run,
+whole (the largest: an embedding, LM head or MLP projection), plus DeepSpeed's window of parameters gathered
+ahead or kept for reuse (counted under weights), and its bucket of full-size gradients before they are
+reduce-scattered, twice when the role has several ranks (the reduce-scatter packs it once more; under
+gradients); window and bucket are `ZERO3_WINDOW_SHARE` of the model, at most 1e9 and 5e8 parameters (what
+engines/train.py configures, with the optimizer stepping over sub-groups of that size, whose temporaries stay
+within the allowance for activations).
+Inference roles (ref, reward): d-byte weights, sharded (/ N) only under ZeRO-3, plus the largest module and the
+window under ZeRO-3.
 Rollout engines of `tp` ranks: bf16 weights / tp, plus the KV cache of the tokens an engine holds at once:
     2 (K and V) * layers * kv_heads * head_dim * 2 bytes per token, the KV heads split over tp
     (a KV head is replicated when tp > kv_heads, as vLLM does).
 Activation allowance (b = micro batch, s = sequence length, h = hidden, L = layers, V = vocab):
     one transformer layer's working set is taken as 34 * b * s * h bytes (16-bit activations with a fused
-    attention kernel, which keeps no s x s score matrix; Korthikanti et al. 2022);
+    attention kernel, which keeps no s x s score matrix; Korthikanti et al. 2022), twice that in fp32;
     training keeps that for every layer, or with gradient checkpointing one bf16 hidden state per layer
     (2 * b * s * h * L) plus one layer being recomputed;
     roles that produce token log-probs (actor, ref) add fp32 logits, 4 * b * s * V bytes, and the actor
@@ -26,9 +36,12 @@ Activation allowance (b = micro batch, s = sequence length, h = hidden, L = laye
 Overhead: a flat allowance per rank (`overhead_gb`, default 2 GB) for the CUDA context, NCCL buffers and
 allocator fragmentation.
 Roles colocated on the same ranks (`actor+ref`, `rollout@actor`) add up (`hpc-rlhf plan` sums them): the
-estimate is the peak with every model resident, which is what happens while the hybrid engine generates beside the actor's training state.
-The model ignores DeepSpeed's communication buckets and ZeRO-3 prefetch buffers (a few hundred MB), and MoE
-expert activations (experts are counted in the parameters, activations use the dense formula).
+estimate is the peak with every model resident, which is what happens while a hybrid vLLM engine generates
+beside the actor's training state (the hybrid hf engine generates with the actor's own module and holds no
+copy: an upper bound there).
+The actor's leader also holds the weight sync's two bucket buffers (`weight_sync_bucket_mb` each, when
+given) while it streams the weights to the engines. The model ignores MoE expert activations (experts are
+counted in the parameters, activations use the dense formula) and the communication buffers of ZeRO 1-2.
 """
 
 from __future__ import annotations
@@ -44,6 +57,9 @@ DEFAULT_OVERHEAD_GB = 2.0
 ROLLOUT_PREFILL_TOKENS = 8192  # vLLM's default chunked-prefill token budget
 ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN = 34
 TRAINING_KINDS = ("actor", "critic")
+ZERO3_WINDOW_SHARE = 1 / 8  # engines/train.py: DeepSpeed's gathering window and gradient bucket, share of the model
+ZERO3_WINDOW_MAX = 10**9  # parameters (stage3_max_live_parameters, stage3_max_reuse_distance)
+ZERO3_GRADIENT_BUCKET_MAX = 5 * 10**8  # elements (reduce_bucket_size)
 KINDS = ("actor", "critic", "ref", "reward", "rollout")
 
 
@@ -113,6 +129,12 @@ class ModelShape:
         head = 0 if self.tied_embeddings else self.vocab * self.hidden
         return (self.vocab * self.hidden + self.layers * self._layer_params(self.experts_per_token)
                 + self.hidden + head)
+
+    def largest_module(self, lm_head: bool = True) -> int:
+        """Parameters of the largest single module (what ZeRO-3 gathers whole at once): the embedding or LM
+        head, an MLP projection of one expert, or an attention projection."""
+        q_width = self.heads * self.head_size
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate, self.hidden * q_width)
 
     def kv_bytes_per_token(self, tp: int = 1, dtype_bytes: int = 2) -> int:
         """KV-cache bytes per token on one rank of a tensor-parallel engine of `tp` ranks."""
@@ -190,12 +212,14 @@ def load_shape(model: str | Path) -> ModelShape:
 
 def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0, adam_offload: bool = False, *,
              tp: int = 1, micro_batch_size: int = 1, seq_len: int = 2048, gradient_checkpointing: bool = True,
-             tokens_in_flight: int = 0, overhead_gb: float = DEFAULT_OVERHEAD_GB) -> dict[str, float]:
+             tokens_in_flight: int = 0, overhead_gb: float = DEFAULT_OVERHEAD_GB, dtype_bytes: int = 2,
+             weight_sync_bucket_mb: float = 0.0) -> dict[str, float]:
     """GB on each GPU of a role of `ranks` ranks, by component, with `total` (GPU) and `cpu_optimizer`
     (host memory per rank holding offloaded Adam states). See the module docstring for the model.
 
     `micro_batch_size` x `seq_len` is the batch of a training or scoring pass on one rank; `tp` and
-    `tokens_in_flight` (tokens an engine keeps in its KV cache at once) apply to rollout only."""
+    `tokens_in_flight` (tokens an engine keeps in its KV cache at once) apply to rollout only. `dtype_bytes`:
+    2 (bf16/fp16, the default) or 4 (fp32). `weight_sync_bucket_mb`: the actor leader's two bucket buffers."""
     if role_kind not in KINDS:
         raise ValueError(f"unknown role kind '{role_kind}'; kinds: {', '.join(KINDS)}")
     if ranks < 1 or tp < 1 or micro_batch_size < 1 or seq_len < 1 or tokens_in_flight < 0:
@@ -207,32 +231,42 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
         raise ValueError("Adam offload needs ZeRO stage 1, 2 or 3 (DeepSpeed offloads sharded optimizer states)")
     if role_kind == "rollout" and ranks % tp:
         raise ValueError(f"{ranks} rollout ranks cannot form engines of tp={tp}")
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
 
     value_model = role_kind in ("critic", "reward")
     params = shape.params(lm_head=not value_model)
     tokens = micro_batch_size * seq_len
-    layer_working_set = ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * tokens * shape.hidden
+    d = dtype_bytes
+    layer_working_set = ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * tokens * shape.hidden * d // 2
     out = dict(weights=0.0, gradients=0.0, optimizer=0.0, activations=0.0, kv_cache=0.0, overhead=overhead_gb,
                cpu_optimizer=0.0)
+    window = min(ZERO3_WINDOW_MAX, int(params * ZERO3_WINDOW_SHARE))
+    gathered = shape.largest_module(lm_head=not value_model) + window if zero_stage >= 3 else 0
 
     if role_kind in TRAINING_KINDS:
-        out["weights"] = 2 * params / (ranks if zero_stage >= 3 else 1) / GB
-        out["gradients"] = 2 * params / (ranks if zero_stage >= 2 else 1) / GB
+        out["weights"] = d * (params / (ranks if zero_stage >= 3 else 1) + gathered) / GB
+        bucket = min(ZERO3_GRADIENT_BUCKET_MAX, int(params * ZERO3_WINDOW_SHARE)) if zero_stage >= 3 else 0
+        if ranks > 1:
+            bucket *= 2  # the reduce-scatter packs the bucket once more
+        out["gradients"] = d * (params / (ranks if zero_stage >= 2 else 1) + bucket) / GB
         optimizer = 12 * params / (ranks if zero_stage >= 1 else 1) / GB
         out["cpu_optimizer" if adam_offload else "optimizer"] = optimizer
         if gradient_checkpointing:
-            activations = 2 * tokens * shape.hidden * shape.layers + layer_working_set
+            activations = d * tokens * shape.hidden * shape.layers + layer_working_set
         else:
             activations = layer_working_set * shape.layers
         if role_kind == "actor":
             activations += 8 * tokens * shape.vocab  # fp32 logits and their gradient
+            # the leader's two weight-sync buffers, filled at most with the whole model
+            activations += min(2 * weight_sync_bucket_mb * 2**20, d * params)
         out["activations"] = activations / GB
     elif role_kind in ("ref", "reward"):
-        out["weights"] = 2 * params / (ranks if zero_stage >= 3 else 1) / GB
+        out["weights"] = d * (params / (ranks if zero_stage >= 3 else 1) + gathered) / GB
         activations = layer_working_set + (4 * tokens * shape.vocab if role_kind == "ref" else 0)
         out["activations"] = activations / GB
     else:  # rollout
-        out["weights"] = 2 * params / tp / GB
+        out["weights"] = d * params / tp / GB
         out["kv_cache"] = tokens_in_flight * shape.kv_bytes_per_token(tp) / GB
         out["activations"] = (ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * ROLLOUT_PREFILL_TOKENS * shape.hidden
                               / tp / GB)

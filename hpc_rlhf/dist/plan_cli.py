@@ -45,11 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _groups_text(plan: Plan, name: str) -> list[str]:
-    """The process groups a role takes part in (those hpc_rlhf.dist.groups creates)."""
+    """The role and weight-sync groups a role takes part in (those hpc_rlhf.dist.groups creates; a rollout role
+    has none of its own, its engines are listed, and the experience routes are left out)."""
     role = plan.role(name)
-    groups = [f"role({role.size})"]
-    if role.kind == "rollout":
-        groups.append(f"{len(role.engines)} tp({len(role.engines[0])})")
+    groups = [f"{len(role.engines)} engine(s) of {len(role.engines[0])}"] if role.kind == "rollout" \
+        else [f"role({role.size})"]
     if plan.has("rollout") and (role.kind == "rollout" or name == "actor"):
         sync_size = len(set(plan.role("rollout").ranks) | {plan.role("actor").leader})
         groups.append(f"weight-sync({sync_size})" + (" leader" if name == "actor" else ""))

@@ -1,26 +1,37 @@
 """Actor -> rollout weight sync in flat buckets over the weight-sync group (DESIGN §4 step 8, §9).
 
-The actor's leader (`src`) streams (name, tensor) pairs of the full model; tensors of one dtype are copied
-into a flat buffer of about `bucket_mb`, and each full buffer goes out as three messages:
+The actor's leader (`src`) streams (name, tensor) pairs of the full model (`TrainEngine.full_state()`: one
+module gathered at a time under ZeRO-3) and sends them bucket by bucket while the next module is gathered:
 
-    meta    int64 [n, 2 + MAX_NDIM]: per tensor (offset in the buffer, ndim, shape padded with zeros)
-    names   uint8: the n names, utf-8, joined by newlines
-    bucket  the flat buffer, in the tensors' dtype (bit for bit; see `exchange` for dtypes gloo lacks)
+    header   exchange's fixed-size int64 header: tensor count n, names size, data bytes, the sender's bucket
+             size, where the description is, dtype
+    payload  the bucket's bytes (uint8 on the wire, so every dtype travels bit for bit on any backend), then its
+             description: int64 words, per tensor (offset in the bucket, ndim, shape padded with zeros), then
+             the n names (utf-8, newline-separated) packed into int64 words
 
-followed at the end by a meta message with no rows. Every message carries `exchange`'s fixed-size header, so
-nothing is pickled and a receiver never posts a buffer of the wrong size. Receivers rebuild (name, view)
-pairs and pass each bucket to `load_fn` (a rollout engine's `load_weights`), which copies them in place.
+and at the end a header with n = 0 (two messages per bucket; a tensor sent straight through from its own storage
+has its description in a message of its own). Nothing is pickled and a receiver never posts a buffer of the wrong size.
+Receivers rebuild (name, view) pairs and pass each bucket to `load_fn` (a rollout engine's `load_weights`).
 
-Streaming contract: every tensor the iterator yields is copied (or, when it is larger than a bucket, sent on
-its own) before the next one is requested. Under ZeRO-3 the caller can therefore gather one module at a time
-and release it as soon as the iterator moves on. Names should already be Hugging Face names
-(`hpc_rlhf.engines.rollout.base.hf_named_tensors`).
+Memory and overlap, on the sender: tensors of one dtype are copied into a bucket buffer of `bucket_mb`; a full
+bucket goes out with an asynchronous broadcast, and while it travels the next module is gathered and packed
+into a second buffer (double buffering). The buffers come from a `BucketPool` kept between syncs (no fresh
+allocation per bucket or per sync): one being filled per dtype plus one in flight, so two for a model of one
+dtype. A tensor at least as large as a bucket goes straight through: broadcast from its own storage, uncopied,
+and waited for before the stream moves on (it may be a ZeRO-3 gathered parameter that is released as soon as
+the stream moves on). So the sender never holds more than the module being streamed plus two buckets (one more
+per further dtype; `SyncStats.peak_buffer_bytes` reports what the pool lent). Receivers receive into two reused
+buffers as well and load one bucket while the next is arriving.
+
+Streaming contract: every tensor the iterator yields is copied (or, when it is larger than a bucket, sent) before
+the next one is requested. Names should already be Hugging Face names (`hpc_rlhf.trainers.rl_roles.hf_names`).
 
 Hybrid placement (rollout on the actor's own ranks) uses `load_local_weights`: the same buckets, no broadcast.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Callable, Iterable, Iterator
@@ -28,10 +39,12 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.dist.exchange import MAX_NDIM, ExchangeError, broadcast_tensor, comm_device
+from hpc_rlhf.dist.exchange import (HEADER_LEN, MAX_NDIM, ExchangeError, Kind, comm_device, make_header,
+                                    message_tag, read_header)
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], object]
 _META_WIDTH = 2 + MAX_NDIM
+_TAG = message_tag("weights.bucket")
 
 
 @dataclasses.dataclass
@@ -40,6 +53,7 @@ class SyncStats:
     bytes: int = 0
     buckets: int = 0
     seconds: float = 0.0
+    peak_buffer_bytes: int = 0  # sender: the most bucket-buffer bytes lent out at once (see the module docstring)
 
 
 @dataclasses.dataclass
@@ -49,6 +63,7 @@ class Bucket:
     names: list[str]
     shapes: list[tuple[int, ...]]
     offsets: list[int]
+    storage: torch.Tensor | None = None  # the pool buffer behind `flat`, handed back once the bucket is sent
 
     def views(self) -> list[tuple[str, torch.Tensor]]:
         out = []
@@ -69,6 +84,74 @@ class Bucket:
     def encoded_names(self) -> torch.Tensor:
         return torch.frombuffer(bytearray("\n".join(self.names).encode("utf-8")), dtype=torch.uint8)
 
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+class BucketPool:
+    """Byte buffers of `bucket_bytes` on `device`, lent to a Bucketer and taken back once a send is done.
+
+    `acquire` prefers a free buffer; with none free it waits for the oldest send in flight when `limit` buffers
+    exist already, and allocates a new one otherwise. A Bucketer opens the next bucket of a dtype before the
+    full one has been handed back, so it borrows one buffer per dtype being filled plus one in flight: two for
+    a model of one dtype. Buffers stay allocated between syncs; `clear` frees them.
+    """
+
+    def __init__(self, bucket_bytes: int, device: torch.device, limit: int = 2):
+        self.bucket_bytes = bucket_bytes
+        # room after a full bucket for its description (80 bytes and the name per tensor), so that both travel
+        # in one message; a description that does not fit travels apart
+        self.description_room = max(4096, bucket_bytes // 64)
+        self.device = torch.device(device)
+        self.limit = limit
+        self.free: list[torch.Tensor] = []
+        self.in_flight: collections.deque = collections.deque()  # (buffer, works) in send order
+        self.allocated = 0
+        self.lent = 0
+        self.peak_lent_bytes = 0
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.bucket_bytes + self.description_room
+
+    def acquire(self) -> torch.Tensor:
+        if not self.free and self.in_flight and self.allocated >= self.limit:
+            self._finish_oldest()
+        if self.free:
+            buffer = self.free.pop()
+        else:
+            buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
+            self.allocated += 1
+        self.lent += 1
+        self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent * self.buffer_bytes)
+        return buffer
+
+    def release(self, buffer: torch.Tensor, works: list | None = None) -> None:
+        """Take `buffer` back, once `works` (the sends reading it) are done."""
+        if works:
+            self.in_flight.append((buffer, works))
+        else:
+            self.lent -= 1
+            self.free.append(buffer)
+
+    def _finish_oldest(self) -> None:
+        buffer, works = self.in_flight.popleft()
+        for work in works:
+            work.wait()
+        self.lent -= 1
+        self.free.append(buffer)
+
+    def drain(self) -> None:
+        """Wait for every send in flight."""
+        while self.in_flight:
+            self._finish_oldest()
+
+    def clear(self) -> None:
+        self.drain()
+        self.free.clear()
+        self.allocated = 0
+
 
 class Bucketer:
     """Packs a stream of named tensors into per-dtype buckets of about `bucket_bytes` on `device`.
@@ -76,14 +159,18 @@ class Bucketer:
     `add` returns the buckets that became ready (full, or a single tensor larger than a bucket); `flush`
     returns the partly filled rest. Tensors are copied on arrival, except one larger than a bucket, which is
     handed back at once as its own bucket; either way the caller may free a tensor once the bucket(s) `add`
-    returned have been used.
+    returned have been used. Without a `pool` every bucket gets a fresh buffer; with one, buffers come from the
+    pool and a bucket's `storage` must be given back to it (`pool.release`) once the bucket has been used.
     """
 
-    def __init__(self, bucket_bytes: int, device: torch.device):
+    def __init__(self, bucket_bytes: int, device: torch.device, pool: BucketPool | None = None):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+        if pool is not None and pool.bucket_bytes != bucket_bytes:
+            raise ValueError(f"the pool's buffers hold {pool.bucket_bytes} bytes, not {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
         self.device = device
+        self.pool = pool
         self.open: dict[torch.dtype, tuple[torch.Tensor, Bucket, int]] = {}  # dtype -> (buffer, bucket, fill)
 
     def add(self, name: str, tensor: torch.Tensor) -> list[Bucket]:
@@ -102,8 +189,13 @@ class Bucketer:
         if tensor.dtype in self.open and self.open[tensor.dtype][2] + tensor.numel() > capacity:
             ready.append(self._close(tensor.dtype))
         if tensor.dtype not in self.open:
-            buffer = torch.empty(capacity, dtype=tensor.dtype, device=self.device)
-            self.open[tensor.dtype] = (buffer, Bucket(buffer, [], [], []), 0)
+            if self.pool is None:
+                storage = None
+                buffer = torch.empty(capacity, dtype=tensor.dtype, device=self.device)
+            else:
+                storage = self.pool.acquire()
+                buffer = storage[:capacity * tensor.element_size()].view(tensor.dtype)
+            self.open[tensor.dtype] = (buffer, Bucket(buffer, [], [], [], storage), 0)
         buffer, bucket, fill = self.open[tensor.dtype]
         buffer[fill:fill + tensor.numel()].copy_(tensor.reshape(-1))
         bucket.names.append(name)
@@ -132,10 +224,69 @@ def _bucket_bytes(bucket_mb: float) -> int:
     return max(1, int(bucket_mb * 2**20))
 
 
+# Buffers kept between syncs: one pool per (device, bucket size) on a sender, two receive buffers per device.
+_POOLS: dict[tuple[torch.device, int], BucketPool] = {}
+_RECEIVE_BUFFERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def bucket_pool(bucket_mb: float, device: torch.device) -> BucketPool:
+    """The pool this process reuses for buckets of `bucket_mb` on `device`."""
+    key = (torch.device(device), _bucket_bytes(bucket_mb))
+    if key not in _POOLS:
+        _POOLS[key] = BucketPool(key[1], key[0])
+    return _POOLS[key]
+
+
+def release_buffers() -> None:
+    """Free every buffer kept between syncs (sender pools and receive buffers)."""
+    for pool in _POOLS.values():
+        pool.clear()
+    _POOLS.clear()
+    _RECEIVE_BUFFERS.clear()
+
+
 def _count(stats: SyncStats, bucket: Bucket) -> None:
     stats.tensors += len(bucket.names)
-    stats.bytes += bucket.flat.numel() * bucket.flat.element_size()
+    stats.bytes += bucket.nbytes
     stats.buckets += 1
+
+
+# ------------------------------------------------------------------------------------------------- the wire
+def _align(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
+
+
+def _description(bucket: Bucket) -> torch.Tensor:
+    """int64 words: one meta row per tensor, then the names (utf-8, newline-separated, zero-padded)."""
+    names = bucket.encoded_names()
+    padded = torch.zeros(_align(len(names)), dtype=torch.uint8)
+    padded[:len(names)] = names
+    return torch.cat([bucket.meta().reshape(-1), padded.view(torch.int64)])
+
+
+def _header(bucket: Bucket | None, bucket_bytes: int, inline: bool) -> torch.Tensor:
+    """count, names bytes, data bytes, the sender's bucket size, description inline (1) or apart (0)."""
+    if bucket is None:
+        return make_header(Kind.TENSOR, _TAG, torch.uint8, (0, 0, 0, 0, 0))
+    return make_header(Kind.TENSOR, _TAG, bucket.flat.dtype, (len(bucket.names), len(bucket.encoded_names()),
+                                                              bucket.nbytes, bucket_bytes, int(inline)))
+
+
+def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
+    return flat.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _payload(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(payload, description sent apart or None). A pool buffer has room after its data for the description,
+    which then travels in the same message; a tensor sent straight through carries it apart."""
+    description = _description(bucket)
+    if bucket.storage is not None:
+        start = _align(bucket.nbytes)
+        end = start + description.numel() * 8
+        if end <= bucket.storage.numel():
+            bucket.storage[start:end].copy_(description.view(torch.uint8))
+            return bucket.storage[:end], None
+    return _as_bytes(bucket.flat), description
 
 
 def send_weights(named_params: Iterable[tuple[str, torch.Tensor]], src: int,
@@ -144,37 +295,95 @@ def send_weights(named_params: Iterable[tuple[str, torch.Tensor]], src: int,
     if dist.get_rank() != src:
         raise ExchangeError(f"send_weights runs on the source rank {src}, not on rank {dist.get_rank()}")
     start, stats = time.perf_counter(), SyncStats()
-    for bucket in Bucketer(_bucket_bytes(bucket_mb), comm_device(group)).buckets(named_params):
-        broadcast_tensor(bucket.meta(), src, group, tag="weights.meta")
-        broadcast_tensor(bucket.encoded_names(), src, group, tag="weights.names")
-        broadcast_tensor(bucket.flat, src, group, tag="weights.bucket")
-        _count(stats, bucket)
-    broadcast_tensor(torch.zeros(0, _META_WIDTH, dtype=torch.int64), src, group, tag="weights.meta")
+    device = comm_device(group)
+    pool = bucket_pool(bucket_mb, device)
+    pool.peak_lent_bytes = pool.lent * pool.buffer_bytes
+
+    def send(tensor: torch.Tensor) -> object:
+        return dist.broadcast(tensor.to(device), src, group=group, async_op=True)
+
+    try:
+        for bucket in Bucketer(pool.bucket_bytes, device, pool).buckets(named_params):
+            payload, description = _payload(bucket)
+            works = [send(_header(bucket, pool.bucket_bytes, description is None))]
+            if description is not None:
+                works.append(send(description))
+            works.append(send(payload))
+            if bucket.storage is None:  # straight through from the caller's tensor: done before it moves on
+                for work in works:
+                    work.wait()
+            else:
+                pool.release(bucket.storage, works)
+            _count(stats, bucket)
+        send(_header(None, pool.bucket_bytes, True)).wait()
+    finally:
+        pool.drain()
+    stats.peak_buffer_bytes = pool.peak_lent_bytes
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def _receive_buffer(device: torch.device, slot: int, nbytes: int, bucket_bytes: int) -> torch.Tensor:
+    """A reused receive buffer (one of two) for a packed bucket; a fresh one for a tensor sent straight through
+    (at least a bucket's size), so a large tensor does not stay allocated between syncs."""
+    if nbytes >= bucket_bytes:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buffers = _RECEIVE_BUFFERS.setdefault(device, [])
+    while len(buffers) <= slot:
+        buffers.append(torch.empty(0, dtype=torch.uint8, device=device))
+    if buffers[slot].numel() < nbytes:
+        buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffers[slot][:nbytes]
+
+
+def _bucket_from(raw: torch.Tensor, description: torch.Tensor, dtype: torch.dtype, count: int, names_len: int,
+                 nbytes: int, what: str) -> Bucket:
+    rows = description[:count * _META_WIDTH].view(count, _META_WIDTH).tolist()
+    names = bytes(description[count * _META_WIDTH:].view(torch.uint8)[:names_len].numpy()).decode("utf-8")
+    names = names.split("\n")
+    if len(names) != count:
+        raise ExchangeError(f"{what}: a bucket lists {count} tensors but {len(names)} names")
+    return Bucket(raw[:nbytes].view(dtype), names, [tuple(r[2:2 + r[1]]) for r in rows], [r[0] for r in rows])
 
 
 def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn) -> SyncStats:
     """Take buckets from `src` until its end marker; `load_fn` gets each bucket's (name, view) pairs.
 
-    The views point into a buffer that is dropped afterwards: `load_fn` must copy what it keeps.
+    The views point into a buffer that is reused afterwards: `load_fn` must copy what it keeps.
     """
     if dist.get_rank() == src:
         raise ExchangeError(f"receive_weights runs on the receiving ranks, not on the source rank {src}")
     start, stats = time.perf_counter(), SyncStats()
+    device = comm_device(group)
+    what = "weight sync"
+    pending: tuple | None = None  # received, not yet loaded: loaded while the next bucket arrives
+    slot = 0
     while True:
-        meta = broadcast_tensor(None, src, group, tag="weights.meta").cpu()
-        if meta.shape[0] == 0:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+        dist.broadcast(header, src, group=group)
+        dtype, (count, names_len, nbytes, bucket_bytes, inline) = read_header(header.cpu(), Kind.TENSOR, _TAG, what)
+        if count == 0:
             break
-        names = bytes(broadcast_tensor(None, src, group, tag="weights.names").cpu().numpy()).decode("utf-8")
-        flat = broadcast_tensor(None, src, group, tag="weights.bucket")
-        names = names.split("\n")
-        if len(names) != meta.shape[0]:
-            raise ExchangeError(f"weight sync: a bucket lists {meta.shape[0]} tensors but {len(names)} names")
-        rows = meta.tolist()
-        bucket = Bucket(flat, names, [tuple(r[2:2 + r[1]]) for r in rows], [r[0] for r in rows])
-        load_fn(bucket.views())
-        _count(stats, bucket)
+        words = count * _META_WIDTH + _align(names_len) // 8
+        description = None
+        if not inline:
+            description = torch.empty(words, dtype=torch.int64, device=device)
+            dist.broadcast(description, src, group=group)
+        size = _align(nbytes) + 8 * words if inline else nbytes
+        raw = _receive_buffer(device, slot, size, bucket_bytes)
+        work = dist.broadcast(raw, src, group=group, async_op=True)
+        if pending is not None:
+            load_fn(_bucket_from(*pending).views())
+        work.wait()
+        if inline:
+            description = raw[_align(nbytes):size].view(torch.int64)
+        pending = (raw, description.cpu(), dtype, count, names_len, nbytes, what)
+        stats.tensors += count
+        stats.bytes += nbytes
+        stats.buckets += 1
+        slot = 1 - slot
+    if pending is not None:
+        load_fn(_bucket_from(*pending).views())
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -184,21 +393,25 @@ def load_local_weights(named_params: Iterable[tuple[str, torch.Tensor]], load_fn
     """Hybrid placement: the engine on this rank loads the actor's full parameters, bucket by bucket.
 
     Same buckets (and streaming contract) as send_weights, on `device` (default: the first tensor's device),
-    without any communication.
+    from the same reused pool, without any communication.
     """
     start, stats = time.perf_counter(), SyncStats()
     named_params = iter(named_params)
     first = next(named_params, None)
     if first is None:
         return stats
-    bucketer = Bucketer(_bucket_bytes(bucket_mb), torch.device(device) if device else first[1].device)
+    pool = bucket_pool(bucket_mb, torch.device(device) if device else first[1].device)
+    pool.peak_lent_bytes = pool.lent * pool.buffer_bytes
 
     def everything():
         yield first
         yield from named_params
 
-    for bucket in bucketer.buckets(everything()):
+    for bucket in Bucketer(pool.bucket_bytes, pool.device, pool).buckets(everything()):
         load_fn(bucket.views())
+        if bucket.storage is not None:
+            pool.release(bucket.storage)
         _count(stats, bucket)
+    stats.peak_buffer_bytes = pool.peak_lent_bytes
     stats.seconds = time.perf_counter() - start
     return stats

@@ -18,6 +18,10 @@ things those pair up with unrelated calls of the other role and hang or crash. F
 
 `keep_collectives_in_group(group)` applies all of this for the duration of a `with` block; the training
 engine enters it around every DeepSpeed call (init, forward, backward, step, save, load, parameter gathering).
+A ZeRO-3 module also runs outside the engine's calls: the RL step scores with the bare module (`engine.module`)
+and the hybrid engine generates with it. Its first hook (DeepSpeed's start-of-forward hook) validates the
+parameter trace with the WORLD broadcasts above, so `keep_module_in_group(module, group)` enters the same
+block around every forward of the module itself, from forward hooks placed before and after DeepSpeed's own.
 It patches deepspeed for the block only (nothing is edited on disk): group-less deepspeed.comm barrier calls
 go to the role group (all_reduce and broadcast too, as a safety net should tag validation be turned back on or
 a similar call appear), and the trace check is swapped in every module that imported it. When a newer
@@ -26,7 +30,8 @@ deepspeed adds a WORLD collective, the guard tests (tests/engines) say so.
 deepspeed keeps `groups.mpu` as a module global: the last engine created on a rank wins, which is right because
 every engine on a rank belongs to the same role group (colocated roles share their ranks).
 
-Also here: `RoleMpu` (the mpu object) and `singleton_group()` (this rank alone, the model-parallel group).
+Also here: `RoleMpu` (the mpu object) and `singleton_group()` (this rank alone, the model-parallel group,
+created by this rank alone: hpc_rlhf.dist.groups creates no per-rank groups for it).
 """
 
 from __future__ import annotations
@@ -208,6 +213,32 @@ def keep_collectives_in_group(group) -> Iterator[None]:
     patches += [(module, _ASSERT_INTS, assert_ints) for module in assert_ints_holders()]
     with _patched(patches):
         yield
+
+
+def keep_module_in_group(module: torch.nn.Module, group) -> None:
+    """Every forward of `module` (the top module of a ZeRO-3 model) runs inside keep_collectives_in_group(group).
+
+    Needed where the module is called without its engine: DeepSpeed's first forward hook on it resets the
+    parameter trace and, while the trace is being recorded (the first pass, and again whenever the order of
+    passes changes, e.g. scoring between training steps), checks it with broadcasts from global rank 0 over
+    WORLD. The pre-hook goes in front of DeepSpeed's hooks; the post-hook runs after them, also when the
+    forward raises. A no-op when `group` is the world.
+    """
+    if is_world(group):
+        return
+    stack: list[contextlib.ExitStack] = []
+
+    def enter(_module, _args):
+        entered = contextlib.ExitStack()
+        entered.enter_context(keep_collectives_in_group(group))
+        stack.append(entered)
+
+    def leave(_module, _args, _output):
+        if stack:
+            stack.pop().close()
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)
 
 
 # ------------------------------------------------------------------------------------------------------ guard

@@ -10,6 +10,19 @@ Every rank of the role makes the same calls in the same order; ranks of other ro
 even in construction, checkpointing or saving (see deepspeed_compat for how DeepSpeed is kept in the group).
 `backward` takes the mean loss of one micro-batch: DeepSpeed divides it by the accumulation steps and averages
 gradients over the role, so an optimizer step follows the mean over `train.batch_size` sequences.
+
+Memory under ZeRO-3: no method here makes the whole model present on a rank. Forward passes (through the engine
+or the bare `module`, e.g. for scoring or generation) fetch one module's parameters at a time through
+DeepSpeed's hooks; `full_state()` streams the full weights one module at a time. Besides the module being run,
+DeepSpeed keeps a window of parameters gathered (prefetched, or kept because they are used again soon), a
+bucket of full-size gradients before it reduce-scatters them, and steps the optimizer over sub-groups of the
+rank's partition (AdamW's temporaries are as large as a sub-group): each at most `ZERO3_WINDOW_SHARE` of the
+model, and never more than DeepSpeed's own defaults (1e9 parameters, a 5e8-element gradient bucket, 1e9-element
+sub-groups). Those defaults are sized for models of tens of billions of parameters: left as they are, a model of
+up to a billion parameters would stay gathered whole from forward to backward, every rank would hold all of its
+gradients unreduced, and the optimizer step would make temporary copies of the rank's whole partition
+(measured: benchmarks/memory_scaling.py). `gathered_parameters()` (every parameter at once) is for
+code outside the RL step: evaluation by generation in the one-model modes and saving LoRA adapters.
 """
 
 from __future__ import annotations
@@ -28,8 +41,15 @@ import torch.distributed as dist
 from hpc_rlhf.config import ConfigError, TrainSection
 from hpc_rlhf.engines import deepspeed_compat
 from hpc_rlhf.engines.schedule import warmup_cosine_scheduler
+from hpc_rlhf.models.lora import merged_tensors
 from hpc_rlhf.models.saving import save_pretrained_on_this_rank
 
+# What DeepSpeed may hold besides the module running now, as a share of the model (see the module docstring):
+# parameters gathered ahead or kept for reuse, the bucket gradients are reduced from, an optimizer sub-group.
+ZERO3_WINDOW_SHARE = 1 / 8
+DEEPSPEED_WINDOW_DEFAULTS = {"stage3_max_live_parameters": 10**9, "stage3_max_reuse_distance": 10**9,
+                             "stage3_prefetch_bucket_size": 5 * 10**7, "reduce_bucket_size": 5 * 10**8,
+                             "sub_group_size": 10**9}
 CHECKPOINT_TAG = "engine"  # deepspeed's sub-folder inside a checkpoint folder; fixed so loading needs no `latest`
 COMPLETE_MARKER = "ENGINE_COMPLETE.json"  # written by the role leader once every rank of the role has saved
 
@@ -74,14 +94,25 @@ def gradient_accumulation_steps(train_cfg: TrainSection, role_size: int) -> int:
     return train_cfg.batch_size // per_pass
 
 
-def deepspeed_config(train_cfg: TrainSection, role_size: int, dtype: torch.dtype) -> dict[str, Any]:
-    """The DeepSpeed config dict for `train_cfg` on a role of `role_size` ranks."""
+def zero3_window(num_params: int) -> dict[str, int]:
+    """DeepSpeed's ZeRO-3 gathering window and gradient bucket for a model of `num_params` parameters (see the
+    module docstring)."""
+    share = max(1, int(num_params * ZERO3_WINDOW_SHARE))
+    return {key: min(default, share) for key, default in DEEPSPEED_WINDOW_DEFAULTS.items()}
+
+
+def deepspeed_config(train_cfg: TrainSection, role_size: int, dtype: torch.dtype,
+                     num_params: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config dict for `train_cfg` on a role of `role_size` ranks (`num_params`: the model's
+    parameter count, which sizes ZeRO-3's gathering window; None leaves DeepSpeed's defaults)."""
     if train_cfg.adam_offload and train_cfg.zero_stage == 0:
         raise ConfigError("train.adam_offload=true needs train.zero_stage 1, 2 or 3 (ZeRO-0 has no offload)")
     accumulation = gradient_accumulation_steps(train_cfg, role_size)
     zero: dict[str, Any] = {"stage": train_cfg.zero_stage}
     if train_cfg.zero_stage == 3:
         zero["stage3_param_persistence_threshold"] = train_cfg.zero3_param_persistence_threshold
+        if num_params is not None:
+            zero.update(zero3_window(num_params))
     if train_cfg.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     clips_itself = _clips_itself(train_cfg, dtype)
@@ -145,7 +176,8 @@ class TrainEngine:
         self.role_rank = dist.get_rank(self.group)
         if self.role_rank < 0:
             raise ValueError(f"TrainEngine: rank {dist.get_rank()} is not a member of the group it was given")
-        self.config = deepspeed_config(train_cfg, self.role_size, self.dtype)
+        self.config = deepspeed_config(train_cfg, self.role_size, self.dtype,
+                                       num_params=sum(p.numel() for p in model.parameters()))
         self._clips_itself = _clips_itself(train_cfg, self.dtype)
 
         model = model.to(self.dtype)
@@ -158,6 +190,8 @@ class TrainEngine:
                                                         mpu=deepspeed_compat.RoleMpu(self.group),
                                                         dist_init_required=False)
         self.engine.train()  # from_pretrained leaves models in eval mode, where checkpointing is off
+        if self.zero_stage == 3:  # forward passes of the bare module stay in the group too
+            deepspeed_compat.keep_module_in_group(self.engine.module, self.group)
 
     # ---------------------------------------------------------------------------------------------- basics
     def _in_group(self):
@@ -257,8 +291,11 @@ class TrainEngine:
     # ----------------------------------------------------------------------------------------- parameters
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[torch.nn.Module]:
-        """Full parameters inside the block on every rank of the role (ZeRO-3: all gathered at once, read-only;
-        other stages: a no-op). Yields the unwrapped module. Every rank of the role must enter it."""
+        """Full parameters inside the block on every rank of the role (ZeRO-3: ALL gathered at once, read-only;
+        other stages: a no-op). Yields the unwrapped module. Every rank of the role must enter it.
+
+        Not for the RL step, which never holds a whole model on a rank: see `full_state()` and the module
+        docstring."""
         if self.zero_stage != 3:
             yield self.module
             return
@@ -268,35 +305,44 @@ class TrainEngine:
                                                                  modifier_rank=None):
             yield self.module
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full state dict on CPU at the role leader ({} on the other ranks of the role).
-
-        ZeRO-3 gathers one module's own parameters at a time, so no rank ever holds more than the largest
-        module in full besides the leader's CPU copy. Tied parameters stay one tensor under both names.
-        Every rank of the role must call it.
-        """
-        if self.zero_stage != 3:
-            if not self.is_leader:
-                return {}
-            copies: dict[int, torch.Tensor] = {}
-            # keep_vars: the parameters themselves, so tied ones are recognisably the same object
-            return {name: _cpu_copy(t, copies) for name, t in self.module.state_dict(keep_vars=True).items()}
+    @contextlib.contextmanager
+    def _gathered(self, params: list[torch.nn.Parameter]) -> Iterator[None]:
+        """`params` whole on every rank of the role inside the block (ZeRO-3), else a no-op."""
+        if self.zero_stage != 3 or not params:
+            yield
+            return
         import deepspeed
 
-        state: dict[str, torch.Tensor] = {}
-        copies = {}
-        with self._in_group():
-            for prefix, submodule in self.module.named_modules():
-                own = list(submodule.named_parameters(recurse=False))
-                with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
-                    if self.is_leader:
-                        for name, param in own:
-                            state[_join(prefix, name)] = _cpu_copy(param, copies)
-                if self.is_leader:
-                    for name, buffer in submodule.named_buffers(recurse=False):
-                        if buffer is not None and name not in submodule._non_persistent_buffers_set:
-                            state[_join(prefix, name)] = _cpu_copy(buffer, copies)
-        return state
+        with self._in_group(), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+
+    def full_state(self, on_every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights as (name, tensor) pairs, one module at a time, on the role leader (on every rank of
+        the role with `on_every_rank`; the others yield nothing). Every rank of the role must exhaust it.
+
+        Names are those of the plain transformers model; LoRA adapters are folded into their base weights
+        (`models.lora.merged_tensors`). Under ZeRO-3 each module's parameters are gathered while its tensors are
+        being yielded and released when the iterator moves on, so a yielded tensor is valid only until the next
+        one is requested: copy what you keep. Tied parameters are yielded under each of their names.
+        """
+        emit = on_every_rank or self.is_leader
+        if self.zero_stage == 3:
+            # Forward passes without a backward (scoring, generation) can leave prefetched parameters gathered
+            # or still in flight; release them first (DeepSpeed's public call for it).
+            with self._in_group():
+                self.engine.empty_partition_cache()
+        for name, tensor in merged_tensors(self.module, gather=self._gathered, emit=emit):
+            yield name, tensor
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full state on CPU at the role leader ({} on the other ranks of the role), from `full_state()`.
+
+        This is a whole copy of the model in host memory, for saving (`save_hf`); the RL step streams
+        `full_state()` instead. Tied parameters stay one tensor under both names. Every rank of the role must
+        call it.
+        """
+        copies: dict[int, torch.Tensor] = {}
+        return {name: _cpu_copy(tensor, copies) for name, tensor in self.full_state()}
 
     # -------------------------------------------------------------------------------------------- saving
     def save_checkpoint(self, directory: str | os.PathLike, client_state: dict | None = None) -> None:
@@ -362,8 +408,10 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _cpu_copy(tensor: torch.Tensor, copies: dict[int, torch.Tensor]) -> torch.Tensor:
-    # Keyed by the parameter object (alive throughout) so tied weights share one copy, as save_pretrained
-    # expects of them.
+    # Parameters are keyed by their object (alive throughout) so tied weights share one copy, as save_pretrained
+    # expects of them; other tensors (LoRA-merged weights) are new objects whose ids may be reused.
+    if not isinstance(tensor, torch.nn.Parameter):
+        return tensor.detach().to("cpu", copy=True)
     key = id(tensor)
     if key not in copies:
         copies[key] = tensor.detach().to("cpu", copy=True)

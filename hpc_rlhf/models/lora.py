@@ -14,12 +14,14 @@ adapters (model.lora.rank > 0) need it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import re
 import warnings
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from transformers import BitsAndBytesConfig
@@ -140,40 +142,90 @@ def _plain_name(name: str) -> str:
     return re.sub(r"\.modules_to_save\.[^.]+(?=\.|$)", "", name)
 
 
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """Tensors of the plain transformers model with every active adapter folded in; `model` is not changed.
+def _no_gather(params):
+    return contextlib.nullcontext()
 
-    Names are those of the model without peft (`model.layers.0.self_attn.q_proj.weight`), so the result can be
-    saved as a Hugging Face folder or streamed to a rollout engine. Under ZeRO-3 the caller gathers first.
-    """
-    if not is_peft_model(model):
-        return {k: v.detach() for k, v in unwrap_model(model).state_dict().items()}
+
+def _is_adapter_unit(module) -> bool:
     from peft.tuners.lora import LoraLayer  # slow to import: see the module docstring
 
+    return isinstance(module, LoraLayer)
+
+
+def merged_tensors(model, gather: Callable = _no_gather, emit: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the plain transformers model with every active adapter folded in, one module at a time;
+    `model` is not changed.
+
+    Names are those of the model without peft (`model.layers.0.self_attn.q_proj.weight`), in state-dict order.
+    A unit is a module's own parameters and persistent buffers, or a whole LoRA layer (base layer and adapters,
+    whose merged weight needs all of them). `gather(params)` is a context manager that makes `params` whole
+    while the unit's tensors are yielded (ZeRO-3); a yielded tensor is valid only until the next one is
+    requested. With `emit=False` the units are gathered and released in the same order but nothing is computed
+    or yielded (the other ranks of a ZeRO-3 group, which must take part in every gather).
+    """
+    peft = is_peft_model(model)
     base = unwrap_model(model)
-    quantized = {_plain_name(name): w for name, module in base.named_modules()
-                 if (w := _dequantized_weight(module)) is not None}
-    state: dict[str, torch.Tensor] = {}
-    for key, tensor in base.state_dict().items():
-        # Adapter tensors are folded in below; `original_module` is the frozen copy of a trained head.
-        if ".lora_" in key or ".original_module." in key:
-            continue
-        key = _plain_name(key)
-        owner = key.rsplit(".weight", 1)[0]
-        if owner in quantized:
-            if key == owner + ".weight":
-                state[key] = quantized[owner]
-            continue  # bitsandbytes' quantization statistics (weight.absmax, weight.quant_map, ...)
-        state[key] = tensor.detach()
+    done: list[str] = []  # subtrees already handled (a LoRA layer) or left out (a trained head's frozen copy)
     for name, module in base.named_modules():
-        if not isinstance(module, LoraLayer) or module.merged:
+        if any(name.startswith(prefix) for prefix in done):
             continue
-        key = f"{_plain_name(name)}.weight"
-        weight = state[key]
-        delta = sum(module.get_delta_weight(a).float() for a in module.active_adapters if a in module.lora_A)
-        # Sum in fp32: adding a small delta to bf16 weights in bf16 would round most of it away.
-        state[key] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
-    return state
+        if peft and (name.endswith(".original_module") or ".original_module." in name):
+            done.append(name + ".")
+            continue
+        if peft and _is_adapter_unit(module):
+            done.append(name + ".")
+            params = list(module.parameters())
+            with gather(params):
+                if emit:
+                    yield from _merged_adapter_layer(name, module)
+            continue
+        own = list(module.named_parameters(recurse=False))
+        with gather([p for _, p in own]):
+            if not emit:
+                continue
+            quantized = _dequantized_weight(module) if peft else None
+            for key, param in own:
+                if quantized is not None and key == "weight":
+                    param = quantized
+                yield _plain_name(_join(name, key)), param
+            for key, buffer in _persistent_buffers(module):
+                yield _plain_name(_join(name, key)), buffer
+
+
+def _merged_adapter_layer(name: str, module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA layer's base tensors under their plain names, the weight with W + B A * scale folded in."""
+    base_layer = module.get_base_layer()
+    quantized = _dequantized_weight(base_layer)
+    for key, param in base_layer.named_parameters(recurse=False):
+        tensor = param.detach()
+        if key == "weight":
+            weight = quantized if quantized is not None else tensor
+            if not module.merged:
+                delta = sum(module.get_delta_weight(a).float() for a in module.active_adapters if a in module.lora_A)
+                # Sum in fp32: adding a small delta to bf16 weights in bf16 would round most of it away.
+                weight = (weight.float() + delta.to(weight.device)).to(weight.dtype)
+            tensor = weight
+        yield _plain_name(f"{name}.{key}"), tensor
+    for key, buffer in _persistent_buffers(base_layer):
+        yield _plain_name(f"{name}.{key}"), buffer
+
+
+def _persistent_buffers(module) -> Iterator[tuple[str, torch.Tensor]]:
+    for key, buffer in module.named_buffers(recurse=False):
+        if buffer is not None and key not in module._non_persistent_buffers_set:
+            yield key, buffer
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """Every tensor of `merged_tensors(model)` in one dict (detached; under ZeRO-3 the caller gathers first).
+
+    Names are those of the model without peft, so the result can be saved as a Hugging Face folder.
+    """
+    return {name: tensor.detach() for name, tensor in merged_tensors(model)}
 
 
 def merge_and_unload_for_save(model):

@@ -5,17 +5,20 @@ exchange is a collective that all ranks enter in the same order (DESIGN §4). `R
 
   1. prompts     every rank draws the same prompts for step s (seeded): nothing is sent
   2. rollout     each rollout engine generates n samples for its contiguous share of the prompts
-  3. exchange    each engine's leader broadcasts its responses and their sampling log-probs (packed tokens +
-                 lengths) to the world
+  3. exchange    each engine's leader sends its responses (packed tokens + lengths) to the scoring ranks and
+                 their sampling log-probs to the trained roles (rl_exchange: each message to its consumers)
   4. scoring     actor (old log-probs), critic (values), ref (log-probs) and reward models (scores) each work on
                  their contiguous shard; rule/remote rewards on one rank
-  5. exchange    each role gathers its shard results to its leader, which broadcasts them to the world
+  5. exchange    each role gathers its shard results to its leader, which sends them to the trained roles
   6. advantages  actor and critic ranks turn scores, KL and values into an `Experience` (one pure function,
                  `algorithms.advantages.rl_advantages`)
   7. training    actor (clipped policy loss) and critic (clipped value loss) train at the same time, each on its
                  own group with DeepSpeed, through one mini-batch loop (`_train_role`)
-  8. sync        the actor's leader sends the new weights to the rollout ranks in buckets
-                 (hybrid `rollout@actor`: the engines generate with the actor's own module, nothing to send)
+  8. sync        the actor's leader streams the new weights to the rollout ranks in buckets, one module gathered
+                 at a time (hybrid `rollout@actor`: the hf engine generates with the actor's own module)
+
+No phase holds a whole model on a rank under ZeRO-3: scoring, training and hybrid generation run through the
+module's forward (one module gathered at a time, engines/train.py), weight sync streams (dist/weight_sync.py).
 
 Log-probs of the actor and the reference are those of the sampling distribution softmax(logits / T), T the
 rollout temperature, as the engines report theirs: the PPO ratio and the KL estimators are unbiased only then.
@@ -49,12 +52,12 @@ from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.dropout import disable_dropout
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores, token_values
-from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers import common, rl_exchange
 from hpc_rlhf.trainers.experience import (Experience, SampleBatch, from_ragged, make_batch, response_logprobs,
                                           shard_bounds, to_ragged)
 from hpc_rlhf.trainers.reference import FrozenModel
 from hpc_rlhf.trainers.rl_scoring import combine_scores, rule_scores, sample_figures, score_on_shard
-from hpc_rlhf.trainers.rl_roles import build_rollout_engine, hf_names, load_prompts, merged_state
+from hpc_rlhf.trainers.rl_roles import build_rollout_engine, hf_names, load_prompts
 from hpc_rlhf.trainers.rl_config import Config, check_plan_against_config, reward_role_names
 from hpc_rlhf.utils import faults
 
@@ -156,7 +159,9 @@ class RLRecipe:
                     [p["input_ids"] for p in step_prompts],
                     dataclasses.replace(self.sampling, seed=cfg.train.seed * 100003 + step), with_logprobs=True)
             t_generate = time.perf_counter()
-            batch = make_batch(sample_prompts, responses, self.tokenizer.pad_token_id)
+            # None on ranks that consume no responses (rollout-only ranks)
+            batch = (make_batch(sample_prompts, responses, self.tokenizer.pad_token_id) if responses is not None
+                     else None)
             # 4-5. scoring and exchange
             with watchdog.phase("scoring"):
                 scored = self._score(batch, sample_prompts, responses)
@@ -213,10 +218,11 @@ class RLRecipe:
         return result
 
     # ------------------------------------------------------------------------------------------ phase 2-3
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                  with_logprobs: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Every engine generates for its share; every rank returns all responses (and, with_logprobs, their
-        sampling log-probs), prompt-major. `with_logprobs` must be the same on every rank."""
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, with_logprobs: bool = False,
+                  to: str = "responses") -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """Every engine generates for its share; the ranks on the routes `to/E` (every scoring rank, or rank 0
+        alone for `to="eval"`) get all responses prompt-major, the trained roles also their sampling log-probs
+        (`with_logprobs`, the same on every rank); None elsewhere."""
         engines = self.plan.role("rollout").engines
         mine = mine_logps = None
         if groups.has_role("rollout"):
@@ -224,33 +230,37 @@ class RLRecipe:
             start, end = shard_bounds(len(prompts), len(engines), e)
             if dist.get_rank() == engines[e][0]:
                 mine, mine_logps = [], []
-                if end > start:
+                # a ZeRO-3 hybrid engine's forward passes are collectives of the actor group: all ranks generate
+                if end > start or getattr(self.rollout, "sync_group", None) is not None:
                     seeded = dataclasses.replace(sampling, seed=None if sampling.greedy else
                                                  (sampling.seed or 0) * 7919 + e)
                     with self._engine_awake():
                         out = self.rollout.generate(prompts[start:end], seeded)
                     mine, mine_logps = out.flat_responses(), out.flat_logprobs()
-        responses, logps = [], []
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
-            for engine_ranks in engines:
-                leader = dist.get_rank() == engine_ranks[0]
-                responses += exchange.broadcast_ragged(mine if leader else None, src=engine_ranks[0],
-                                                       tag="responses", dtype=torch.long)
-                if with_logprobs:
-                    logps += exchange.broadcast_ragged(mine_logps if leader else None, src=engine_ranks[0],
-                                                       tag="rollout-logprobs", dtype=torch.float32)
-        return responses, (logps if with_logprobs else None)
+            responses = rl_exchange.share_engines(mine, to, len(engines), torch.long)
+            logps = None
+            if with_logprobs:  # as long as the responses, which every rank of those routes holds
+                lengths = [[len(r) for r in part] if part is not None else None for part in responses]
+                logps = rl_exchange.concatenated(rl_exchange.share_engines(
+                    mine_logps, "rollout-logprobs", len(engines), torch.float32, lengths))
+        return rl_exchange.concatenated(responses), logps
 
     @contextlib.contextmanager
     def _engine_awake(self):
-        """A hybrid vLLM engine sleeps while the actor trains: load the actor's weights, wake, generate, sleep."""
+        """A hybrid vLLM engine sleeps while the actor trains: stream the actor's weights into it (one module
+        gathered at a time under ZeRO-3, on every actor rank), wake, generate, sleep."""
         if not (self.plan.is_hybrid and self.cfg.rollout.backend == "vllm"):
             yield
             return
-        with self.actor.gathered_parameters() as module:
-            weight_sync.load_local_weights(hf_names(merged_state(module, self.cfg.actor.lora.rank)),
-                                           self.rollout.load_weights,
-                                           bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
+        weights = hf_names(self.actor.full_state(on_every_rank=True))
+        if self.rollout is None:  # a vLLM engine's other ranks take part in the gathers only
+            for _ in weights:
+                pass
+            yield
+            return
+        weight_sync.load_local_weights(weights, self.rollout.load_weights,
+                                       bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
         self.rollout.wake()
         try:
             yield
@@ -260,8 +270,8 @@ class RLRecipe:
     # ------------------------------------------------------------------------------------------ phase 4-5
     @torch.no_grad()
     def _score(self, batch: SampleBatch, sample_prompts, responses) -> dict[str, torch.Tensor]:
-        """Each scoring role on its shard, then every role's results on every rank, dense: (B, T-1) per-token
-        tensors for actor, critic and ref, (B,) scores for each reward model."""
+        """Each scoring role on its shard, then every role's results on the trained roles' ranks, dense: (B, T-1)
+        per-token tensors for actor, critic and ref, (B,) scores for each reward model ({} on other ranks)."""
         cfg, device = self.cfg, self.run.device
         temperature = self.sampling.logprob_temperature
         samples, micro = self.samples_per_step, cfg.train.micro_batch_size
@@ -303,11 +313,12 @@ class RLRecipe:
         scored = {}
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
             for role in ["actor", "critic", "ref", *self.reward_roles]:
-                if self.plan.has(role):
-                    leader = groups.role_leader(role)
-                    full = exchange.broadcast_ragged(local.get(role) if dist.get_rank() == leader else None,
-                                                     src=leader, tag=f"{role}-shared", dtype=torch.float32)
-                    scored[role] = (torch.cat(full) if role.startswith("reward") else from_ragged(full, batch))
+                if self.plan.has(role):  # to the trained roles only; lengths known from the responses
+                    lengths = None if batch is None else [1] * len(responses) if role.startswith("reward") \
+                        else batch.response_lens
+                    full = rl_exchange.share(local.get(role), f"scores/{role}", lengths=lengths)
+                    if full is not None:
+                        scored[role] = torch.cat(full) if role.startswith("reward") else from_ragged(full, batch)
         return scored
 
     def _combined_scores(self, scored: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -435,36 +446,36 @@ class RLRecipe:
 
     # -------------------------------------------------------------------------------------------- phase 8
     def _sync_weights(self) -> float:
-        """Actor leader -> every rollout rank, in buckets. Returns megabytes sent (at the leader)."""
+        """Actor leader -> every rollout rank, streamed in buckets. Returns megabytes sent (at the leader)."""
         if self.plan.is_hybrid:
             return 0.0
         sent = 0.0
         src = groups.role_leader("actor")
         if self.actor is not None:
-            state = self._actor_state_for_sync()  # collective over the actor group; full on the leader only
+            # every actor rank takes part in the gathers; the leader sends each module as it comes
+            weights = hf_names(self.actor.full_state())
             if dist.get_rank() == src:
-                stats = weight_sync.send_weights(hf_names(state), src=src, group=groups.weight_sync_group(),
+                stats = weight_sync.send_weights(weights, src=src, group=groups.weight_sync_group(),
                                                  bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
                 sent = stats.bytes / 2**20
+            else:
+                for _ in weights:
+                    pass
         if groups.has_role("rollout"):
             # A vLLM engine's other ranks are in the group but hold no engine: they take part and drop the data.
             load = self.rollout.load_weights if self.rollout is not None else (lambda named: None)
             weight_sync.receive_weights(src=src, group=groups.weight_sync_group(), load_fn=load)
         return float(sent)
 
-    def _actor_state_for_sync(self) -> dict[str, torch.Tensor]:
-        if self.cfg.actor.lora.rank == 0:
-            return self.actor.full_state_dict()
-        with self.actor.gathered_parameters() as module:  # adapters folded into the base weights
-            return merged_state(module, self.cfg.actor.lora.rank) if self.actor.is_leader else {}
-
     # -------------------------------------------------------------------------------------------- eval
     def evaluate(self) -> float:
-        """Greedy held-out exact match, the rollout engines sharing the prompts."""
+        """Greedy held-out exact match, the rollout engines sharing the prompts (on rank 0; nan elsewhere)."""
         if not self.eval_prompts:
             return float("nan")
         sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens)
-        responses, _ = self._generate([p["input_ids"] for p in self.eval_prompts], sampling)
+        responses, _ = self._generate([p["input_ids"] for p in self.eval_prompts], sampling, to="eval")
+        if responses is None:  # only rank 0 gets the responses, decodes and logs the figure
+            return float("nan")
         texts = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
         correct = sum(exact_match(t, p["answer"]) for t, p in zip(texts, self.eval_prompts) if p["answer"] is not None)
         return correct / max(1, sum(p["answer"] is not None for p in self.eval_prompts))

@@ -37,7 +37,7 @@ from hpc_rlhf.algorithms.logprobs import sequence_logprob, token_logprobs
 from hpc_rlhf.config import ConfigError, ModelSection, TrainSection, field
 from hpc_rlhf.data.examples import IGNORE_INDEX, pad_collate
 from hpc_rlhf.engines import deepspeed_compat
-from hpc_rlhf.engines.train import resolve_dtype
+from hpc_rlhf.engines.train import resolve_dtype, zero3_window
 from hpc_rlhf.models.builders import build_causal_lm
 
 log = logging.getLogger("hpc_rlhf")
@@ -108,7 +108,8 @@ class FrozenModel:
                       "train_batch_size": train_cfg.micro_batch_size * size,
                       "gradient_accumulation_steps": 1,
                       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold":
-                                            train_cfg.zero3_param_persistence_threshold},
+                                            train_cfg.zero3_param_persistence_threshold,
+                                            **zero3_window(sum(p.numel() for p in model.parameters()))},
                       "bf16": {"enabled": self.dtype == torch.bfloat16},
                       "fp16": {"enabled": self.dtype == torch.float16},
                       "steps_per_print": 2**62}

@@ -6,6 +6,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,9 +41,12 @@ def build_rollout_engine(cfg: Config, plan, tokenizer, device, actor=None):
         return build_vllm_engine(cfg, plan, eos)
     from hpc_rlhf.engines.rollout.hf import HFRolloutEngine  # transformers' generate: only rollout ranks
 
-    if plan.is_hybrid:  # generate with the actor's own (gathered, under ZeRO-3) parameters
+    if plan.is_hybrid:
+        # Generate with the actor's own module. Under ZeRO-3 it gathers one module at a time in every forward
+        # pass, so the actor's ranks decode in step (hf.py); the whole model is never gathered.
+        in_step = actor.group if actor.zero_stage == 3 and actor.role_size > 1 else None
         return HFRolloutEngine(actor.module, pad, eos, max_batch_prompts=cfg.rollout.max_batch_prompts,
-                               full_params=actor.gathered_parameters)
+                               sync_group=in_step)
     model = build_causal_lm(dataclasses.replace(cfg.actor, lora=dataclasses.replace(cfg.actor.lora, rank=0)),
                             for_training=False, device=device)
     return HFRolloutEngine(model, pad, eos, max_batch_prompts=cfg.rollout.max_batch_prompts)
@@ -66,18 +70,10 @@ def build_vllm_engine(cfg: Config, plan, eos: int):
                              bucket_mb=cfg.rollout.weight_sync_bucket_mb)
 
 
-def merged_state(module: torch.nn.Module, lora_rank: int) -> dict[str, torch.Tensor]:
-    """The module's weights, LoRA adapters folded into their base weights."""
-    if lora_rank == 0:
-        return dict(module.state_dict())
-    from hpc_rlhf.models.lora import merged_state_dict  # peft: only for LoRA actors
-
-    return merged_state_dict(module)
-
-
-def hf_names(state: dict[str, torch.Tensor]):
-    """(name, tensor) with the plain Hugging Face names the engines load."""
-    for name, tensor in state.items():
+def hf_names(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) with the plain Hugging Face names the engines load, as a stream (`TrainEngine.full_state()`
+    streams the actor one module at a time, LoRA adapters already folded in; nothing is held here)."""
+    for name, tensor in named:
         hf_name = hf_param_name(name)
-        if hf_name is not None:  # None: a LoRA adapter tensor, already merged into its base weight
+        if hf_name is not None:  # None: a LoRA adapter tensor (full_state() folds them in and yields none)
             yield hf_name, tensor

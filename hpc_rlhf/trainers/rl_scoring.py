@@ -13,6 +13,7 @@ import torch.distributed as dist
 from hpc_rlhf import rewards as reward_fns
 from hpc_rlhf.algorithms.kl import kl_estimate
 from hpc_rlhf.dist import exchange, groups
+from hpc_rlhf.trainers import rl_exchange
 from hpc_rlhf.trainers.experience import SampleBatch, shard_bounds
 
 
@@ -37,10 +38,18 @@ def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int,
     return exchange.flatten_ranks(gathered) if gathered is not None else None
 
 
-def rule_scores(cfg, rule_functions, tokenizer, leader: int, prompts: list[str], responses: list[torch.Tensor],
-                answers: list[str | None]) -> torch.Tensor:
+def rule_scores(cfg, rule_functions, tokenizer, leader: int, prompts: list[str],
+                responses: list[torch.Tensor] | None, answers: list[str | None]) -> torch.Tensor | None:
     """Rule functions and the HTTP endpoint, weighted and summed, computed once on `leader` (the only rank that
-    decodes the responses): (B,) on every rank."""
+    decodes the responses): (B,) on the ranks of the route `scores/rules` (the trained roles), None elsewhere.
+    Without rule functions or an endpoint nothing is decoded or sent: the scores are 0."""
+    route = groups.route("scores/rules")
+    if route.src != leader:
+        raise ValueError(f"rule rewards run on rank {route.src} (hpc_rlhf.dist.groups.rule_reward_rank), not {leader}")
+    if dist.get_rank() not in route.ranks:
+        return None
+    if not (rule_functions or cfg.reward.http_url):
+        return torch.zeros(len(prompts))
     full = None
     if dist.get_rank() == leader:
         texts = [tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
@@ -52,7 +61,7 @@ def rule_scores(cfg, rule_functions, tokenizer, leader: int, prompts: list[str],
             total += cfg.reward.http_weight * torch.tensor(reward_fns.remote_rewards(
                 cfg.reward.http_url, prompts, texts, answers, timeout_s=cfg.reward.http_timeout_s))
         full = [total]
-    return exchange.broadcast_ragged(full, src=leader, tag="rule-scores", dtype=torch.float32)[0]
+    return rl_exchange.share(full, "scores/rules", lengths=[len(prompts)])[0]
 
 
 def combine_scores(rule_scores: torch.Tensor, model_scores: list[torch.Tensor],

@@ -168,6 +168,27 @@ def _roundtrip(rank: int, world: int):
             assert got[0] == [] and got[1] == []
             assert_same_seqs(got[2], make_seqs(400, torch.int64))
 
+    # point to point, no group: rank 3 -> rank 1 (bf16, empty sequences included), then 1 -> 3 an empty list,
+    # while ranks 0 and 2 take no part
+    if rank == 3:
+        ex.send_ragged(make_seqs(500, torch.bfloat16), dst=1, tag="p2p")
+        assert ex.recv_ragged(1, tag="p2p-back") == []
+    elif rank == 1:
+        assert_same_seqs(ex.recv_ragged(3, tag="p2p"), make_seqs(500, torch.bfloat16))
+        ex.send_ragged([], dst=3, tag="p2p-back", dtype=torch.int64)
+
+    # known sizes (derived from shared state): one message, no header; in the subgroup and point to point
+    known = torch.arange(12, dtype=torch.float32)
+    if rank in members:
+        got = ex.broadcast_known(known if rank == 2 else None, src=2, group=sub, numel=12, dtype=torch.float32)
+        assert torch.equal(got, known)
+        assert ex.broadcast_known(torch.zeros(0) if rank == 0 else None, src=0, group=sub, numel=0,
+                                  dtype=torch.float32).numel() == 0
+    if rank == 0:
+        ex.send_known(known.to(torch.bfloat16), dst=1, numel=12, dtype=torch.bfloat16)
+    elif rank == 1:
+        assert torch.equal(ex.recv_known(0, numel=12, dtype=torch.bfloat16), known.to(torch.bfloat16))
+
     # time a 0.47 MB experience batch sent as one ragged message (for the report; not asserted)
     import time
     responses = [torch.arange(920) for _ in range(64)]
@@ -234,6 +255,22 @@ def _errors(rank: int, world: int):
     mine = [torch.zeros(2, 2)] if rank == 2 else [torch.zeros(2)]
     expect_error(lambda: ex.gather_ragged(mine, dst=0), "must be a 1-D tensor" if rank == 2 else
                  "header of group rank 2: the sending rank could not build its message")
+
+    # Point to point: a receiver expecting another message raises (an empty message: the ranks stay in step); a
+    # sender with bad input makes its receiver raise too.
+    if rank == 0:
+        ex.send_ragged([], dst=1, tag="scores", dtype=torch.float32)
+        expect_error(lambda: ex.send_ragged(None, dst=1, tag="scores"), "must pass a list of tensors")
+    elif rank == 1:
+        expect_error(lambda: ex.recv_ragged(0, tag="values"), "tag")
+        expect_error(lambda: ex.recv_ragged(0, tag="scores"), "the sending rank could not build its message")
+
+    # A known-size message whose sender holds something else raises on the sender before anything is sent.
+    if rank == 0:
+        expect_error(lambda: ex.broadcast_known(torch.zeros(3), src=0, group=None, numel=4, dtype=torch.float32),
+                     "torch.float32 x 3, but the receivers expect torch.float32 x 4")
+        expect_error(lambda: ex.send_known(torch.zeros(4, dtype=torch.int64), dst=1, numel=4, dtype=torch.float32),
+                     "torch.int64 x 4")
 
     # ... and the group still works afterwards.
     sent = make_seqs(42, torch.float32)

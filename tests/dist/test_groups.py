@@ -20,6 +20,21 @@ def test_plans_used_by_the_distributed_case():
     assert hybrid.role("rollout").engines == ((0, 1), (2, 3))
 
 
+def test_routes_go_to_the_ranks_that_consume_them():
+    """Responses to every scoring rank, log-probs and scores to the trained roles (rank 0 logs), evaluation
+    responses to rank 0 alone; pure, so every rank computes the same."""
+    routes = {key: (r.src, r.ranks) for key, r in groups.routes_of(make_plan(*COLOCATED)).items()}
+    assert routes == {
+        "responses/0": (4, (0, 1, 2, 3, 4)), "rollout-logprobs/0": (4, (0, 1, 3, 4)), "eval/0": (4, (0, 4)),
+        "scores/actor": (0, (0, 1, 3)), "scores/critic": (3, (0, 1, 3)), "scores/ref": (0, (0, 1, 3)),
+        "scores/reward": (2, (0, 1, 2, 3)), "scores/rules": (2, (0, 1, 2, 3))}
+    grpo = groups.routes_of(make_plan("actor=1,ref=1,rollout=2", 4, 4))
+    assert grpo["responses/1"].ranks == (0, 1, 3) and grpo["rollout-logprobs/1"].ranks == (0, 3)
+    assert grpo["scores/actor"].ranks == (0,) and grpo["scores/rules"].src == 0  # no reward model: the actor
+    hybrid = groups.routes_of(make_plan("actor+ref=1,rollout@actor", 1, 1))
+    assert {r.ranks for r in hybrid.values()} == {(0,)}  # one rank: nothing travels
+
+
 def test_queries_before_initialize_fail_clearly():
     assert not groups.is_initialized()
     with pytest.raises(RuntimeError, match="not initialised: call hpc_rlhf.dist.groups.initialize"):
@@ -68,7 +83,9 @@ if __name__ == "__main__":
     assert groups.my_roles() == expected_roles
     for name, role in plan.roles.items():
         assert groups.role_ranks(name) == role.ranks and groups.role_leader(name) == min(role.ranks)
-        if name in expected_roles:
+        if name == "rollout":
+            assert groups.has_role(name) == (name in expected_roles)
+        elif name in expected_roles:
             group = groups.role_group(name)
             assert dist.get_process_group_ranks(group) == list(role.ranks)
             assert groups.has_role(name) and groups.rank_in_role(name) == role.ranks.index(rank)
@@ -82,13 +99,14 @@ if __name__ == "__main__":
     assert not groups.has_role("reward2")
     raises(PlacementError, groups.has_role, "critc")
     raises(PlacementError, groups.role_ranks, "reward2")
-    assert dist.get_process_group_ranks(groups.self_group()) == [rank]
+    assert "no role group" in raises(PlacementError, groups.role_group, "rollout")
     assert groups.world_group() is dist.group.WORLD
 
-    # An all_reduce on a role group moves data only between its ranks: one tensor per role on every rank;
+    # An all_reduce on a role group moves data only between its ranks: one tensor per model role on every rank;
     # members reduce theirs, then the world compares every rank's tensors.
-    values = torch.tensor([float(rank + 1)] * len(plan.roles))
-    for index, name in enumerate(plan.roles):
+    models = [name for name in plan.roles if name != "rollout"]
+    values = torch.tensor([float(rank + 1)] * len(models))
+    for index, name in enumerate(models):
         if groups.has_role(name):
             part = values[index:index + 1].clone()
             dist.all_reduce(part, group=groups.role_group(name))
@@ -96,7 +114,8 @@ if __name__ == "__main__":
     gathered = [torch.zeros_like(values) for _ in range(world)]
     dist.all_gather(gathered, values)
     for other in range(world):
-        for index, (name, role) in enumerate(plan.roles.items()):
+        for index, name in enumerate(models):
+            role = plan.role(name)
             want = sum(r + 1 for r in role.ranks) if other in role.ranks else other + 1
             assert gathered[other][index].item() == want, (other, name, gathered[other])
 
@@ -108,14 +127,24 @@ if __name__ == "__main__":
         assert total.item() == 9
         if rank != 0:
             assert groups.rollout_engine_of_rank() == 0
-            assert dist.get_process_group_ranks(groups.rollout_tp_group()) == [4, 5]
     else:
         raises(NotInGroupError, groups.weight_sync_group)
-        raises(NotInGroupError, groups.rollout_tp_group, 0)
         raises(NotInGroupError, groups.rollout_engine_of_rank)
 
+    # Route groups: the engine's responses reach the scoring ranks 0-4 and not rank 5; routes with the same
+    # ranks share one group; a two-rank route has none (it goes point to point).
+    if rank <= 4:
+        got = torch.tensor([7.0 if rank == 4 else 0.0])
+        dist.broadcast(got, src=4, group=groups.route_group("responses/0"))
+        assert got.item() == 7.0
+    else:
+        assert "route 'responses/0'" in raises(NotInGroupError, groups.route_group, "responses/0")
+    if rank in (0, 1, 3):
+        assert groups.route_group("scores/actor") is groups.route_group("scores/critic")
+    assert "point to point" in raises(PlacementError, groups.route_group, "eval/0")
+
     # Different collectives at the same time on different groups must not pair up across groups:
-    # actor all_reduces 50 times while rollout broadcasts 30 times and the reward rank all_gathers alone;
+    # actor all_reduces 50 times while the reward rank all_gathers alone;
     # then ref (same ranks as actor, its own handle) all_gathers 20 times.
     if groups.has_role("actor"):
         for step in range(50):
@@ -126,11 +155,6 @@ if __name__ == "__main__":
             parts = [torch.zeros(2) for _ in range(2)]
             dist.all_gather(parts, torch.tensor([float(rank), float(step)]), group=groups.role_group("ref"))
             assert [p.tolist() for p in parts] == [[0.0, step], [1.0, step]]
-    elif groups.has_role("rollout"):
-        for step in range(30):
-            y = torch.tensor([float(step) if rank == 4 else -1.0, 7.0])
-            dist.broadcast(y, src=4, group=groups.role_group("rollout"))
-            assert y.tolist() == [float(step), 7.0], (step, y)
     elif groups.has_role("reward"):
         for step in range(40):
             parts = [torch.zeros(1)]
@@ -149,10 +173,6 @@ if __name__ == "__main__":
         assert groups.my_roles() == ["actor", "rollout"]
         engine = groups.rollout_engine_of_rank()
         assert engine == rank // 2 and groups.rank_in_role("rollout") == rank
-        parts = [torch.zeros(1) for _ in range(2)]
-        dist.all_gather(parts, torch.tensor([float(rank)]), group=groups.rollout_tp_group())
-        assert [p.item() for p in parts] == [2 * engine, 2 * engine + 1]
-        assert "not in rollout engine" in raises(NotInGroupError, groups.rollout_tp_group, 1 - engine)
         assert groups.weight_sync_group() is not groups.role_group("actor")
         z = torch.tensor([42.0 if rank == 0 else 0.0])
         dist.broadcast(z, src=0, group=groups.weight_sync_group())
@@ -164,7 +184,6 @@ if __name__ == "__main__":
         w = torch.tensor([float(rank)])
         dist.all_reduce(w, group=groups.role_group("critic"))
         assert w.item() == 9
-    raises(IndexError, groups.rollout_tp_group, 2)
     dist.barrier()
     groups.destroy()
     dist.destroy_process_group()

@@ -27,7 +27,7 @@ def test_table_lists_every_role_with_ranks_groups_and_verdict(capsys):
             rows.setdefault(line.split()[0], line.split())
     assert rows["actor"][1:3] == ["0-3", "0"]
     assert rows["rollout"][1:3] == ["8-15", "1"]
-    assert "4 tp(2)" in out and "weight-sync(9) leader" in out
+    assert "4 engine(s) of 2" in out and "weight-sync(9) leader" in out
     assert rows["critic"][-1] == "yes"
     assert out.rstrip().endswith("the plan fits")
     assert "llama-2-7b (6.74B parameters); ZeRO-3" in out

@@ -72,6 +72,43 @@ def test_bucket_metadata_encodes_offsets_shapes_and_names():
     assert bytes(bucket.encoded_names().numpy()).decode("utf-8").split("\n") == ["x.w", "y.ünï"]
 
 
+def test_pool_lends_two_buffers_and_reuses_them_across_syncs():
+    """Double buffering from a pool: a stream of ~20 buckets' worth borrows at most two buffers, and the next
+    sync gets the very same buffers back (no fresh allocation per bucket or per sync)."""
+    from hpc_rlhf.dist.weight_sync import BucketPool
+
+    pool = BucketPool(KB, torch.device("cpu"))
+    tensors = [(f"t{i}", torch.full((100,), float(i))) for i in range(50)]  # 400 B each: 2 per bucket
+    seen_buffers = []
+    for _ in range(2):
+        bucketer = Bucketer(KB, torch.device("cpu"), pool)
+        for bucket in bucketer.buckets(iter(tensors)):
+            seen_buffers.append(bucket.storage.data_ptr())
+            assert all(torch.equal(view, torch.full((100,), float(name[1:]))) for name, view in bucket.views())
+            pool.release(bucket.storage)
+    assert pool.allocated <= 2 and pool.peak_lent_bytes <= 2 * pool.buffer_bytes
+    assert len(set(seen_buffers)) == pool.allocated  # every bucket of both syncs in the same buffers
+
+
+def test_a_tensor_larger_than_a_bucket_goes_straight_through_uncopied():
+    from hpc_rlhf.dist.weight_sync import BucketPool
+
+    pool = BucketPool(KB, torch.device("cpu"))
+    big = torch.arange(300, dtype=torch.float32)  # 1200 B >= 1 KB
+    (bucket,) = Bucketer(KB, torch.device("cpu"), pool).add("big", big)
+    assert bucket.storage is None and bucket.flat.data_ptr() == big.data_ptr() and pool.allocated == 0
+
+
+def test_local_load_borrows_at_most_two_buckets(tmp_path):
+    from hpc_rlhf.dist import weight_sync
+
+    weight_sync.release_buffers()
+    source = mixed_model(0)
+    stats = load_local_weights(named_stream(source), lambda views: None, bucket_mb=2 / 1024)
+    assert stats.buckets > 3
+    assert 0 < stats.peak_buffer_bytes <= 2 * weight_sync.BucketPool(2 * KB, "cpu").buffer_bytes
+
+
 def test_bad_names_and_sizes_are_refused():
     with pytest.raises(ExchangeError, match="contains a newline"):
         Bucketer(KB, torch.device("cpu")).add("a\nb", torch.zeros(1))
@@ -108,6 +145,7 @@ def _sync(rank: int):
 
     import torch.distributed as dist
 
+    from hpc_rlhf.dist import weight_sync
     from hpc_rlhf.dist.weight_sync import receive_weights, send_weights
 
     sync_ranks, leader = [0, 2, 3], 0  # rank 1 plays a role outside the weight-sync group
@@ -123,6 +161,15 @@ def _sync(rank: int):
         stream = itertools.chain(named_stream(model, release=True), extra.items())
         stats = send_weights(stream, leader, sync_group, bucket_mb=bucket_mb)
         assert stats.buckets > 5 and stats.tensors == len(list(model.parameters())) + len(extra)
+        # double buffering: one buffer being filled per dtype (fp32, bf16, fp64, int16) plus one in flight at
+        # most, and the same buffers in the next sync (fp32 and bf16 only: three)
+        pool = weight_sync.bucket_pool(bucket_mb, torch.device("cpu"))
+        bucket_bytes = pool.buffer_bytes  # a bucket and room for its description
+        assert 0 < stats.peak_buffer_bytes <= (4 + 1) * bucket_bytes
+        buffers = sorted(b.data_ptr() for b in pool.free)
+        again = send_weights(named_stream(mixed_module(0)), leader, sync_group, bucket_mb=bucket_mb)
+        assert again.peak_buffer_bytes <= (2 + 1) * bucket_bytes
+        assert sorted(b.data_ptr() for b in pool.free) == buffers and pool.allocated == len(buffers)
     elif rank in sync_ranks:
         expected = dict(mixed_module(0).named_parameters())
         model = mixed_module(rank)
@@ -145,6 +192,12 @@ def _sync(rank: int):
         for name, tensor in extra.items():
             got = received_extra[name]
             assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor), name
+        again = mixed_module(rank + 10)
+        params = dict(again.named_parameters())
+        received_extra.clear()
+        receive_weights(leader, sync_group, load)  # the second sync: reused receive buffers, same result
+        for name, param in again.named_parameters():
+            assert torch.equal(param, expected[name]), name
     else:
         dist.barrier(group=other_group)
 

@@ -189,3 +189,79 @@ def test_sleep_and_wake_keep_the_weights_on_cpu(engine, model):
     engine.wake()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert engine.device.type == "cpu"
+
+
+# ------------------------------------------------------------------------------------------ distributed
+def test_zero3_sharded_model_generates_in_step_and_as_the_whole_model_would(tmp_path):
+    """2 ranks, the model sharded with ZeRO-3 (nothing persistent), `sync_group` given: rank 0 has three prompt
+    chunks and rank 1 none (it runs the same number of passes and drops them); rank 0's samples equal those of
+    the whole model on one rank, and no rank ever had more than one module's parameters gathered."""
+    import json
+
+    from tests.distributed import run_ranks
+
+    run_ranks(2, __file__, "sharded", str(tmp_path), timeout=150)
+    result = json.loads((tmp_path / "sharded.json").read_text())
+    assert result["same_as_whole"] and result["rank1_responses"] == 0
+    assert 0 < result["most_gathered"] <= result["unit"] < result["model"]
+
+
+def _sharded(out):
+    import json
+
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from hpc_rlhf.engines import deepspeed_compat
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=5)
+    whole = HFRolloutEngine(tiny_llama(0), pad_id=PAD, eos_id=EOS, max_batch_prompts=2).generate(PROMPTS + PROMPTS[:1],
+                                                                                               sampling)
+    config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+        "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0}}
+    with deepspeed_compat.keep_collectives_in_group(group):
+        ds_engine, *_ = deepspeed.initialize(model=tiny_llama(0), config=config,
+                                             mpu=deepspeed_compat.RoleMpu(group), dist_init_required=False)
+    module = ds_engine.module
+    deepspeed_compat.keep_module_in_group(module, group)
+    most = [0]
+
+    def record(*_):
+        most[0] = max(most[0], sum(p.ds_numel for p in module.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE))
+
+    for m in module.modules():
+        m.register_forward_hook(record, prepend=True)  # before DeepSpeed releases the module
+    engine = HFRolloutEngine(module, pad_id=PAD, eos_id=EOS, max_batch_prompts=2, sync_group=group)
+    mine = PROMPTS + PROMPTS[:1] if rank == 0 else []  # 3 chunks of 2 prompts against none
+    batch = engine.generate(mine, sampling)
+    if rank == 0:
+        same = all(torch.equal(a, b) for x, y in zip(batch.responses, whole.responses) for a, b in zip(x, y)) and \
+            all(torch.allclose(a, b, atol=1e-5) for x, y in zip(batch.logprobs, whole.logprobs) for a, b in zip(x, y))
+        (out / "sharded.json").write_text(json.dumps({
+            "same_as_whole": same, "rank1_responses": None, "most_gathered": most[0],
+            "unit": max(sum(p.ds_numel for p in m.parameters(recurse=False)) for m in module.modules()),
+            "model": sum(p.ds_numel for p in module.parameters())}))
+    dist.barrier()
+    if rank == 1:
+        result = json.loads((out / "sharded.json").read_text())
+        result["rank1_responses"] = batch.num_prompts
+        (out / "sharded.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
+    dist.init_process_group("gloo")
+    {"sharded": _sharded}[sys.argv[1]](Path(sys.argv[2]))
+    dist.barrier()
+    dist.destroy_process_group()

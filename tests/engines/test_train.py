@@ -126,6 +126,37 @@ def test_config_choices():
         resolve_dtype("float8")
 
 
+def test_zero3_gathering_window_is_a_share_of_the_model_capped_at_deepspeeds_defaults():
+    from hpc_rlhf.engines.train import deepspeed_config
+
+    small = deepspeed_config(train_cfg(zero_stage=3), 1, torch.float32, num_params=8_000_000)["zero_optimization"]
+    assert (small["stage3_max_live_parameters"], small["stage3_max_reuse_distance"],
+            small["stage3_prefetch_bucket_size"], small["reduce_bucket_size"], small["sub_group_size"]) == \
+        (1_000_000,) * 5
+    large = deepspeed_config(train_cfg(zero_stage=3), 1, torch.float32, num_params=70 * 10**9)["zero_optimization"]
+    assert (large["stage3_max_live_parameters"], large["stage3_prefetch_bucket_size"],
+            large["reduce_bucket_size"]) == (10**9, 5 * 10**7, 5 * 10**8)
+    assert "stage3_max_live_parameters" not in deepspeed_config(train_cfg(zero_stage=2), 1, torch.float32,
+                                                                num_params=10)["zero_optimization"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_full_state_streams_the_state_dict(world, stage):
+    """full_state() yields every state-dict entry (tied weights under both names) with the trained values; the
+    dict built from it shares one tensor between tied names, as save_pretrained expects."""
+    from hpc_rlhf.engines.train import TrainEngine
+
+    engine = TrainEngine(tiny_model(0, tie=True), train_cfg(zero_stage=stage))
+    run_steps(engine, global_batches(8, 2, 4))
+    with engine.gathered_parameters() as module:
+        expected = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    streamed = {name: tensor.detach().clone() for name, tensor in engine.full_state()}
+    assert list(streamed) == list(expected)
+    assert all(torch.equal(streamed[name], expected[name]) for name in expected)
+    state = engine.full_state_dict()
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
+
+
 def reference_loop(model, cfg: TrainSection, batches, clip: bool) -> list[float]:
     """The textbook loop the engine must reproduce: AdamW (matrices decayed), warmup-cosine, clipping."""
     from hpc_rlhf.engines.schedule import warmup_cosine_scheduler
@@ -195,7 +226,10 @@ def test_non_finite_step_is_skipped_and_reported(world, stage):
 
 def enable_counted_checkpointing(model) -> list[int]:
     """Turn on activation checkpointing and count the checkpointed layer calls (proof that it ran)."""
-    model.activation_checkpointing_enable()
+    if hasattr(model, "activation_checkpointing_enable"):  # the transformers 5.23 name; 5.19 has only the old one
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable()
     model.config.use_cache = False
     calls = [0]
     for layer in model.model.layers:
@@ -335,6 +369,8 @@ def test_two_roles_train_side_by_side_without_world_collectives(tmp_path):
     assert zero3["global_step"] == 5 and zero2["global_step"] == 4
     assert zero3["resumed"] == zero3["continued"]  # exactly
     assert zero3["resumed_step"] == 3
+    stream = zero3["stream"]
+    assert 0 < stream["most_gathered"] <= stream["unit"] < stream["model"] and stream["logits_match"]
     assert zero2["losses"][-1] < zero2["losses"][0]
     probe = torch.load(tmp_path / "probe.pt")
     check_hf_folder(tmp_path / "hf", probe["input_ids"], probe["logits"])
@@ -375,6 +411,31 @@ def equivalence_worker(out: Path) -> None:
         (out / "equivalence.json").write_text(json.dumps(results))
 
 
+def stream_one_module_at_a_time(engine, probe) -> dict:
+    """Stream full_state() of a ZeRO-3 engine: at every tensor, at most one module's parameters are whole on
+    this rank; the streamed weights give the engine's logits."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    module = engine.module
+    unit = max(sum(p.ds_numel for p in m.parameters(recurse=False)) for m in module.modules())
+    most, copies = 0, {}
+    for name, tensor in engine.full_state():
+        most = max(most, sum(p.ds_numel for p in module.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE))
+        copies[name] = tensor.detach().clone()
+    out = {"most_gathered": most, "unit": unit, "model": sum(p.ds_numel for p in module.parameters())}
+    if engine.is_leader:
+        plain = tiny_model(3, tie=True)
+        plain.load_state_dict(copies)
+        with torch.no_grad():
+            out["logits_match"] = torch.allclose(plain(input_ids=probe).logits,
+                                                 engine.module(input_ids=probe).logits, atol=1e-6)
+    else:
+        assert copies == {}
+        with torch.no_grad():
+            engine.module(input_ids=probe)  # the leader's check above is a collective pass
+    return out
+
+
 def two_roles_worker(out: Path) -> None:
     """4 ranks: ZeRO-3 on ranks 0-1 (saves, resumes), ZeRO-2 on ranks 2-3 (accumulation 2, other step count)."""
     import torch.distributed as dist
@@ -408,6 +469,12 @@ def two_roles_worker(out: Path) -> None:
                 logits = engine(input_ids=probe).logits
             if role_rank == 0:
                 torch.save({"input_ids": probe, "logits": logits}, out / "probe.pt")
+            # The RL step scores with the bare module: after training, its passes re-record DeepSpeed's trace,
+            # whose check must stay in the role group (it broadcast over WORLD before keep_module_in_group).
+            with torch.no_grad():
+                for _ in range(3):
+                    torch.testing.assert_close(engine.module(input_ids=probe).logits, logits)
+            report["stream"] = stream_one_module_at_a_time(engine, probe)
             engine.train()
             report["continued"], _ = run_steps(engine, batches[3:], role_rank, 2)
             report["global_step"] = engine.global_step

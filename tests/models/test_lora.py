@@ -7,8 +7,8 @@ import torch
 
 from hpc_rlhf.config import ConfigError, LoraSection, ModelSection
 from hpc_rlhf.models.builders import ModelFolderError, build_causal_lm, model_num_params
-from hpc_rlhf.models.lora import (apply_lora, merge_and_unload_for_save, merged_state_dict, quantization_config,
-                                  save_model)
+from hpc_rlhf.models.lora import (apply_lora, merge_and_unload_for_save, merged_state_dict, merged_tensors,
+                                  quantization_config, save_model)
 from hpc_rlhf.models.value_model import build_value_model, save_value_model, sequence_scores
 from tests.models.conftest import make_model_folder, padded_batch
 
@@ -152,6 +152,43 @@ def test_merged_state_dict_has_the_plain_model_names(trained_lm, folder):
     q = model.get_base_model().model.layers[0].self_attn.q_proj
     expected = q.base_layer.weight + q.lora_B["default"].weight @ q.lora_A["default"].weight * (8.0 / RANK)
     torch.testing.assert_close(state["model.layers.0.self_attn.q_proj.weight"], expected)
+
+
+def test_merged_tensors_gather_one_module_or_one_adapter_layer_at_a_time(trained_lm):
+    """The weight stream (weight sync, saving under ZeRO-3) asks for one unit at a time: a module's own
+    parameters, or a whole LoRA layer (base weight and adapters, which its merged weight needs). Every tensor is
+    yielded while its unit is gathered, and nothing else is gathered then."""
+    import contextlib
+
+    model, _, _ = trained_lm
+    gathered: set[int] = set()
+    units = []
+
+    @contextlib.contextmanager
+    def gather(params):
+        units.append({id(p) for p in params})
+        gathered.update(units[-1])
+        try:
+            yield
+        finally:
+            gathered.difference_update(units[-1])
+
+    owners = {id(p): name for name, p in model.named_parameters()}
+    streamed = {}
+    for name, tensor in merged_tensors(model, gather=gather):
+        streamed[name] = tensor.detach().clone()
+        assert gathered == units[-1], name  # exactly the current unit
+    assert streamed.keys() == merged_state_dict(model).keys()
+    assert all(torch.equal(streamed[k], v) for k, v in merged_state_dict(model).items())
+    lora_units = [u for u in units if any(".lora_A." in owners[i] for i in u)]
+    assert len(lora_units) == 2 * len(model.get_base_model().model.layers)  # q_proj and v_proj of each layer
+    for unit in lora_units:  # base weight (and bias: qwen2's q/v have one), A and B of one layer
+        kinds = sorted(owners[i].split(".")[-2] if "lora_" in owners[i] else owners[i].rsplit(".", 1)[-1]
+                       for i in unit)
+        assert kinds == ["bias", "default", "default", "weight"], kinds
+    # other ranks of a ZeRO-3 group take part in the same gathers without computing anything
+    count = len(units)
+    assert list(merged_tensors(model, gather=gather, emit=False)) == [] and len(units) == 2 * count
 
 
 def test_adapter_save_writes_an_adapter_folder(trained_lm, tmp_path):

@@ -12,19 +12,29 @@ sampled is the last column of `input_ids`, so only one vocabulary-sized row per 
 processors before its own warpers, so `generate` is given neutral warper settings (temperature 1, top_k 0,
 top_p 1) and every other processor a model's `generation_config` could switch on is set to its neutral value.
 
-`synced_gpus=False` on every call: under ZeRO-3 transformers would otherwise all-reduce over the whole world at
-every step, and a role that generates alone would hang (DESIGN §9). For a ZeRO-3 actor used in place
-(hybrid rollout), pass `full_params=` a context manager factory that gathers the parameters, e.g.
-`lambda: deepspeed.zero.GatheredParameters(list(model.parameters()))`.
+`synced_gpus=False` on every call by default: under ZeRO-3 transformers would otherwise all-reduce over the whole
+world at every step, and a role that generates alone would hang (DESIGN §9).
+
+A ZeRO-3 actor used in place (hybrid rollout, `sync_group=` the actor's group): generation runs through the
+module's forward, so ZeRO-3's hooks gather one module at a time and no rank ever holds the whole model. Each
+forward pass is then a collective of the group, so every rank must run as many as the others: the ranks agree
+on the number of `generate` chunks (a rank with fewer prompts, or none, runs one-prompt chunks whose results it
+drops), and inside a chunk transformers' `synced_gpus` keeps a finished rank stepping until every rank is done,
+its "all finished?" all-reduce kept in `sync_group`. The price is traffic, not memory: each new token gathers
+every layer again (a whole model's worth of all-gather per decoding step), which is slow for large models; the
+vllm backend holds its own copy of the weights instead. `full_params=` (a context manager factory around the
+whole call) remains for callers that want the parameters gathered at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 from typing import Callable, ContextManager, Iterable
 
 import torch
+import torch.distributed as dist
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
 from hpc_rlhf.engines.rollout.base import (RolloutBatch, RolloutEngine, RolloutError, SamplingParams,
@@ -82,7 +92,7 @@ class HFRolloutEngine(RolloutEngine):
     """
 
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, *, max_batch_prompts: int = 64,
-                 full_params: Callable[[], ContextManager] | None = None):
+                 full_params: Callable[[], ContextManager] | None = None, sync_group=None):
         if max_batch_prompts < 1:
             raise RolloutError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
         self.model = model
@@ -91,6 +101,7 @@ class HFRolloutEngine(RolloutEngine):
         self.eos_id = int(eos_id)
         self.max_batch_prompts = max_batch_prompts
         self.full_params = full_params or contextlib.nullcontext
+        self.sync_group = sync_group  # ranks that run every forward pass together (see the module docstring)
         self._home_device: torch.device | None = None  # where the weights go back to on wake()
 
     @property
@@ -126,7 +137,7 @@ class HFRolloutEngine(RolloutEngine):
                                      "return_dict_in_generate": False})
         sequences = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                         generation_config=config, logits_processor=LogitsProcessorList([processor]),
-                                        synced_gpus=False)
+                                        synced_gpus=self.sync_group is not None)
         new_tokens = sequences[:, input_ids.shape[1]:]
         logprobs = processor.step_logprobs(sequences, new_tokens.shape[1])
         return new_tokens.cpu(), logprobs.float().cpu()
@@ -147,11 +158,13 @@ class HFRolloutEngine(RolloutEngine):
             if self.device.type == "cuda" else []
         rng = torch.random.fork_rng(devices=cuda_ids) if sampling.seed is not None else contextlib.nullcontext()
         responses, logprobs, reasons = [], [], []
+        starts = range(0, len(prompt_ids), self.max_batch_prompts)
+        chunks = self._chunks_of_every_rank(len(starts))  # agreed before any forward pass
         try:
-            with rng, self.full_params():
+            with rng, self.full_params(), _peers_agree_in(self.sync_group):
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
-                for start in range(0, len(prompt_ids), self.max_batch_prompts):
+                for start in starts:
                     chunk = prompt_ids[start:start + self.max_batch_prompts]
                     tokens, lps = self._generate_chunk(chunk, sampling, stop_ids)
                     for i in range(len(chunk)):
@@ -160,10 +173,21 @@ class HFRolloutEngine(RolloutEngine):
                         responses.append([tokens[r, :k].clone() for r, (k, _) in zip(rows, kept)])
                         logprobs.append([lps[r, :k].clone() for r, (k, _) in zip(rows, kept)])
                         reasons.append([reason for _, reason in kept])
+                for _ in range(chunks - len(starts)):
+                    # every rank of sync_group runs as many chunks (after its own: its samples stay as they
+                    # were); the results of the extra ones are dropped
+                    self._generate_chunk([[self.eos_id]], dataclasses.replace(sampling, n=1), stop_ids)
         finally:
             self.model.train(was_training)
         return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], responses=responses, logprobs=logprobs,
                             finish_reasons=reasons)
+
+    def _chunks_of_every_rank(self, mine: int) -> int:
+        if self.sync_group is None:
+            return mine
+        count = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.sync_group)
+        return int(count.item())
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -205,3 +229,22 @@ class HFRolloutEngine(RolloutEngine):
             return
         self.model.to(self._home_device)
         self._home_device = None
+
+
+@contextlib.contextmanager
+def _peers_agree_in(group):
+    """transformers' synced_gpus asks "has every rank finished?" with a group-less all_reduce (the whole world);
+    inside this block such calls go to `group`."""
+    if group is None:
+        yield
+        return
+    original, sync = dist.all_reduce, group
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        return original(tensor, op=op, group=sync if group is None else group, async_op=async_op)
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
