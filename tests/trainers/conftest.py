@@ -109,7 +109,9 @@ def start_shared_models(tmp_path_factory, needed: set[str]) -> None:
 
 
 def _train(mode: str, out: Path, *args: str) -> Path:
-    hpc_rlhf_cli(mode, f"output_dir={out}", *QUIET, *args)
+    # A generous bound: on a busy machine the SFT base has taken over 15 minutes; a test waiting for it still has
+    # its own pytest timeout.
+    hpc_rlhf_cli(mode, f"output_dir={out}", *QUIET, *args, timeout=3600)
     return out / "final"
 
 

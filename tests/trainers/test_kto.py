@@ -54,11 +54,11 @@ def test_kto_config_reads_completions_by_default():
 
 
 @pytest.mark.learning
-def test_kto_loss_falls_and_held_out_reward_gap_opens(world, tmp_path, sft_warm_start):
+def test_kto_loss_falls_and_held_out_reward_gap_opens(world, tmp_path, sft_base):
     from hpc_rlhf.trainers import kto
 
     out = tmp_path / "kto"
-    kto.run(kto_config(out, f"model.path={sft_warm_start}",
+    kto.run(kto_config(out, f"model.path={sft_base}",
                        *learning("train.max_steps=80", "train.batch_size=32", "train.micro_batch_size=32",
                                  "train.lr=1e-4", "train.warmup_steps=5", "log.every_steps=20",
                                  "log.eval_every_steps=80", "data.max_eval_rows=256", "eval.prompt_files=[]")))
