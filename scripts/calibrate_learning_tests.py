@@ -28,11 +28,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_session(out: Path, seed: int, control: bool, pytest_args: list[str]) -> None:
+def run_session(out: Path, seed: int, control: bool, pytest_args: list[str], base_pattern: str | None) -> None:
     name = "control" if control else f"seed{seed}"
     env = dict(os.environ, HPC_RLHF_TEST_SEED=str(seed), HPC_RLHF_TEST_FIGURES=str(out / "figures.jsonl"),
                OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    env.pop("HPC_RLHF_TEST_SFT_BASE", None)  # each session trains its own base at its seed
+    env.pop("HPC_RLHF_TEST_SFT_BASE", None)  # each session trains its own base at its seed, unless given one
+    if base_pattern:
+        env["HPC_RLHF_TEST_SFT_BASE"] = base_pattern.format(seed=seed)
     if control:
         env["HPC_RLHF_TEST_NO_LEARNING"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "learning", "-p", "no:cacheprovider",
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", action="store_true", help="also the lr-0 session (seed 0)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "calibration")
     parser.add_argument("--report", type=Path, help="print the table of an earlier run and stop")
+    parser.add_argument("--base-pattern", help="reuse SFT bases trained earlier with tests/trainers/conftest.py's "
+                                               "SFT_BASE at each seed, e.g. runs/bases/seed{seed}/final")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k grpo)")
     args = parser.parse_args(argv)
     if args.report:
@@ -111,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
-        run_session(args.out, seed, False, args.pytest_args)
+        run_session(args.out, seed, False, args.pytest_args, args.base_pattern)
     if args.control:
-        run_session(args.out, 0, True, args.pytest_args)
+        run_session(args.out, 0, True, args.pytest_args, args.base_pattern)
     report(args.out)
     return 0
 

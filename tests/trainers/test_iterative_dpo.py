@@ -37,7 +37,7 @@ def test_preference_pairs_by_hand():
 IDPO_SETTINGS = ["rounds=2", "data.max_train_rows=256", "generate.n=8", "generate.chunk_size=64",
                  "generate.max_new_tokens=5", "generate.temperature=1.0", "dpo.beta=0.1", "train.max_steps=40",
                  "train.batch_size=32", "train.micro_batch_size=32", "train.lr=3e-5", "train.warmup_steps=5",
-                 "log.every_steps=20", "log.eval_every_steps=40", "data.max_eval_rows=8", "eval.max_rows=200"]
+                 "log.every_steps=20", "log.eval_every_steps=40", "data.max_eval_rows=8", "eval.max_rows=500"]
 
 
 def carries(prompt: str) -> bool:
