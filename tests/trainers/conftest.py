@@ -86,7 +86,7 @@ SFT_BASE = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_s
             "checkpoint.resume=false"]
 # A reward model good enough for PPO to learn from (tests/trainers/test_ppo.py); it must also judge the units
 # digit: see hpc_rlhf.data.synthetic.wrong_answer.
-PPO_REWARD_MODEL = ["train.max_steps=500", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
+PPO_REWARD_MODEL = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
                     "log.every_steps=100", "log.eval_every_steps=500", "checkpoint.resume=false"]
 
 # The shared models train in child processes on one thread each, started with the session (tests/background.py,
