@@ -301,9 +301,17 @@ class TrainEngine:
             return
         import deepspeed
 
-        with self._in_group(), deepspeed.zero.GatheredParameters(list(self.module.parameters()),
-                                                                 modifier_rank=None):
-            yield self.module
+        with self._in_group():
+            # A forward pass inside the block (greedy generation for an evaluation) still runs ZeRO-3's module
+            # hooks, which release parameters past the reuse window and prefetch the next ones; DeepSpeed refuses
+            # to re-partition a parameter still in flight when the gather ends. Settling the hooks' work on both
+            # sides of the block (DeepSpeed's public call: waits for what is in flight, releases all) avoids it.
+            self.engine.empty_partition_cache()
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+                try:
+                    yield self.module
+                finally:
+                    self.engine.empty_partition_cache()
 
     @contextlib.contextmanager
     def _gathered(self, params: list[torch.nn.Parameter]) -> Iterator[None]:
