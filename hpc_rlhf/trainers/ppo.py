@@ -60,7 +60,7 @@ from hpc_rlhf.trainers.experience import (Experience, SampleBatch, from_ragged, 
                                           shard_bounds, to_ragged)
 from hpc_rlhf.trainers.reference import FrozenModel
 from hpc_rlhf.trainers.rl_config import Config, check_plan_against_config, reward_role_names, tis_cap
-from hpc_rlhf.trainers.rl_pipeline import RolloutPipeline, engine_generate, share_generated
+from hpc_rlhf.trainers.rl_pipeline import RolloutPipeline, engine_generate, engine_led_here, share_generated
 from hpc_rlhf.trainers.rl_roles import build_rollout_engine, hf_names, load_prompts
 from hpc_rlhf.trainers.rl_scoring import rule_scores, sample_figures, score_on_shard
 from hpc_rlhf.utils import faults
@@ -129,7 +129,7 @@ class RLRecipe:
         state = common.resume_if_possible(run, self._my_engines())
         if run.start_step > 0 and not plan.is_hybrid:
             self._sync_weights()  # the engines start from the initial weights: give them the resumed ones
-        self.pipeline = RolloutPipeline(cfg.rl.max_staleness, cfg.train.max_steps)
+        self.pipeline = RolloutPipeline(cfg.rl.max_staleness, cfg.train.max_steps, engine_led_here())
         self.pipeline.restore(run.extra.get("resumed_from"), state)  # batches in flight at the checkpoint
         self.stop = common.StopSignal()
         self.bad_steps = common.NonFiniteGuard(cfg.train.max_bad_steps, self.mode)

@@ -45,13 +45,15 @@ STATE_KEY = "rollout_in_flight"  # in the checkpoint's trainer state: {"max_stal
 
 
 class RolloutPipeline:
-    def __init__(self, max_staleness: int, max_steps: int):
+    """`engine`: the index of the rollout engine whose first rank this is (`engine_led_here()`), else None."""
+
+    def __init__(self, max_staleness: int, max_steps: int, engine: int | None):
         self.max_staleness = max_staleness
         self.max_steps = max_steps
+        self.engine = engine
         self.versions: dict[int, int] = {}  # batch index -> the policy version that generated it (every rank)
         # on an engine's first rank: batch index -> (its responses, their sampling log-probs)
         self.shares: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self.engine = _engine_led_here()
 
     # ------------------------------------------------------------------------------------------ the schedule
     def to_prefill(self, start: int) -> list[int]:
@@ -164,7 +166,7 @@ def share_generated(mine: list[torch.Tensor] | None, mine_logps: list[torch.Tens
     return rl_exchange.concatenated(responses), logps
 
 
-def _engine_led_here() -> int | None:
+def engine_led_here() -> int | None:
     """The index of the rollout engine whose first rank this is (it holds the engine's generated batches)."""
     if not groups.has_role("rollout"):
         return None
