@@ -206,7 +206,16 @@ def test_ppo_one_step_stale_beats_the_sft_plateau(tmp_path, sft_base):
     check_learning("async_ppo", out, PPO_GAIN)
 
 
-# Calibrated below (see the report of issue 17); placeholders until then.
+# Measured here over SFT bases of train.seed 0-4 (conftest SFT_BASE settings; the RL run at the same seed), held-out
+# exact match over 300 prompts before / after 15 / after 30 (GRPO) or 20 / 40 (PPO) steps, largest KL (k1):
+#   seed   GRPO K=1                 max KL   PPO K=1                  max KL
+#   0      0.620 0.850 0.857 +0.237  1.06    0.620 0.887 0.877 +0.257  0.85
+#   1      0.707 0.873 0.907 +0.200  0.49    0.707 0.843 0.907 +0.200  0.49
+#   2      0.797 0.903 0.933 +0.137  0.71    0.797 0.887 0.933 +0.137  0.81
+#   3      0.693 0.930 0.933 +0.240  2.10    0.693 0.940 0.947 +0.253  0.56
+#   4      0.677 0.730 0.860 +0.183  1.03    0.677 0.737 0.827 +0.150  0.85
+# With train.lr=0 (HPC_RLHF_TEST_NO_LEARNING=1, seeds 0 and 3) both stay where they start (+0.000) and fail.
+# The thresholds keep at least 0.057 below the lowest gain; each test takes ~35-65 s here when the machine is calm.
 GRPO_GAIN = 0.08
-PPO_GAIN = 0.05
+PPO_GAIN = 0.08
 MAX_KL = 5.0
