@@ -1,5 +1,7 @@
-"""Asynchronous RL's bookkeeping (`rl.max_staleness`, K): the batches the rollout engines have generated ahead of
-the step that trains on them, the policy version that generated each, and their place in a checkpoint.
+"""The rollout side of the RL step: the engines generate a batch (`engine_generate`), it waits in the pipeline
+until its exchange (`share_generated`), and asynchronous RL's bookkeeping (`rl.max_staleness`, K): the batches
+generated ahead of the step that trains on them, the policy version that generated each, and their place in a
+checkpoint.
 
 The schedule follows from the step number and K alone, so every rank knows it without a message:
 
