@@ -19,11 +19,13 @@ printed.
 
 Prediction for a layout where every role has its own devices, from the K = 0 runs (where the phases mostly run
 one after the other): per step, G = the rollout ranks' work (generation, the longest engine), ST = the longest
-work of the other ranks (scoring, advantages, training), C = the rest of the step period (transfers, latencies).
-Synchronous: T0 = G + ST + C; with K >= 1 the generation of the next batch overlaps this one's scoring and
-training: T1 = max(G, ST) + C; predicted speedup T0 / T1. K = 2 is the same as K = 1 in this model: more
-staleness only absorbs steps whose generation takes longer than usual. On 2 cores the four scoring ranks share
-the cores, so ST is inflated against own devices (and so, less, is G by the other load on the machine).
+work of the other ranks (scoring, advantages, training), C = the rest of the step period (transfers, latencies,
+scheduling: the period minus the wall-clock G and ST). Synchronous: T0 = G + ST + C; with K >= 1 the generation
+of the next batch overlaps this one's scoring and training: T1 = max(G, ST) + C; predicted speedup T0 / T1.
+G and ST are taken two ways: as wall-clock work, inflated here where ranks share the 2 cores (the four scoring
+ranks score at the same time), and as the CPU time of that work (one thread per rank: what it would take on a
+core of its own). K = 2 is the same as K = 1 in this model: more staleness only absorbs steps whose generation
+takes longer than usual.
 
     .venv/bin/python benchmarks/async_rl.py                     # 1 round of K = 0, 1, 2, 14 steps each
     .venv/bin/python benchmarks/async_rl.py --rounds 3 --steps 20
@@ -59,16 +61,17 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
     from hpc_rlhf.trainers import common, ppo, rl_exchange
     from hpc_rlhf.utils import metrics
 
-    waiting = {"s": 0.0, "calls": 0}
+    waiting = {"s": 0.0, "cpu": 0.0, "calls": 0}
     steps: list[dict] = []
 
     def timed(fn):
         def call(*args, **kwargs):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 waiting["s"] += time.perf_counter() - start
+                waiting["cpu"] += time.process_time() - start_cpu
                 waiting["calls"] += 1
         return call
 
@@ -83,7 +86,7 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
     advance = metrics.MetricsLogger.advance
 
     def advance_and_record(self, n: int = 1) -> None:  # every rank calls it once per RL step, at its end
-        steps.append({"end": time.perf_counter(), **waiting})
+        steps.append({"end": time.perf_counter(), "end_cpu": time.process_time(), **waiting})
         advance(self, n)
 
     metrics.MetricsLogger.advance = advance_and_record
@@ -138,10 +141,13 @@ def run_once(tmp: Path, actor: Path, value: Path, k: int, args, name: str) -> di
 
 
 def per_rank_steps(rank: dict) -> list[dict]:
-    """Per RL step on one rank: its duration (end to end), its time in the waiting calls, their count."""
+    """Per RL step on one rank: its duration (end to end), its time in the waiting calls, their count, and the
+    CPU time of its work (the process's CPU time outside the waiting calls)."""
     s = rank["steps"]
     return [{"time": s[i]["end"] - s[i - 1]["end"], "wait": s[i]["s"] - s[i - 1]["s"],
-             "calls": s[i]["calls"] - s[i - 1]["calls"]} for i in range(1, len(s))]
+             "calls": s[i]["calls"] - s[i - 1]["calls"],
+             "work_cpu": (s[i]["end_cpu"] - s[i - 1]["end_cpu"]) - (s[i]["cpu"] - s[i - 1]["cpu"])}
+            for i in range(1, len(s))]
 
 
 def analyse(run: dict, warmup: int) -> dict:
@@ -159,16 +165,23 @@ def analyse(run: dict, warmup: int) -> dict:
     def work(m, i):
         return ranks[m][i]["time"] - ranks[m][i]["wait"]
 
-    g = [max(work(m, i) for m in rollout) for i in steady]
-    st = [max(work(m, i) for m in others) for i in steady]
+    def cpu(m, i):
+        return ranks[m][i]["work_cpu"]
+
     step = [ranks[0][i]["time"] for i in steady]
-    c = [max(0.0, t - a - b) for t, a, b in zip(step, g, st)]
-    predicted = [(a + b + x) / (max(a, b) + x) for a, b, x in zip(g, st, c)]
+    model = {}
+    for name, measure in (("wall", work), ("cpu", cpu)):
+        g = [max(measure(m, i) for m in rollout) for i in steady]
+        st = [max(measure(m, i) for m in others) for i in steady]
+        # the rest of the step: transfers, latencies, scheduling (from the wall-clock work, in both models)
+        c = [max(0.0, t - max(work(m, i) for m in rollout) - max(work(m, i) for m in others))
+             for t, i in zip(step, steady)]
+        model[name] = {"G": benchlib.median(g), "ST": benchlib.median(st), "C": benchlib.median(c),
+                       "predicted": benchlib.median((a + b + x) / (max(a, b) + x) for a, b, x in zip(g, st, c))}
     calls = benchlib.median(ranks[m][i]["calls"] for m in range(len(ranks)) for i in steady)
     call_cost = benchlib.median(r["call_cost_s"] for r in run["ranks"])
-    return {"period": period, "samples_per_s": SAMPLES_PER_STEP / period, "idle": idle,
-            "G": benchlib.median(g), "ST": benchlib.median(st), "C": benchlib.median(c),
-            "predicted": benchlib.median(predicted), "calls": calls, "call_cost": call_cost,
+    return {"period": period, "samples_per_s": SAMPLES_PER_STEP / period, "idle": idle, "model": model,
+            "calls": calls, "call_cost": call_cost,
             "staleness": [r.get("staleness") for r in run["metrics"] if "staleness" in r]}
 
 
@@ -222,12 +235,15 @@ def report(args, results: dict[int, list[dict]], wall: float) -> None:
     stale = {k: results[k][0]["staleness"] for k in args.ks}
     print(f"\n   staleness per step (first run of each K): " + "; ".join(f"K={k}: {s}" for k, s in stale.items()))
     base = results[0]
-    g, st, c = (benchlib.median(r[key] for r in base) for key in ("G", "ST", "C"))
-    predicted = benchlib.median(r["predicted"] for r in base)
-    print(f"\n   own-devices model, from the K=0 runs (medians per step): generation G = {g:.3f} s, scoring + "
-          f"training ST = {st:.3f} s, the rest C = {c:.3f} s")
-    print(f"   T0 = G + ST + C = {g + st + c:.3f} s; T1 = max(G, ST) + C = {max(g, st) + c:.3f} s; predicted speedup "
-          f"of K >= 1 with every role on its own devices: {predicted:.2f}x (median of per-step predictions)")
+    print("\n   own-devices model from the K=0 runs, medians per step: T0 = G + ST + C (synchronous), "
+          "T1 = max(G, ST) + C (K >= 1)")
+    rows = []
+    for name, what in (("wall", "wall-clock work (cores shared here)"), ("cpu", "CPU time of the work (own core)")):
+        g, st, c = (benchlib.median(r["model"][name][key] for r in base) for key in ("G", "ST", "C"))
+        rows.append([what, g, st, c, g + st + c, max(g, st) + c,
+                     benchlib.median(r["model"][name]["predicted"] for r in base)])
+    print(benchlib.table(["G and ST measured as", "G s", "ST s", "C s", "T0 s", "T1 s", "predicted K>=1 / K=0"],
+                         rows))
     calls = benchlib.median(r["calls"] for rs in results.values() for r in rs)
     cost = benchlib.median(r["call_cost"] for rs in results.values() for r in rs)
     period = benchlib.median(r["period"] for r in base)
