@@ -68,9 +68,10 @@ class RLSection:
     tis_cap: float | None = field(None, min=0, help="truncated importance sampling: weight each token's policy "
                                                      "loss by min(pi_old / pi_rollout, cap) (None = off, or "
                                                      f"{ASYNC_TIS_CAP} when rl.max_staleness >= 1)")
-    max_staleness: int = field(0, min=0, help="asynchronous RL: the rollout engines generate up to K batches "
-                                              "ahead while the actor trains, from weights at most K updates old "
-                                              "(0 = synchronous; K >= 1 needs a disjoint placement)")
+    max_staleness: int = field(0, min=0, help="asynchronous RL: the rollout engines generate K batches ahead "
+                                              "while the actor trains, so a batch is trained on by weights up to K "
+                                              "RL steps newer than those that generated it (0 = synchronous; "
+                                              "K >= 1 needs a disjoint placement)")
     ppo_epochs: int = field(1, min=1, help="passes over each step's experience")
     entropy_coef: float = field(0.0, min=0)
     loss_agg: str = field("token-mean", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
