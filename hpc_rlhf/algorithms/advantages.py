@@ -1,5 +1,6 @@
 """Advantage estimators: GAE with a critic, and the critic-free group baselines (GRPO, Dr. GRPO, RLOO,
-REINFORCE++ and its baseline variant).
+REINFORCE++ and its baseline variant); and `assemble_advantages`, the whole way from one RL step's scores and
+log-probs to its advantages.
 
 Shapes: per-token tensors are (batch, seq) with a mask marking response tokens. Group baselines take one
 sequence reward per sample with the n samples of a prompt side by side: either (num_prompts, n) or flat
@@ -10,9 +11,11 @@ Everything returned is a training target, so inputs are detached and the results
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from hpc_rlhf.algorithms.kl import kl_penalized_rewards
+from hpc_rlhf.algorithms.kl import kl_estimate, kl_penalized_rewards
 from hpc_rlhf.algorithms.logprobs import _check_shapes, masked_whiten
 
 ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
@@ -210,3 +213,46 @@ def rl_advantages(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, *,
         group = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}[estimator]
         advantages = broadcast_to_tokens(group(sequence_rewards, n).reshape(-1), mask)
     return advantages.masked_fill(mask == 0, 0), returns
+
+
+def combine_scores(rule_scores: torch.Tensor, model_scores: list[torch.Tensor],
+                   model_weights: list[float]) -> torch.Tensor:
+    """One score per sample: the (already weighted) rule/remote rewards plus each reward model's weighted score."""
+    total = rule_scores.float().clone()
+    for scores, weight in zip(model_scores, model_weights, strict=True):
+        total += weight * scores.float()
+    return total
+
+
+class Assembled(NamedTuple):
+    """What `assemble_advantages` makes of one step's scores: the combined score per sample (batch,), the per-token
+    KL estimate to the reference (batch, seq; 0 outside the responses), the advantages (batch, seq) and the critic's
+    returns (batch, seq; None without a critic)."""
+    scores: torch.Tensor
+    kl: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor | None
+
+
+def assemble_advantages(rule_scores: torch.Tensor, model_scores: list[torch.Tensor], model_weights: list[float],
+                        logps: torch.Tensor, ref_logps: torch.Tensor | None, mask: torch.Tensor, *,
+                        kl_estimator: str, estimator: str, n: int, kl_coef: float = 0.0, kl_in_reward: bool = True,
+                        gamma: float = 1.0, lam: float = 0.95, values: torch.Tensor | None = None,
+                        whiten: bool = True, normalize_scores: bool = False, score_clip: float = 0.0) -> Assembled:
+    """Advantage assembly of one RL step, from what the roles computed to what the actor and critic train on:
+
+      1. score per sample = rule_scores (the rule and remote rewards, already weighted) + sum_m w_m * model_scores[m]
+         (`combine_scores`);
+      2. per-token KL of the actor (before the update, `logps`) to the reference (`ref_logps`; None without one:
+         the KL is then 0) with `kl_estimator` (k1, k2, k3), 0 outside the responses;
+      3. advantages and returns from them with `estimator` (`rl_advantages`, which documents the options).
+
+    rule_scores (batch,); model_scores one (batch,) tensor per reward model; logps, ref_logps, mask and values
+    (batch, seq) in the layout of `mask`. Pure: tensors in, tensors out.
+    """
+    scores = combine_scores(rule_scores, model_scores, model_weights)
+    kl = kl_estimate(logps, logps if ref_logps is None else ref_logps, kind=kl_estimator) * mask
+    advantages, returns = rl_advantages(scores, kl, mask, estimator=estimator, n=n, kl_coef=kl_coef,
+                                        kl_in_reward=kl_in_reward, gamma=gamma, lam=lam, values=values, whiten=whiten,
+                                        normalize_scores=normalize_scores, score_clip=score_clip)
+    return Assembled(scores, kl, advantages, returns)

@@ -249,11 +249,14 @@ def all_finite(value: torch.Tensor, group=None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-def save_checkpoint(run: Run, step: int, engines: dict, state: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(run: Run, step: int, engines: dict, state: dict[str, Any] | None = None,
+                    save_extra: Callable[[Path], dict[str, Any]] | None = None) -> Path:
     """All ranks: every engine this rank holds saves into the staging folder, then rank 0 seals it.
 
     `engines` maps a name to a TrainEngine for the engines this rank takes part in; the names must be the same
-    on all ranks of each engine's group. Per-rank RNG states are saved too, for exact resume.
+    on all ranks of each engine's group. Per-rank RNG states are saved too, for exact resume. `save_extra(staging)`,
+    called on every rank, writes what else the recipe keeps (e.g. the RL batches in flight) into the staging folder
+    and returns entries for the trainer state (rank 0's are written): sealed by the same commit as the rest.
     """
     if run.is_main:
         ckpt.prepare_staging(run.output_dir, step)
@@ -264,9 +267,10 @@ def save_checkpoint(run: Run, step: int, engines: dict, state: dict[str, Any] | 
     rng_dir = staging / "rng"
     rng_dir.mkdir(exist_ok=True)
     torch.save(ckpt.rng_state(), rng_dir / f"rank{run.rank:05d}.pt")
+    extra = save_extra(staging) if save_extra is not None else {}
     if run.is_main:
         (staging / TRAINER_STATE).write_text(json.dumps({"step": step, "mode": run.mode,
-                                                         "world_size": run.world_size, **(state or {})}))
+                                                         "world_size": run.world_size, **(state or {}), **extra}))
     dist.barrier()
     final = None
     if run.is_main:
@@ -294,6 +298,7 @@ def resume_if_possible(run: Run, engines: dict) -> dict[str, Any]:
     if rng_file.is_file():
         ckpt.set_rng_state(torch.load(rng_file, weights_only=False))
     run.start_step = step
+    run.extra["resumed_from"] = path
     log.info("resumed from %s (step %d)", path, step)
     return state
 
@@ -397,13 +402,15 @@ class Preempted(SystemExit):
         self.step = step
 
 
-def checkpoint_or_stop(run: Run, step: int, engines: dict, stop: "StopSignal", max_steps: int) -> None:
+def checkpoint_or_stop(run: Run, step: int, engines: dict, stop: "StopSignal", max_steps: int,
+                       save_extra: Callable[[Path], dict[str, Any]] | None = None) -> None:
     """End of an optimizer step: checkpoint when one is due or a stop was requested (SIGUSR1/SIGTERM, agreed
-    by all ranks); after a requested stop's checkpoint, raise Preempted so the job exits for requeueing."""
+    by all ranks); after a requested stop's checkpoint, raise Preempted so the job exits for requeueing.
+    `save_extra`: see `save_checkpoint`."""
     stopping = stop.requested()
     if stopping or should_save(step, run.cfg.checkpoint.every_steps, max_steps):
         with watchdog.phase("checkpoint"):
-            save_checkpoint(run, step, engines)
+            save_checkpoint(run, step, engines, save_extra=save_extra)
     if stopping:
         run.logger.close()
         raise Preempted(step)

@@ -3,7 +3,7 @@
 Every rank runs this same loop; `groups.has_role(...)` decides what a rank does in each phase, and every
 exchange is a collective that all ranks enter in the same order (DESIGN §4). `RLRecipe.train` is the step:
 
-  1. prompts     every rank draws the same prompts for step s (seeded): nothing is sent
+  1. prompts     every rank draws the same prompts for batch b (seeded): nothing is sent
   2. rollout     each rollout engine generates n samples for its contiguous share of the prompts
   3. exchange    each engine's leader sends its responses (packed tokens + lengths) to the scoring ranks and
                  their sampling log-probs to the trained roles (rl_exchange: each message to its consumers)
@@ -11,19 +11,22 @@ exchange is a collective that all ranks enter in the same order (DESIGN §4). `R
                  their contiguous shard; rule/remote rewards on one rank
   5. exchange    each role gathers its shard results to its leader, which sends them to the trained roles
   6. advantages  actor and critic ranks turn scores, KL and values into an `Experience` (one pure function,
-                 `algorithms.advantages.rl_advantages`)
+                 `algorithms.advantages.assemble_advantages`)
   7. training    actor (clipped policy loss) and critic (clipped value loss) train at the same time, each on its
                  own group with DeepSpeed, through one mini-batch loop (`_train_role`)
   8. sync        the actor's leader streams the new weights to the rollout ranks in buckets, one module gathered
                  at a time (hybrid `rollout@actor`: the hf engine generates with the actor's own module)
 
-No phase holds a whole model on a rank under ZeRO-3: scoring, training and hybrid generation run through the
-module's forward (one module gathered at a time, engines/train.py), weight sync streams (dist/weight_sync.py).
+Asynchronous RL (`rl.max_staleness` K >= 1, disjoint placements): at step t batch t, generated at most K policy
+versions ago, is exchanged, then the engines generate batch t+K (phase 2 after 3) while phases 4-7 run on the
+other ranks, and join the sync when done. The policy loss weights each token by the truncated importance weight
+pi_old / pi_rollout (`rl.tis_cap`). The schedule, and the batches in flight in checkpoints: `rl_pipeline.py`.
 
-Log-probs of the actor and the reference are those of the sampling distribution softmax(logits / T), T the
-rollout temperature, as the engines report theirs: the PPO ratio and the KL estimators are unbiased only then.
-Losses are means over the whole optimizer step (all its micro-batches and ranks), not means of micro-batch means.
-The configuration lives in `rl_config.py`.
+No phase holds a whole model on a rank under ZeRO-3 (one module gathered at a time in forwards, engines/train.py;
+weight sync streams, dist/weight_sync.py). Log-probs of the actor and the reference are those of the sampling
+distribution softmax(logits / T), T the rollout temperature, as the engines report theirs: the PPO ratio and the
+KL estimators are unbiased only then. Losses are means over the whole optimizer step (all its micro-batches and
+ranks), not means of micro-batch means. The configuration lives in `rl_config.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf import rewards as reward_fns
-from hpc_rlhf.algorithms.advantages import rl_advantages
+from hpc_rlhf.algorithms.advantages import assemble_advantages
 from hpc_rlhf.algorithms.kl import kl_estimate
 from hpc_rlhf.algorithms.logprobs import entropy_from_logits, masked_sum
 from hpc_rlhf.algorithms.losses import loss_normalizer, policy_loss, value_loss
@@ -56,9 +59,10 @@ from hpc_rlhf.trainers import common, rl_exchange
 from hpc_rlhf.trainers.experience import (Experience, SampleBatch, from_ragged, make_batch, response_logprobs,
                                           shard_bounds, to_ragged)
 from hpc_rlhf.trainers.reference import FrozenModel
-from hpc_rlhf.trainers.rl_scoring import combine_scores, rule_scores, sample_figures, score_on_shard
+from hpc_rlhf.trainers.rl_config import Config, check_plan_against_config, reward_role_names, tis_cap
+from hpc_rlhf.trainers.rl_pipeline import RolloutPipeline, engine_generate, engine_led_here, share_generated
 from hpc_rlhf.trainers.rl_roles import build_rollout_engine, hf_names, load_prompts
-from hpc_rlhf.trainers.rl_config import Config, check_plan_against_config, reward_role_names
+from hpc_rlhf.trainers.rl_scoring import rule_scores, sample_figures, score_on_shard
 from hpc_rlhf.utils import faults
 
 log = logging.getLogger("hpc_rlhf")
@@ -122,9 +126,11 @@ class RLRecipe:
         if groups.has_role("rollout"):
             self.rollout = build_rollout_engine(cfg, plan, self.tokenizer, run.device, actor=self.actor)
 
-        common.resume_if_possible(run, self._my_engines())
+        state = common.resume_if_possible(run, self._my_engines())
         if run.start_step > 0 and not plan.is_hybrid:
             self._sync_weights()  # the engines start from the initial weights: give them the resumed ones
+        self.pipeline = RolloutPipeline(cfg.rl.max_staleness, cfg.train.max_steps, engine_led_here())
+        self.pipeline.restore(run.extra.get("resumed_from"), state)  # batches in flight at the checkpoint
         self.stop = common.StopSignal()
         self.bad_steps = common.NonFiniteGuard(cfg.train.max_bad_steps, self.mode)
         common.open_logger(run, cfg.train.max_steps)
@@ -140,41 +146,36 @@ class RLRecipe:
     # -------------------------------------------------------------------------------------------- the step
     def train(self) -> dict[str, float]:
         cfg, run = self.cfg, self.run
-        n = cfg.rollout.n_samples
         result = {}
         if run.start_step == 0 and cfg.log.eval_every_steps > 0:
             with watchdog.phase("eval"):  # failure handling: each phase of the loop is named for the watchdog
                 result["eval_accuracy"] = self.evaluate()
             run.logger.log(0, {"eval_accuracy": result["eval_accuracy"]})
+        watchdog.set_step(run.start_step + 1)
+        for index in self.pipeline.to_prefill(run.start_step):  # asynchronous RL: the first K batches
+            self._rollout(index, version=run.start_step, phase="rollout_prefill")
         for step in range(run.start_step, cfg.train.max_steps):
             watchdog.set_step(step + 1)
             t0 = time.perf_counter()
-            # 1. prompts: the same on every rank
-            chosen = common.step_indices(len(self.prompts), cfg.rollout.prompts_per_step, step, cfg.train.seed)
-            step_prompts = [self.prompts[i] for i in chosen]
-            sample_prompts = [p["input_ids"] for p in step_prompts for _ in range(n)]
-            # 2-3. rollout and exchange
-            with watchdog.phase("rollout"):
-                responses, rollout_logps = self._generate(
-                    [p["input_ids"] for p in step_prompts],
-                    dataclasses.replace(self.sampling, seed=cfg.train.seed * 100003 + step), with_logprobs=True)
+            # 1-2. prompts (the same on every rank) and rollout: with K = rl.max_staleness = 0, this step's batch now
+            if self.pipeline.max_staleness == 0:
+                self._rollout(step, version=step)
+            # 3. exchange: this step's batch (with K >= 1 generated earlier, at most K versions ago)
+            batch, responses, rollout_logps, staleness = self._exchange(step)
             t_generate = time.perf_counter()
-            # None on ranks that consume no responses (rollout-only ranks)
-            batch = (make_batch(sample_prompts, responses, self.tokenizer.pad_token_id) if responses is not None
-                     else None)
+            # 2'. K >= 1: the engines generate batch step + K from this step's weights while 4-7 run elsewhere
+            if self.pipeline.ahead_of(step) is not None:
+                self._rollout(self.pipeline.ahead_of(step), version=step)
             # 4-5. scoring and exchange
             with watchdog.phase("scoring"):
-                scored = self._score(batch, sample_prompts, responses)
-                scored["rules"] = rule_scores(cfg, self.rule_functions, self.tokenizer, self.rule_leader,
-                                              [p["text"] for p in step_prompts for _ in range(n)], responses,
-                                              [p["answer"] for p in step_prompts for _ in range(n)])
+                scored = self._score(batch, self._prompts_of(step), responses)
             t_score = time.perf_counter()
             # 6-7. advantages and training, actor and critic at the same time on their own ranks
             metrics: dict[str, float] = {}
             critic_figures: dict[str, float] = {}
             with watchdog.phase("training"):
                 if self.actor is not None or self.critic is not None:
-                    exp = self._experience(batch, scored, from_ragged(rollout_logps, batch))
+                    exp = self._experience(batch, scored, rollout_logps)
                     if self.actor is not None:
                         metrics.update(self._train_actor(step, exp))
                     if self.critic is not None:
@@ -190,15 +191,14 @@ class RLRecipe:
             # A non-finite step of either trained role counts (each role's ranks skipped it together).
             skipped = bool(metrics.get("actor_skipped", 0.0)) or bool(critic_figures.get("critic_skipped", 0.0))
             self.bad_steps.update(_any_rank(skipped), done)
-            if run.is_main:
-                metrics.update(sample_figures(batch, scored, from_ragged(rollout_logps, batch),
-                                              self._combined_scores(scored), self.cfg.rl.kl_estimator))
+            if run.is_main:  # rank 0 is the actor's leader: it holds the whole Experience
+                metrics.update(sample_figures(exp, cfg.rl.kl_estimator, "ref" in scored, tis_cap(cfg.rl)))
                 elapsed = t_sync - t0
                 metrics.update({
                     "time_generate": t_generate - t0, "time_score": t_score - t_generate,
                     "time_train": t_train - t_score, "time_sync": t_sync - t_train, "time_step": elapsed,
                     "samples_per_s": len(responses) / max(elapsed, 1e-9), "weight_sync_mb": sync_mb,
-                    "skipped_steps": self.bad_steps.total,
+                    "skipped_steps": self.bad_steps.total, "staleness": staleness,
                 })
             if cfg.log.eval_every_steps and (done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps):
                 with watchdog.phase("eval"):
@@ -206,7 +206,8 @@ class RLRecipe:
             if done % cfg.log.every_steps == 0 or "eval_accuracy" in metrics:
                 run.logger.log(done, metrics)
             run.logger.advance()
-            common.checkpoint_or_stop(run, done, self._my_engines(), self.stop, cfg.train.max_steps)
+            common.checkpoint_or_stop(run, done, self._my_engines(), self.stop, cfg.train.max_steps,
+                                      save_extra=self.pipeline.save)  # the batches in flight go with it
         with watchdog.phase("checkpoint"):
             if self.actor is not None:
                 common.save_final_model(self.actor, run.output_dir / "final", self.tokenizer, cfg.actor.lora)
@@ -217,34 +218,34 @@ class RLRecipe:
         run.logger.close()
         return result
 
-    # ------------------------------------------------------------------------------------------ phase 2-3
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, with_logprobs: bool = False,
-                  to: str = "responses") -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        """Every engine generates for its share; the ranks on the routes `to/E` (every scoring rank, or rank 0
-        alone for `to="eval"`) get all responses prompt-major, the trained roles also their sampling log-probs
-        (`with_logprobs`, the same on every rank); None elsewhere."""
-        engines = self.plan.role("rollout").engines
-        mine = mine_logps = None
-        if groups.has_role("rollout"):
-            e = groups.rollout_engine_of_rank()
-            start, end = shard_bounds(len(prompts), len(engines), e)
-            if dist.get_rank() == engines[e][0]:
-                mine, mine_logps = [], []
-                # a ZeRO-3 hybrid engine's forward passes are collectives of the actor group: all ranks generate
-                if end > start or getattr(self.rollout, "sync_group", None) is not None:
-                    seeded = dataclasses.replace(sampling, seed=None if sampling.greedy else
-                                                 (sampling.seed or 0) * 7919 + e)
-                    with self._engine_awake():
-                        out = self.rollout.generate(prompts[start:end], seeded)
-                    mine, mine_logps = out.flat_responses(), out.flat_logprobs()
+    # ------------------------------------------------------------------------------------------ phase 1-3
+    def _prompts_of(self, index: int) -> list[dict]:
+        """The prompts of batch `index`, the same on every rank (seeded)."""
+        rollout, seed = self.cfg.rollout, self.cfg.train.seed
+        return [self.prompts[i] for i in common.step_indices(len(self.prompts), rollout.prompts_per_step, index, seed)]
+
+    def _rollout(self, index: int, version: int, phase: str = "rollout") -> None:
+        """The engines generate batch `index` with the weights they hold (policy `version`); each engine's first
+        rank keeps its share until the batch's exchange. Every rank calls it (the others only note the version)."""
+        sampling = dataclasses.replace(self.sampling, seed=self.cfg.train.seed * 100003 + index)
+        with watchdog.phase(phase):
+            mine, mine_logps = engine_generate(self.rollout, [p["input_ids"] for p in self._prompts_of(index)],
+                                               sampling, self._engine_awake)
+        self.pipeline.put(index, version, mine, mine_logps)
+
+    def _exchange(self, index: int):
+        """Batch `index` leaves the pipeline: (padded batch, responses, sampling log-probs (B, T-1)) where known,
+        else None; and the batch's staleness in policy versions."""
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
-            responses = rl_exchange.share_engines(mine, to, len(engines), torch.long)
-            logps = None
-            if with_logprobs:  # as long as the responses, which every rank of those routes holds
-                lengths = [[len(r) for r in part] if part is not None else None for part in responses]
-                logps = rl_exchange.concatenated(rl_exchange.share_engines(
-                    mine_logps, "rollout-logprobs", len(engines), torch.float32, lengths))
-        return rl_exchange.concatenated(responses), logps
+            responses, logps, staleness = self.pipeline.exchange(index)
+        if responses is None:  # ranks that consume no responses (rollout-only ranks)
+            return None, None, None, staleness
+        batch = make_batch(self._per_sample(self._prompts_of(index), "input_ids"), responses,
+                           self.tokenizer.pad_token_id)
+        return batch, responses, from_ragged(logps, batch) if logps is not None else None, staleness
+
+    def _per_sample(self, prompts: list[dict], key: str) -> list:
+        return [p[key] for p in prompts for _ in range(self.cfg.rollout.n_samples)]
 
     @contextlib.contextmanager
     def _engine_awake(self):
@@ -269,10 +270,11 @@ class RLRecipe:
 
     # ------------------------------------------------------------------------------------------ phase 4-5
     @torch.no_grad()
-    def _score(self, batch: SampleBatch, sample_prompts, responses) -> dict[str, torch.Tensor]:
+    def _score(self, batch: SampleBatch, step_prompts: list[dict], responses) -> dict[str, torch.Tensor]:
         """Each scoring role on its shard, then every role's results on the trained roles' ranks, dense: (B, T-1)
-        per-token tensors for actor, critic and ref, (B,) scores for each reward model ({} on other ranks)."""
+        per-token tensors for actor, critic and ref, (B,) scores of each reward model and "rules" (rule/remote)."""
         cfg, device = self.cfg, self.run.device
+        sample_prompts = self._per_sample(step_prompts, "input_ids")
         temperature = self.sampling.logprob_temperature
         samples, micro = self.samples_per_step, cfg.train.micro_batch_size
 
@@ -319,31 +321,28 @@ class RLRecipe:
                     full = rl_exchange.share(local.get(role), f"scores/{role}", lengths=lengths)
                     if full is not None:
                         scored[role] = torch.cat(full) if role.startswith("reward") else from_ragged(full, batch)
+        scored["rules"] = rule_scores(cfg, self.rule_functions, self.tokenizer, self.rule_leader,
+                                      self._per_sample(step_prompts, "text"), responses,
+                                      self._per_sample(step_prompts, "answer"))
         return scored
-
-    def _combined_scores(self, scored: dict[str, torch.Tensor]) -> torch.Tensor:
-        return combine_scores(scored["rules"], [scored[name] for name in self.reward_roles],
-                              self.cfg.reward.model_weights or [1.0] * len(self.reward_roles))
 
     # -------------------------------------------------------------------------------------------- phase 6
     def _experience(self, batch: SampleBatch, scored: dict[str, torch.Tensor],
                     rollout_logps: torch.Tensor) -> Experience:
         cfg, rl = self.cfg, self.cfg.rl
-        mask = batch.action_mask
-        scores = self._combined_scores(scored)
         old_logps = scored["actor"]
-        ref_logps = scored.get("ref", old_logps)
-        kl = kl_estimate(old_logps, ref_logps, kind=rl.kl_estimator) * mask
-        values = scored.get("critic")
-        advantages, returns = rl_advantages(
-            scores, kl, mask, estimator=rl.advantage, n=cfg.rollout.n_samples, kl_coef=rl.kl_coef,
-            kl_in_reward=rl.kl_in_reward, gamma=rl.gamma, lam=rl.lam, values=values, whiten=rl.whiten_advantages,
-            normalize_scores=rl.normalize_rewards, score_clip=cfg.reward.clip)
-        return Experience(batch, scores, rollout_logps, old_logps, ref_logps, kl, advantages, values, returns)
+        assembled = assemble_advantages(
+            scored["rules"], [scored[name] for name in self.reward_roles],
+            cfg.reward.model_weights or [1.0] * len(self.reward_roles), old_logps, scored.get("ref"),
+            batch.action_mask, kl_estimator=rl.kl_estimator, estimator=rl.advantage, n=cfg.rollout.n_samples,
+            kl_coef=rl.kl_coef, kl_in_reward=rl.kl_in_reward, gamma=rl.gamma, lam=rl.lam, values=scored.get("critic"),
+            whiten=rl.whiten_advantages, normalize_scores=rl.normalize_rewards, score_clip=cfg.reward.clip)
+        return Experience(batch, assembled.scores, rollout_logps, old_logps, scored.get("ref", old_logps), assembled.kl,
+                          assembled.advantages, scored.get("critic"), assembled.returns)
 
     # -------------------------------------------------------------------------------------------- phase 7
     def _train_actor(self, step: int, exp: Experience) -> dict[str, float]:
-        rl = self.cfg.rl
+        rl, cap = self.cfg.rl, tis_cap(self.cfg.rl)
 
         def loss_of(micro: Experience, tokens: float, policy_normalizer: float):
             mask = micro.batch.action_mask
@@ -351,8 +350,8 @@ class RLRecipe:
                                 use_cache=False).logits.float()
             logps = response_logprobs(logits, micro.batch, self.sampling.logprob_temperature)
             weights = None
-            if rl.tis_cap is not None:  # truncated importance sampling: the engine's policy is not quite ours
-                weights = torch.exp(micro.old_logps - micro.rollout_logps).clamp(max=rl.tis_cap)
+            if cap is not None:  # truncated importance sampling: the batch's behaviour policy is the engine's
+                weights = torch.exp(micro.old_logps - micro.rollout_logps).clamp(max=cap)
             policy, clip_fraction, approx_kl = policy_loss(
                 logps, micro.old_logps, micro.advantages, mask, clip_eps=rl.clip_eps, clip_eps_high=rl.clip_eps_high,
                 dual_clip=rl.dual_clip, loss_agg=rl.loss_agg, normalizer=policy_normalizer, token_weights=weights)
@@ -366,8 +365,6 @@ class RLRecipe:
                 kl = masked_sum(kl_estimate(logps, micro.ref_logps, kind=rl.kl_estimator), mask) / tokens
                 loss = loss + rl.kl_coef * kl
                 figures["kl_loss"] = kl.detach()
-            if weights is not None:
-                figures["tis_weight"] = masked_sum(weights, mask) / tokens
             return loss, figures
 
         return self._train_role("actor", self.actor, self.cfg.train, step, exp, loss_of, seed_offsets=(31, 7))
@@ -473,7 +470,10 @@ class RLRecipe:
         if not self.eval_prompts:
             return float("nan")
         sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens)
-        responses, _ = self._generate([p["input_ids"] for p in self.eval_prompts], sampling, to="eval")
+        mine, _ = engine_generate(self.rollout, [p["input_ids"] for p in self.eval_prompts], sampling,
+                                  self._engine_awake)
+        with watchdog.phase("exchange"):
+            responses, _ = share_generated(mine, None, "eval")
         if responses is None:  # only rank 0 gets the responses, decodes and logs the figure
             return float("nan")
         texts = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]

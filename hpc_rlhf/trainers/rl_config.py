@@ -13,6 +13,11 @@ from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSe
 from hpc_rlhf.dist.placement import PlacementError, make_plan, world_size_of
 
 ADVANTAGES = ESTIMATORS
+# The truncation of the importance weights pi_old / pi_rollout when batches come from older weights
+# (rl.max_staleness >= 1) and rl.tis_cap is not set: 2 is the usual upper bound of truncated and masked importance
+# sampling in other RL systems (e.g. ms-swift's default threshold, slime's upper bound). It bounds what one token
+# of a stale batch can weigh, and so the variance it adds, and leaves weights near 1 as they are.
+ASYNC_TIS_CAP = 2.0
 
 
 @dataclass
@@ -61,7 +66,12 @@ class RLSection:
     dual_clip: float | None = field(None, min=1, help="dual-clip constant c > 1 (None = off)")
     value_clip_eps: float | None = field(0.2, min=0, help="critic value clip, > 0 (None = unclipped value loss)")
     tis_cap: float | None = field(None, min=0, help="truncated importance sampling: weight each token's policy "
-                                                     "loss by min(pi_old / pi_rollout, cap) (None = off)")
+                                                     "loss by min(pi_old / pi_rollout, cap) (None = off, or "
+                                                     f"{ASYNC_TIS_CAP} when rl.max_staleness >= 1)")
+    max_staleness: int = field(0, min=0, help="asynchronous RL: the rollout engines generate K batches ahead "
+                                              "while the actor trains, so a batch is trained on by weights up to K "
+                                              "RL steps newer than those that generated it (0 = synchronous; "
+                                              "K >= 1 needs a disjoint placement)")
     ppo_epochs: int = field(1, min=1, help="passes over each step's experience")
     entropy_coef: float = field(0.0, min=0)
     loss_agg: str = field("token-mean", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
@@ -174,6 +184,14 @@ class Config:
         return bool(self.reward.model_weights) and len(self.reward.model_weights) != len(self.reward.models)
 
 
+def tis_cap(rl: RLSection) -> float | None:
+    """The cap of the truncated importance weights the policy loss uses: rl.tis_cap, or ASYNC_TIS_CAP when it is
+    unset and batches may come from older weights (rl.max_staleness >= 1); None = no weights."""
+    if rl.tis_cap is not None:
+        return rl.tis_cap
+    return ASYNC_TIS_CAP if rl.max_staleness else None
+
+
 def reward_role_names(count: int) -> list[str]:
     return ["reward" if i == 0 else f"reward{i + 1}" for i in range(count)]
 
@@ -196,6 +214,11 @@ def check_plan_against_config(plan, cfg: Config) -> None:
     extra = [n for n in plan.roles if n.startswith("reward") and n not in names]
     if extra:
         problems.append(f"the placement has {', '.join(extra)} but reward.models lists {len(names)} model(s)")
+    if cfg.rl.max_staleness and plan.is_hybrid:
+        problems.append(f"rl.max_staleness={cfg.rl.max_staleness} overlaps generation with training on other "
+                        "ranks, but with rollout@actor the engines generate on the actor's own ranks, so there is "
+                        "nothing to overlap: use rl.max_staleness=0 here, or give the rollout ranks of its own "
+                        "(e.g. actor=1,ref=1,rollout=2)")
     if cfg.rollout.backend == "hf" and plan.rollout_tp > 1:
         problems.append("the hf rollout backend does no tensor parallelism: use rollout_tp=1 or rollout.backend=vllm")
     if problems:

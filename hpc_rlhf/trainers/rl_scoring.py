@@ -1,5 +1,5 @@
 """Scoring pieces of the RL step (phase 4 of trainers/ppo.py): a role's work on its shard of the samples,
-the rule and remote rewards, and how the scores of several sources add up.
+the rule and remote rewards, and what is logged about a step's samples.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hpc_rlhf import rewards as reward_fns
 from hpc_rlhf.algorithms.kl import kl_estimate
 from hpc_rlhf.dist import exchange, groups
 from hpc_rlhf.trainers import rl_exchange
-from hpc_rlhf.trainers.experience import SampleBatch, shard_bounds
+from hpc_rlhf.trainers.experience import Experience, SampleBatch, shard_bounds
 
 
 def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int, int], SampleBatch],
@@ -64,27 +64,28 @@ def rule_scores(cfg, rule_functions, tokenizer, leader: int, prompts: list[str],
     return rl_exchange.share(full, "scores/rules", lengths=[len(prompts)])[0]
 
 
-def combine_scores(rule_scores: torch.Tensor, model_scores: list[torch.Tensor],
-                   model_weights: list[float]) -> torch.Tensor:
-    """One score per sample: the (already weighted) rule/remote rewards plus each reward model's weighted score."""
-    total = rule_scores.float().clone()
-    for scores, weight in zip(model_scores, model_weights, strict=True):
-        total += weight * scores.float()
-    return total
-
-
-def sample_figures(batch: SampleBatch, scored: dict[str, torch.Tensor], rollout_logps: torch.Tensor,
-                   scores: torch.Tensor, kl_estimator: str) -> dict[str, float]:
-    """What is logged about a step's samples: rewards, KL of the actor to the reference per sequence (k1 and the
-    configured estimator, by name), response length, and how far the engines' sampling log-probs are from the
-    actor's (`rollout_logprob_abs_diff`: mean over response tokens; `_max`: the largest)."""
-    mask = batch.action_mask
+def sample_figures(exp: Experience, kl_estimator: str, has_ref: bool, tis_cap: float | None) -> dict[str, float]:
+    """What is logged about a step's samples, from its Experience (on rank 0, the actor's leader): rewards (the
+    combined scores), KL of the actor to the reference per sequence (k1 and the configured estimator, by name),
+    response length, how far the engines' sampling log-probs are from the actor's (`rollout_logprob_abs_diff`:
+    mean over response tokens; `_max`: the largest), and with truncated importance sampling the weights
+    pi_old / pi_rollout of the tokens: `tis_weight` the mean of the truncated weights the loss uses,
+    `tis_weight_max` the largest weight before truncation, `tis_clipped` the share of tokens truncated."""
+    mask = exp.batch.action_mask
+    scores = exp.scores
     figures = {"reward": scores.mean().item(), "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
-               "response_length": float(sum(batch.response_lens)) / len(scores)}
-    if "ref" in scored:
+               "response_length": float(sum(exp.batch.response_lens)) / len(scores)}
+    if has_ref:
         for kind in dict.fromkeys(("k1", kl_estimator)):
-            figures[f"kl_{kind}"] = (kl_estimate(scored["actor"], scored["ref"], kind=kind) * mask).sum(1).mean().item()
-    gap = (rollout_logps - scored["actor"]).abs() * mask
-    figures["rollout_logprob_abs_diff"] = (gap.sum() / mask.sum().clamp(min=1)).item()
+            kl = exp.kl if kind == kl_estimator else kl_estimate(exp.old_logps, exp.ref_logps, kind=kind) * mask
+            figures[f"kl_{kind}"] = kl.sum(1).mean().item()
+    tokens = mask.sum().clamp(min=1)
+    gap = (exp.rollout_logps - exp.old_logps).abs() * mask
+    figures["rollout_logprob_abs_diff"] = (gap.sum() / tokens).item()
     figures["rollout_logprob_abs_diff_max"] = gap.max().item()
+    if tis_cap is not None:
+        weights = torch.exp(exp.old_logps - exp.rollout_logps) * mask
+        figures["tis_weight"] = (weights.clamp(max=tis_cap).sum() / tokens).item()
+        figures["tis_weight_max"] = weights.max().item()
+        figures["tis_clipped"] = ((weights > tis_cap).sum() / tokens).item()
     return figures

@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
-from hpc_rlhf.algorithms.advantages import rl_advantages
-from hpc_rlhf.algorithms.advantages import (broadcast_to_tokens, clip_rewards, discounted_returns,
-                                            dr_grpo_advantages, gae, grpo_advantages, normalize_rewards,
-                                            reinforce_pp_advantages, reinforce_pp_baseline_advantages,
-                                            rloo_advantages)
+from hpc_rlhf.algorithms.advantages import (assemble_advantages, broadcast_to_tokens, clip_rewards,
+                                            combine_scores, discounted_returns, dr_grpo_advantages, gae,
+                                            grpo_advantages, normalize_rewards, reinforce_pp_advantages,
+                                            reinforce_pp_baseline_advantages, rl_advantages, rloo_advantages)
+from hpc_rlhf.algorithms.kl import kl_estimate
 
 
 def reference_gae(rewards, values, gamma, lam):
@@ -221,3 +221,71 @@ def test_gae_through_rl_advantages_puts_the_kl_penalty_on_each_token():
                                  gamma=1.0, lam=1.0, values=torch.zeros(2, 3), whiten=False)
     torch.testing.assert_close(adv, torch.tensor([[1.0 - 0.05, 1.0 - 0.02, 0.0], [0.0, 0.0, 0.0]]))
     torch.testing.assert_close(returns, adv)
+
+
+# ------------------------------------------------------------------------------------------ advantage assembly
+def test_combine_scores_weights_each_source():
+    rule = torch.tensor([1.0, 0.0, 0.5])
+    rm1, rm2 = torch.tensor([0.2, 0.4, -1.0]), torch.tensor([1.0, 2.0, 3.0])
+    assert torch.allclose(combine_scores(rule, [rm1, rm2], [2.0, -1.0]), torch.tensor([0.4, -1.2, -4.5]))
+    with pytest.raises(ValueError):
+        combine_scores(rule, [rm1, rm2], [1.0])
+
+
+# Two prompts x two samples, responses of 2, 3, 1 and 2 tokens (right padded to 3). The actor's log-probs minus the
+# reference's, per token: 9.0 where there is no response token (it must not count anywhere).
+ASM_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+ASM_GAP = torch.tensor([[0.1, 0.2, 9.0], [0.0, -0.1, 0.3], [0.5, 9.0, 9.0], [0.2, 0.2, 9.0]])
+ASM_REF = torch.full((4, 3), -1.5)
+ASM_RULES = torch.tensor([1.0, 0.0, 1.0, 0.0])
+ASM_MODELS = [torch.tensor([0.5, 0.5, -0.5, 1.0]), torch.tensor([1.0, 0.0, 0.0, 1.0])]
+ASM_WEIGHTS = [2.0, -1.0]
+
+
+def assemble(estimator: str, **options):
+    return assemble_advantages(ASM_RULES, ASM_MODELS, ASM_WEIGHTS, ASM_REF + ASM_GAP, ASM_REF, ASM_MASK,
+                               kl_estimator="k1", estimator=estimator, n=2, **options)
+
+
+def test_advantage_assembly_hand_computed_with_a_group_baseline():
+    out = assemble("dr_grpo", kl_coef=0.5, kl_in_reward=True)
+    # scores = rules + 2 * rm1 - rm2 = [1 + 1 - 1, 0 + 1 - 0, 1 - 1 - 0, 0 + 2 - 1] = [1, 1, 0, 1]
+    torch.testing.assert_close(out.scores, torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    # k1 = the log-prob gap on response tokens only; its sums per sample: 0.3, 0.2, 0.5, 0.4
+    torch.testing.assert_close(out.kl, ASM_GAP * ASM_MASK)
+    # sequence rewards = score - 0.5 * KL sum = [0.85, 0.9 | -0.25, 0.8]; Dr. GRPO subtracts each prompt's mean
+    # (0.875 and 0.275): [-0.025, 0.025 | -0.525, 0.525], given to every response token
+    expected = torch.tensor([-0.025, 0.025, -0.525, 0.525]).unsqueeze(1) * ASM_MASK
+    torch.testing.assert_close(out.advantages, expected)
+    assert out.returns is None
+
+
+def test_advantage_assembly_hand_computed_with_gae():
+    values = torch.tensor([[0.3, 0.4, 7.0], [0.1, 0.2, 0.3], [0.1, 7.0, 7.0], [0.0, 0.5, 7.0]])
+    out = assemble("gae", kl_coef=0.5, kl_in_reward=True, gamma=1.0, lam=1.0, values=values, whiten=False)
+    # token rewards -0.5 * kl_t, plus the score at the last token: [-0.05, 0.9], [0, 0.05, 0.85], [-0.25],
+    # [-0.1, 0.9]; with gamma = lam = 1, A_t = (rewards from t on) - V_t and the returns are A_t + V_t
+    expected = torch.tensor([[0.55, 0.5, 0.0], [0.8, 0.7, 0.55], [-0.35, 0.0, 0.0], [0.8, 0.4, 0.0]])
+    torch.testing.assert_close(out.advantages, expected)
+    torch.testing.assert_close(out.returns, torch.tensor([[0.85, 0.9, 0.0], [0.9, 0.9, 0.85], [-0.25, 0.0, 0.0],
+                                                          [0.8, 0.9, 0.0]]))
+
+
+def test_advantage_assembly_without_a_reference_has_no_kl():
+    out = assemble_advantages(ASM_RULES, ASM_MODELS, ASM_WEIGHTS, ASM_REF + ASM_GAP, None, ASM_MASK,
+                              kl_estimator="k3", estimator="rloo", n=2, kl_coef=0.5)
+    assert torch.equal(out.kl, torch.zeros(4, 3))
+    # RLOO on the scores alone: [1, 1 | 0, 1] -> [0, 0 | -1, 1]
+    torch.testing.assert_close(out.advantages, torch.tensor([0.0, 0.0, -1.0, 1.0]).unsqueeze(1) * ASM_MASK)
+
+
+def test_advantage_assembly_is_what_its_steps_give_one_by_one():
+    """The pure function adds nothing of its own: the same tensors as combine_scores, kl_estimate and
+    rl_advantages called in turn (here with k3, the KL as a loss term, normalised and clipped scores)."""
+    options = dict(estimator="grpo", n=2, kl_coef=0.3, kl_in_reward=False, normalize_scores=True, score_clip=0.8)
+    out = assemble_advantages(ASM_RULES, ASM_MODELS, ASM_WEIGHTS, ASM_REF + ASM_GAP, ASM_REF, ASM_MASK,
+                              kl_estimator="k3", **options)
+    scores = combine_scores(ASM_RULES, ASM_MODELS, ASM_WEIGHTS)
+    kl = kl_estimate(ASM_REF + ASM_GAP, ASM_REF, kind="k3") * ASM_MASK
+    advantages, _ = rl_advantages(scores, kl, ASM_MASK, **options)
+    assert torch.equal(out.scores, scores) and torch.equal(out.kl, kl) and torch.equal(out.advantages, advantages)

@@ -3,6 +3,7 @@ rank trains on, the figures every mode logs, and the first and last steps of tra
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -122,3 +123,22 @@ def test_mean_and_std_keep_the_spread_of_large_scores():
     assert std == pytest.approx(0.01, rel=1e-3)
     with pytest.raises(ValueError, match="no values"):
         common.mean_and_std(torch.zeros(0))
+
+
+def test_what_a_recipe_saves_beside_its_engines_is_sealed_in_the_same_checkpoint(tmp_path):
+    """`save_extra` (the RL recipe's batches in flight) writes into the staging folder and adds trainer-state
+    entries: both are part of the committed, verified checkpoint, and resuming says where it was."""
+    one_rank_world()
+    run = a_run(tmp_path, "checkpoint.resume=true")
+
+    def save_extra(staging: Path) -> dict:
+        (staging / "rollout").mkdir()
+        torch.save({"tokens": torch.arange(5)}, staging / "rollout" / "engine000.pt")
+        return {"in_flight": {"7": 6}}
+
+    final = common.save_checkpoint(run, 6, {"model": FakeEngine()}, save_extra=save_extra)
+    assert ckpt.verify(final) is None
+    assert "rollout/engine000.pt" in json.loads((final / ckpt.MARKER).read_text())["files"]
+    state = common.resume_if_possible(run, {"model": FakeEngine()})
+    assert state["in_flight"] == {"7": 6} and state["step"] == 6
+    assert run.extra["resumed_from"] == final

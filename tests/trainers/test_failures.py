@@ -74,12 +74,13 @@ SMALL_RL_STEP = [f"data.train_files=[{TINY_ASSETS}/data/prompts_train.jsonl]", "
                  "critic_train.micro_batch_size=8", "train.max_steps=3", "dist.timeout_s=120"]
 
 
-def ppo_under_torchrun(model: Path, out: Path, fault: str) -> tuple[subprocess.CompletedProcess, float]:
+def ppo_under_torchrun(model: Path, out: Path, fault: str,
+                       *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
     """A PPO job on 6 ranks under torchrun, checkpointing every step; returns the finished process and the
     wall-clock time (time.time()) at which the test saw it end."""
     # The causal-LM folder serves as critic and reward model too: each gets a new value head.
     args = [f"output_dir={out}", f"actor.path={model}", f"critic.path={model}", f"reward.models=[{model}]",
-            f"placement={PPO_PLACEMENT}", "checkpoint.every_steps=1", *SMALL_RL_STEP]
+            f"placement={PPO_PLACEMENT}", "checkpoint.every_steps=1", *SMALL_RL_STEP, *overrides]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=6",
            "--max_restarts=0", "-m", "hpc_rlhf", "ppo", *args]
     env = worker_env({FAULT_ENV: fault, HEARTBEAT_TIMEOUT_ENV: str(HEARTBEAT_TIMEOUT_S)})
@@ -114,23 +115,28 @@ def injected_at(stdout: str) -> tuple[int, str, int, float]:
 # Every fault comes after the first collective of all ranks (the exchange of step 1), so that every other rank
 # has finished setting up and survives torchrun's SIGTERM long enough to report (a rank still setting up dies
 # of it at once: see watchdog._note_sigterm). The reward rank, which generates nothing, reaches the exchange of
-# step 1 before the others are set up: its case is at step 2.
+# step 1 before the others are set up: its case is at step 2. The last case runs asynchronously
+# (rl.max_staleness=1): the engine dies generating batch 2 while the actor and critic train on batch 1.
+# (Its prefill phase, `rollout_prefill`, comes before the first collective of all ranks: see above.)
 LOSSES = [
-    pytest.param("actor", 0, "checkpoint", 2, "kill", "failed", id="kill-actor-checkpoint"),
-    pytest.param("critic", 0, "training", 2, "kill", "failed", id="kill-critic-training"),
-    pytest.param("ref", 0, "scoring", 1, "kill", "failed", id="kill-ref-scoring"),
-    pytest.param("reward", 0, "exchange", 2, "kill", "failed", id="kill-reward-exchange"),
-    pytest.param("rollout", 1, "rollout", 2, "kill", "failed", id="kill-rollout-generating"),
-    pytest.param("rollout", 0, "weight_sync", 1, "freeze", "stopped responding", id="freeze-rollout-weight-sync"),
+    pytest.param("actor", 0, "checkpoint", 2, "kill", "failed", (), id="kill-actor-checkpoint"),
+    pytest.param("critic", 0, "training", 2, "kill", "failed", (), id="kill-critic-training"),
+    pytest.param("ref", 0, "scoring", 1, "kill", "failed", (), id="kill-ref-scoring"),
+    pytest.param("reward", 0, "exchange", 2, "kill", "failed", (), id="kill-reward-exchange"),
+    pytest.param("rollout", 1, "rollout", 2, "kill", "failed", (), id="kill-rollout-generating"),
+    pytest.param("rollout", 0, "weight_sync", 1, "freeze", "stopped responding", (),
+                 id="freeze-rollout-weight-sync"),
+    pytest.param("rollout", 1, "rollout", 2, "kill", "failed", ("rl.max_staleness=1",),
+                 id="kill-rollout-generating-ahead"),
 ]
 
 
-@pytest.mark.parametrize("role, index, phase, step, kind, verb", LOSSES)
+@pytest.mark.parametrize("role, index, phase, step, kind, verb, overrides", LOSSES)
 def test_a_lost_rank_ends_the_job_naming_its_rank_role_and_phase(model, tmp_path, role, index, phase, step, kind,
-                                                                 verb):
+                                                                 verb, overrides):
     rank = PPO_PLAN.role(role).ranks[index]
     out = tmp_path / "run"
-    proc, ended = ppo_under_torchrun(model, out, f"rank={rank},phase={phase},step={step},kind={kind}")
+    proc, ended = ppo_under_torchrun(model, out, f"rank={rank},phase={phase},step={step},kind={kind}", *overrides)
     assert proc.returncode != 0, proc.stderr[-4000:]
     assert injected_at(proc.stdout)[:3] == (rank, phase, step)
     after = ended - injected_at(proc.stdout)[3]

@@ -12,10 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from hpc_rlhf.config import TINY_ASSETS
-from hpc_rlhf.trainers.rl_scoring import combine_scores
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
 from tests.trainers.conftest import QUIET, learning, record_figures
@@ -74,14 +72,6 @@ GAIN = 0.08
 RM_PPO_GAIN = 0.10
 RM_ACCURACY = 0.9
 MAX_KL = 5.0
-
-
-def test_combine_scores_weights_each_source():
-    rule = torch.tensor([1.0, 0.0, 0.5])
-    rm1, rm2 = torch.tensor([0.2, 0.4, -1.0]), torch.tensor([1.0, 2.0, 3.0])
-    assert torch.allclose(combine_scores(rule, [rm1, rm2], [2.0, -1.0]), torch.tensor([0.4, -1.2, -4.5]))
-    with pytest.raises(ValueError):
-        combine_scores(rule, [rm1, rm2], [1.0])
 
 
 def test_two_reward_models_and_a_rule_reward_are_summed_with_weights(tmp_path):
