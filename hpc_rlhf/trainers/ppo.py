@@ -243,14 +243,18 @@ class RLRecipe:
 
     @contextlib.contextmanager
     def _engine_awake(self):
-        """A hybrid vLLM engine sleeps while the actor trains: load the actor's weights, wake, generate, sleep."""
+        """Hybrid vLLM (its own copy of the weights, in its own processes): give it the actor's weights when they
+        changed since it last got them, wake it, generate, put it back to sleep (on GPU; on CPU sleep is a no-op)."""
         if not (self.plan.is_hybrid and self.cfg.rollout.backend == "vllm"):
             yield
             return
-        with self.actor.gathered_parameters() as module:
-            weight_sync.load_local_weights(hf_names(merged_state(module, self.cfg.actor.lora.rank)),
-                                           self.rollout.load_weights,
-                                           bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
+        version = (self.actor.global_step, self.actor.skipped_steps)
+        if version != getattr(self, "_vllm_weights_version", None):
+            with self.actor.gathered_parameters() as module:
+                weight_sync.load_local_weights(hf_names(merged_state(module, self.cfg.actor.lora.rank)),
+                                               self.rollout.load_weights,
+                                               bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
+            self._vllm_weights_version = version
         self.rollout.wake()
         try:
             yield

@@ -20,10 +20,6 @@ from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
 from tests.trainers.conftest import QUIET
 
-# A reward model good enough for PPO to learn from: measured 0.972 held-out pairwise accuracy (0.81 at 200 steps,
-# 0.94 at 400). It must also judge the units digit: see hpc_rlhf.data.synthetic.wrong_answer.
-RM_BASE = ["train.max_steps=500", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
-           "log.every_steps=100", "log.eval_every_steps=500", "checkpoint.resume=false"]
 EVAL_ROWS = "eval.max_rows=300"
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"  # the built-in random model, for the tests of mechanics
 hpc_rlhf = hpc_rlhf_cli
@@ -33,19 +29,8 @@ def eval_curve(out: Path) -> list[float]:
     return [r["eval_accuracy"] for r in read_metrics(out) if isinstance(r.get("eval_accuracy"), float)]
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory, sft_base) -> Path:
-    """The shared SFT model (as sft/final), then a reward model on correct-vs-wrong pairs from it."""
-    root = tmp_path_factory.mktemp("rl")
-    (root / "sft").mkdir()
-    (root / "sft" / "final").symlink_to(sft_base)
-    hpc_rlhf("rm", "--config", "examples/tiny/rm.yaml", f"output_dir={root}/rm", f"model.path={root}/sft/final",
-             *QUIET, *RM_BASE, threads=2)
-    return root
-
-
-def test_grpo_rule_reward_beats_the_sft_plateau_colocated(base):
-    out = base / "grpo"
+def test_grpo_rule_reward_beats_the_sft_plateau_colocated(rl_base, tmp_path):
+    base, out = rl_base, tmp_path / "grpo"
     hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={base}/sft/final",
              "placement=actor+ref=1,rollout@actor", "train.max_steps=60", "log.eval_every_steps=30", EVAL_ROWS,
              *QUIET)
@@ -56,12 +41,13 @@ def test_grpo_rule_reward_beats_the_sft_plateau_colocated(base):
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(base):
+def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(rl_base, tmp_path):
     """All five roles on their own ranks (actor, critic, ref, reward, two rollout engines), rewarded by the
     learned reward model alone: held-out exact match rises, and every figure of the step is logged."""
+    base = rl_base
     rm_rows = read_metrics(base / "rm")
     assert rm_rows[-1]["eval_accuracy"] >= 0.9, "the reward model this test relies on ranks held-out pairs badly"
-    out = base / "ppo6"
+    out = tmp_path / "ppo6"
     hpc_rlhf("ppo", "--config", "examples/tiny/ppo.yaml", f"output_dir={out}", f"actor.path={base}/sft/final",
              f"critic.path={base}/rm/final", f"reward.models=[{base}/rm/final]", "reward.functions=[]",
              "train.max_steps=40", "log.eval_every_steps=20", EVAL_ROWS, *QUIET)
