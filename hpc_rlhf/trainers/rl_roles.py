@@ -58,11 +58,11 @@ def build_vllm_engine(cfg: Config, plan, eos: int):
         return None
     on_gpu = torch.cuda.is_available()
     dtype = cfg.actor.dtype if cfg.actor.dtype != "auto" else ("bfloat16" if on_gpu else "float32")  # the actor's
+    eager = not on_gpu if cfg.rollout.enforce_eager is None else cfg.rollout.enforce_eager
     return VLLMRolloutEngine(cfg.actor.path, eos, tensor_parallel_size=len(engine_ranks),
                              gpu_ids=[r % plan.ranks_per_node for r in engine_ranks] if on_gpu else None,
                              dtype=dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                             kv_cache_mb=cfg.rollout.kv_cache_mb or None,
-                             enforce_eager=not on_gpu if cfg.rollout.enforce_eager is None else cfg.rollout.enforce_eager,
+                             kv_cache_mb=cfg.rollout.kv_cache_mb or None, enforce_eager=eager,
                              seed=cfg.train.seed, enable_sleep_mode=plan.is_hybrid,
                              max_model_len=cfg.data.max_prompt_len + max(cfg.rollout.max_new_tokens,
                                                                          cfg.eval.max_new_tokens))

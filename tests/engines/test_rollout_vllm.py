@@ -232,9 +232,11 @@ def test_engine_kwargs_name_an_importable_worker_extension_and_our_transport():
 def test_worker_environment_hides_our_launcher_and_our_own_variables():
     ours = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
             "TORCHELASTIC_RUN_ID": "x", "HPC_RLHF_FAULT": "rank=3,kind=kill", "HPC_RLHF_LOCAL_LAUNCH": "1",
-            "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PATH": "/usr/bin", "SLURM_JOB_ID": "42"}
+            "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PATH": "/usr/bin", "SLURM_JOB_ID": "42",
+            "HPC_RLHF_CPU_KERNELS": "native"}
     gpu = vr.worker_environment(ours, [2, 3], on_cpu=False)
-    assert gpu == {"PATH": "/usr/bin", "SLURM_JOB_ID": "42", "CUDA_VISIBLE_DEVICES": "2,3",
+    assert gpu == {"PATH": "/usr/bin", "SLURM_JOB_ID": "42", "HPC_RLHF_CPU_KERNELS": "native",
+                   "CUDA_VISIBLE_DEVICES": "2,3",
                    "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cpu = vr.worker_environment(ours, None, on_cpu=True)
     assert cpu["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and cpu["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
@@ -337,7 +339,32 @@ def test_cuda_ipc_worker_rebuilds_the_buffer_on_the_gpu_that_holds_it(monkeypatc
     assert fake_rebuild.devices == [1]
     assert all(torch.equal(g, t) for (_, g), (_, t) in zip(worker.model.loaded[0], tensors))
     with pytest.raises(ValueError, match="GPU-7, which this vLLM worker cannot see"):
-        vllm_worker.find_device_index("GPU-7", ["GPU-0", "GPU-1"])
+        vr.find_device_index("GPU-7", ["GPU-0", "GPU-1"])
+
+
+def _consume_cuda_bucket(info: dict) -> dict[str, str]:
+    """In a spawned process, as vLLM's worker does: open the buffer from its IPC handle, read every tensor."""
+    from hpc_rlhf.engines.rollout import vllm as engine
+
+    buffer = engine.rebuild_cuda_buffer(info["handle"], info["device_uuid"])
+    views = engine.bucket_views(buffer, info["names"], info["dtype_names"], info["shapes"], info["offsets"],
+                                info["nbytes"])
+    return {name: view.cpu().view(torch.uint8).numpy().tobytes().hex() for name, view in views}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA IPC transport needs a CUDA GPU")
+def test_cuda_ipc_transport_reaches_another_process_bit_for_bit():
+    """GPU only (run on a lent H100, see the README): the driving rank's side packs buckets into its CUDA
+    buffer; another process opens it by handle on the GPU found by uuid and reads each tensor exactly, also after
+    the buffer grew (a new handle)."""
+    sender = vr.CudaIpcBuffer(torch.device("cuda", 0))
+    context = torch.multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        for seed, scale in ((0, 1), (1, 300)):
+            tensors = [(name, t.cuda()) for name, t in mixed_tensors(seed, scale)]
+            got = pool.apply(_consume_cuda_bucket, (sender.bucket(tensors),))
+            assert got == {name: t.cpu().view(torch.uint8).numpy().tobytes().hex() for name, t in tensors}
+    sender.close()
 
 
 # ------------------------------------------------------------------------------------------ weight names

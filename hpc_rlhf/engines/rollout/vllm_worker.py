@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import mmap
 import os
 import warnings
@@ -29,6 +30,8 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from hpc_rlhf.engines.rollout.vllm import bucket_views, rebuild_cuda_buffer
 
 SHM_BACKEND, CUDA_IPC_BACKEND = "hpc_rlhf_shm", "hpc_rlhf_cuda_ipc"
 
@@ -83,22 +86,11 @@ class _BucketEngine(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo]):
         raise NotImplementedError
 
     def receive_weights(self, update_info: BucketUpdateInfo) -> None:
-        buffer = self._buffer(update_info)
-        weights = []
-        for name, dtype_name, shape, offset in zip(update_info.names, update_info.dtype_names, update_info.shapes,
-                                                   update_info.offsets):
-            dtype = getattr(torch, dtype_name)
-            numel = 1
-            for s in shape:
-                numel *= s
-            nbytes = numel * dtype.itemsize
-            if offset < 0 or offset + nbytes > min(update_info.nbytes, buffer.numel()):
-                raise ValueError(f"weight update: '{name}' lies outside the buffer ({offset} + {nbytes} bytes of "
-                                 f"{update_info.nbytes})")
-            # A copy: the layerwise reload keeps what it is given until the layer is complete, and the buffer holds
-            # the next bucket by then.
-            weights.append((name, buffer[offset:offset + nbytes].view(dtype).view(shape).clone()))
-        self.model.load_weights(weights)
+        # Copies: the layerwise reload keeps what it is given until the layer is complete, and the buffer holds
+        # the next bucket by then.
+        views = bucket_views(self._buffer(update_info), update_info.names, update_info.dtype_names,
+                             update_info.shapes, update_info.offsets, update_info.nbytes)
+        self.model.load_weights([(name, view.clone()) for name, view in views])
 
 
 class SharedMemoryWeightTransferEngine(_BucketEngine):
@@ -156,35 +148,29 @@ class CudaIpcWeightTransferEngine(_BucketEngine):
         if update_info.handle is None or update_info.device_uuid is None:
             raise ValueError("weight update: the CUDA IPC backend needs update_info['handle'] and ['device_uuid']")
         if self._rebuilt is None or self._rebuilt[0] != update_info.handle:
-            import base64
-            import pickle
-
             from vllm import envs
 
             if not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
                 raise ValueError("weight update: a CUDA IPC handle is unpickled only with "
                                  "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the driving rank sets it)")
-            rebuild, args = pickle.loads(base64.b64decode(update_info.handle))
-            args = list(args)
-            # torch's rebuild_cuda_tensor takes the device index as its 7th argument; the sender's index means
-            # nothing under this process's CUDA_VISIBLE_DEVICES.
-            args[6] = find_device_index(update_info.device_uuid)
-            self._rebuilt = (update_info.handle, rebuild(*args))
+            self._rebuilt = (update_info.handle, rebuild_cuda_buffer(update_info.handle, update_info.device_uuid))
         return self._rebuilt[1]
 
     def shutdown(self) -> None:
         self._rebuilt = None
 
 
-def find_device_index(uuid: str, visible_uuids: list[str] | None = None) -> int:
-    """Local CUDA index of the GPU with this uuid, as seen by a process with its own CUDA_VISIBLE_DEVICES."""
-    if visible_uuids is None:
-        visible_uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-    if uuid not in visible_uuids:
-        raise ValueError(f"the weight buffer lives on GPU {uuid}, which this vLLM worker cannot see (visible: "
-                         f"{list(visible_uuids)}); the driving rank's GPU must be one of the engine's GPUs")
-    return list(visible_uuids).index(uuid)
+class _RotaryCacheIsNotAWeight(logging.Filter):
+    """vLLM's layerwise reload warns "<layer>: Failed to load weights" for every layer that got none; rotary
+    embeddings hold only a computed cos/sin cache, which no checkpoint carries, so on every sync that warning is
+    noise (the cache is kept, as it should be)."""
 
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryCacheIsNotAWeight())
 
 for _name, _engine in ((SHM_BACKEND, SharedMemoryWeightTransferEngine),
                        (CUDA_IPC_BACKEND, CudaIpcWeightTransferEngine)):
