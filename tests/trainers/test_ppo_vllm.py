@@ -86,8 +86,10 @@ def test_ppo_with_vllm_beats_the_sft_plateau_on_five_ranks(rl_base, tmp_path):
 SUBREAPER = r"""
 import ctypes, json, os, subprocess, sys, time
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-cmd, wait_s = json.loads(sys.argv[1]), float(sys.argv[2])
-job = subprocess.run(cmd, capture_output=True, text=True)
+cmd, wait_s, log = json.loads(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+# Output to a file, not a pipe: processes left behind would hold a pipe open and the wait would never end.
+with open(log, "w") as out:
+    job = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
 
 def reap():
     while True:
@@ -117,7 +119,7 @@ for pid in left:
     os.kill(pid, 9)
 time.sleep(0.5)
 reap()
-print(json.dumps({"returncode": job.returncode, "stderr": job.stderr[-6000:], "left": left}))
+print(json.dumps({"returncode": job.returncode, "output": open(log).read()[-6000:], "left": left}))
 """
 
 
@@ -130,11 +132,11 @@ def test_a_killed_driving_rank_leaves_no_vllm_process(tmp_path):
            f"actor.path={TINY_MODEL}", "placement=actor=1,ref=1,rollout=1", VLLM, "train.max_steps=3",
            "log.eval_every_steps=0", *QUIET]
     env = worker_env({"HPC_RLHF_FAULT": "rank=2,phase=rollout,step=2,kind=kill"})
-    proc = subprocess.run([sys.executable, "-c", SUBREAPER, json.dumps(cmd), "30"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", SUBREAPER, json.dumps(cmd), "30", str(tmp_path / "job.log")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["returncode"] != 0
-    assert "rank 2 (role rollout) failed during rollout" in report["stderr"], report["stderr"]
+    assert "rank 2 (role rollout) failed during rollout" in report["output"], report["output"]
     rows = read_metrics(out)
     assert [r["step"] for r in rows if "rollout_logprob_abs_diff" in r] == [1]  # vLLM generated, then the kill
     assert report["left"] == {}, f"processes left behind by the job: {report['left']}"
