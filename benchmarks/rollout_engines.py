@@ -10,8 +10,10 @@
    through its engine core), and the hf engine's in-process copy as the floor. MB/s = bytes / median seconds.
 3. GRPO: `hpc-rlhf grpo` on the built-in task with each backend, in the hybrid (1 rank) and the disjoint
    placement of examples/tiny/grpo.yaml (actor, ref, 2 engines: 4 ranks), `--steps` steps from the tiny random
-   model. Samples/s = samples per step / median step time after `--warmup` steps (from metrics.jsonl); the
-   start-up (process start to the first step) is printed apart: vLLM's engines start in it.
+   model, `--rounds` runs each, the backends alternating. Samples/s = samples per step / median step time after
+   `--warmup` steps (from metrics.jsonl); the start-up (command to the end of step 1, less one step) is printed
+   apart: vLLM's engines start in it. These runs cannot be interleaved step by step as the generation calls are, so on a shared
+   machine their ratios move with the load: compare the rounds.
 
 Every vLLM process runs with one thread, as the hf side does (OMP_NUM_THREADS=1). Nothing is asserted.
 
@@ -158,9 +160,12 @@ def grpo_run(backend: str, placement: str, out: Path, args) -> dict:
     benchlib.run_command(cmd, timeout=1800, what=f"grpo {backend} {placement}")
     rows = benchlib.read_jsonl(out / "metrics.jsonl")
     steps = benchlib.rl_step_times_from_metrics(rows, args.warmup)
-    first = min(r["time"] - r["time_step"] for r in rows if "time_step" in r)
+    step = benchlib.median(steps)
+    # Start-up: from the command to the end of step 1, less one ordinary step. (Step 1's own time is no measure:
+    # in a disjoint placement rank 0 starts it before the engines are up and waits for them inside it.)
+    first_end = min(r["time"] for r in rows if "time_step" in r)
     generate = [r["time_generate"] for r in rows if "time_generate" in r][args.warmup:]
-    return {"step_s": benchlib.median(steps), "generate_s": benchlib.median(generate), "startup_s": first - t0,
+    return {"step_s": step, "generate_s": benchlib.median(generate), "startup_s": first_end - t0 - step,
             "samples": rows[-1]["samples_per_s"] * rows[-1]["time_step"], "spread": benchlib.spread(steps)}
 
 
@@ -174,6 +179,7 @@ def main() -> int:
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2, help="GRPO: runs per backend and placement")
     parser.add_argument("--skip", nargs="*", default=[], choices=["generation", "sync", "grpo"],
                         help="sections to leave out")
     args = parser.parse_args()
@@ -210,23 +216,34 @@ def main() -> int:
 
     if "grpo" not in args.skip:
         print(f"\n3. GRPO on the built-in task, tiny random Llama, {args.steps} steps (median step after "
-              f"{args.warmup}); examples/tiny/grpo.yaml: 16 prompts x 8 samples")
-        results = {}
+              f"{args.warmup}); examples/tiny/grpo.yaml: 16 prompts x 8 samples; {args.rounds} rounds, the two "
+              f"backends' runs alternating (hf first in odd rounds), per-round ratios")
+        placements = ("actor+ref=1,rollout@actor", "actor=1,ref=1,rollout=2")
+        results = {(p, b): [] for p in placements for b in ("hf", "vllm")}
         with tempfile.TemporaryDirectory() as tmp:
-            for placement in ("actor+ref=1,rollout@actor", "actor=1,ref=1,rollout=2"):
-                for backend in ("hf", "vllm"):
-                    results[placement, backend] = grpo_run(backend, placement, Path(tmp) / f"{backend}{len(results)}",
-                                                           args)
+            for round_ in range(args.rounds):
+                for placement in placements:
+                    order = ("hf", "vllm") if round_ % 2 == 0 else ("vllm", "hf")
+                    for backend in order:
+                        out = Path(tmp) / f"{backend}{round_}{placements.index(placement)}"
+                        results[placement, backend].append(grpo_run(backend, placement, out, args))
         rows = []
-        for (placement, backend), r in results.items():
-            rows.append((placement, backend, r["step_s"], r["samples"] / r["step_s"], r["generate_s"], r["startup_s"],
-                         r["spread"]))
+        for (placement, backend), runs in results.items():
+            step = benchlib.median(r["step_s"] for r in runs)
+            rows.append((placement, backend, step, runs[0]["samples"] / step,
+                         benchlib.median(r["generate_s"] for r in runs),
+                         benchlib.median(r["startup_s"] for r in runs),
+                         benchlib.spread([r["step_s"] for r in runs])))
         print(benchlib.table(("placement", "backend", "s per step", "samples/s", "generate s", "start-up s",
-                              "step s min-max"), rows))
-        for placement in ("actor+ref=1,rollout@actor", "actor=1,ref=1,rollout=2"):
+                              "step s, runs min-max"), rows))
+        for placement in placements:
             hf, vl = results[placement, "hf"], results[placement, "vllm"]
-            print(f"   {placement}: vLLM / hf samples/s {hf['step_s'] / vl['step_s']:.2f}x, generation phase "
-                  f"{hf['generate_s'] / vl['generate_s']:.2f}x, start-up +{vl['startup_s'] - hf['startup_s']:.0f} s")
+            speed = [h["step_s"] / v["step_s"] for h, v in zip(hf, vl)]
+            generate = [h["generate_s"] / v["generate_s"] for h, v in zip(hf, vl)]
+            startup = [v["startup_s"] - h["startup_s"] for h, v in zip(hf, vl)]
+            print(f"   {placement}: vLLM / hf samples/s {benchlib.median(speed):.2f}x (rounds: "
+                  f"{', '.join(f'{x:.2f}' for x in speed)}), generation phase {benchlib.median(generate):.2f}x, "
+                  f"start-up {benchlib.median(startup):+.0f} s")
     print(f"   machine at the end: {benchlib.machine_state()}")
     return 0
 
