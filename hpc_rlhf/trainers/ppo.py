@@ -249,19 +249,26 @@ class RLRecipe:
 
     @contextlib.contextmanager
     def _engine_awake(self):
-        """A hybrid vLLM engine sleeps while the actor trains: stream the actor's weights into it (one module
-        gathered at a time under ZeRO-3, on every actor rank), wake, generate, sleep."""
+        """A hybrid vLLM engine (its own copy of the weights, in its own processes) sleeps while the actor trains:
+        when the actor's weights changed since the engine last got them, stream them in (one module gathered at a
+        time under ZeRO-3, on every actor rank), then wake it, generate, put it back to sleep (on GPU; on CPU
+        sleep is a no-op)."""
         if not (self.plan.is_hybrid and self.cfg.rollout.backend == "vllm"):
             yield
             return
-        weights = hf_names(self.actor.full_state(on_every_rank=True))
-        if self.rollout is None:  # a vLLM engine's other ranks take part in the gathers only
-            for _ in weights:
-                pass
+        version = (self.actor.global_step, self.actor.skipped_steps)
+        if version != getattr(self, "_vllm_weights_version", None):
+            weights = hf_names(self.actor.full_state(on_every_rank=True))
+            if self.rollout is None:  # a vLLM engine's other ranks take part in the gathers only
+                for _ in weights:
+                    pass
+            else:
+                weight_sync.load_local_weights(weights, self.rollout.load_weights,
+                                               bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
+            self._vllm_weights_version = version
+        if self.rollout is None:
             yield
             return
-        weight_sync.load_local_weights(weights, self.rollout.load_weights,
-                                       bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
         self.rollout.wake()
         try:
             yield

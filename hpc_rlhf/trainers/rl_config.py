@@ -23,17 +23,23 @@ ASYNC_TIS_CAP = 2.0
 @dataclass
 class RolloutSection:
     """Generation: backend, samples per prompt, sampling settings."""
-    backend: str = field("hf", choices=["hf", "vllm"], help="hf = transformers generate (CPU/GPU); vllm = GPU")
+    backend: str = field("hf", choices=["hf", "vllm"],
+                         help="hf = transformers generate; vllm = vLLM (its CPU build on CPU, its CUDA build on GPUs)")
     prompts_per_step: int = field(16, min=1, help="prompts drawn per RL step")
     n_samples: int = field(4, min=1, help="responses sampled per prompt")
     temperature: float = field(1.0, min=0)
     top_p: float = field(1.0, min=0, max=1)
     top_k: int = field(0, min=0)
     max_new_tokens: int = field(8, min=1)
-    max_batch_prompts: int = field(64, min=1, help="prompts per generate call (bounds KV-cache memory)")
+    max_batch_prompts: int = field(64, min=1, help="hf: prompts per generate call (bounds KV-cache memory)")
     weight_sync_bucket_mb: int = field(256, min=1, help="bucket size of the actor-to-engine weight broadcast")
-    gpu_memory_utilization: float = field(0.5, min=0.05, max=1, help="vllm: share of GPU memory it may take")
-    enforce_eager: bool = field(False, help="vllm: no CUDA graphs")
+    gpu_memory_utilization: float = field(0.5, min=0.05, max=1,
+                                          help="vllm on GPU: share of GPU memory it may take (weights + KV cache)")
+    kv_cache_mb: int = field(0, min=0, help="vllm: KV-cache size per engine in MiB (0: from gpu_memory_utilization on "
+                                            "GPU, 256 on CPU, where vLLM would otherwise reserve a share of the "
+                                            "machine's memory)")
+    enforce_eager: bool | None = field(None, help="vllm: no CUDA graphs or torch.compile (None: eager on CPU, where "
+                                                  "compiling doubled the start-up, graphs on GPU)")
 
 
 @dataclass

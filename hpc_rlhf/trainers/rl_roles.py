@@ -53,21 +53,23 @@ def build_rollout_engine(cfg: Config, plan, tokenizer, device, actor=None):
 
 
 def build_vllm_engine(cfg: Config, plan, eos: int):
-    """One vLLM engine per rollout engine, driven by the engine's first rank (DESIGN §9): vLLM runs in processes
-    of its own on the engine's GPUs; the other ranks of the engine leave their GPUs to it."""
-    from hpc_rlhf.engines.rollout.vllm import VLLMRolloutEngine  # optional dependency (the vllm extra)
+    """One vLLM engine per rollout engine, driven by the engine's first rank (None on its other ranks): vLLM runs in
+    processes of its own (on GPUs, on the engine's GPUs), fed by the weight-sync group (DESIGN §9)."""
+    from hpc_rlhf.engines.rollout.vllm import VLLMRolloutEngine  # vLLM itself is imported only when it starts
 
     engine_ranks = plan.role("rollout").engines[groups.rollout_engine_of_rank()]
     if dist.get_rank() != engine_ranks[0]:
         return None
-    per_node = plan.ranks_per_node
+    on_gpu = torch.cuda.is_available()
+    dtype = cfg.actor.dtype if cfg.actor.dtype != "auto" else ("bfloat16" if on_gpu else "float32")  # the actor's
+    eager = not on_gpu if cfg.rollout.enforce_eager is None else cfg.rollout.enforce_eager
     return VLLMRolloutEngine(cfg.actor.path, eos, tensor_parallel_size=len(engine_ranks),
-                             gpu_ids=[r % per_node for r in engine_ranks],
-                             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                             enforce_eager=cfg.rollout.enforce_eager, seed=cfg.train.seed,
-                             enable_sleep_mode=plan.is_hybrid,
-                             max_model_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
-                             bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+                             gpu_ids=[r % plan.ranks_per_node for r in engine_ranks] if on_gpu else None,
+                             dtype=dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                             kv_cache_mb=cfg.rollout.kv_cache_mb or None, enforce_eager=eager,
+                             seed=cfg.train.seed, enable_sleep_mode=plan.is_hybrid,
+                             max_model_len=cfg.data.max_prompt_len + max(cfg.rollout.max_new_tokens,
+                                                                         cfg.eval.max_new_tokens))
 
 
 def hf_names(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

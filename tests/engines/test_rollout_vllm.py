@@ -1,16 +1,157 @@
-"""The parts of the vLLM engine that run without vLLM: sampling translation, output conversion, spawn
-environment, bucket layout and the worker-side loader (with fakes), and actor -> Hugging Face weight names."""
+"""The vLLM engine on CPU (vLLM's CPU build), for real: one 2-rank run where rank 0 plays the actor and rank 1
+drives a vLLM engine checks generation against the hf engine, the weight sync over the weight-sync group (read back
+from vLLM's worker bit for bit), that vLLM's processes stay out of our world and end on close. Then the pure parts:
+sampling translation, output conversion, the worker environment, bucket layout, the GPU transport's worker side
+(with its CUDA calls faked), and actor -> Hugging Face weight names.
 
+Cost: the 2-rank run starts one vLLM engine (~25 s on a quiet 2-core machine, ~50 s under load) and takes about a
+minute in all.
+"""
+
+import base64
 import importlib
+import json
 import os
+import pickle
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hpc_rlhf.dist.weight_sync import Bucketer
+from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.engines.rollout import vllm as vr
 from hpc_rlhf.engines.rollout.base import RolloutError, SamplingParams, hf_named_tensors, hf_param_name
+from tests.distributed import REPO, run_ranks
+
+TINY = str(REPO / TINY_ASSETS / "models" / "llama-tiny")
+EOS = 2
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 20, 21, 22, 23, 24], [1, 30, 31], [1, 40, 41, 42]]
+OUR_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HPC_RLHF_MARK")
+
+
+# ------------------------------------------------------------------------------------ the real engine, 2 ranks
+def perturbed(model, seed: int, scale: float = 0.05):
+    """The actor after an update: every weight moved by seeded noise (the same on both ranks)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale)
+    return model
+
+
+def teacher_forced(model, prompt, response, temperature):
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+def _rank_main(out: str) -> None:
+    """Rank 0: the actor, sends two updates over the group. Rank 1: drives vLLM and records what it sees."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hpc_rlhf.dist import weight_sync
+    from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
+    from hpc_rlhf.engines.rollout.vllm_worker import tensor_digest
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    group = dist.new_group([0, 1])
+    if rank == 0:
+        for seed, bucket_mb in ((1, 1.0), (2, 3.0)):  # several buckets, then larger ones (the buffer grows)
+            weight_sync.send_weights(perturbed(model, seed).state_dict().items(), src=0, group=group,
+                                     bucket_mb=bucket_mb)
+        dist.barrier()
+        return
+    os.environ["HPC_RLHF_MARK"] = "our-rank-only"
+    engine = vr.VLLMRolloutEngine(TINY, EOS, dtype="float32", enforce_eager=True, max_model_len=64, kv_cache_mb=64,
+                                  seed=0)
+    result = {"pids": engine.worker_pids()}
+
+    result["worker"] = engine.worker_info(OUR_VARS)[0]
+    result["our_master_port"] = os.environ["MASTER_PORT"]
+    hf = HFRolloutEngine(model, pad_id=0, eos_id=EOS)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
+    sampled = SamplingParams(n=4, temperature=0.8, max_new_tokens=8, seed=123)
+
+    def compare(tag):
+        ours, theirs = engine.generate(PROMPTS, greedy), hf.generate(PROMPTS, greedy)
+        result[f"{tag}_greedy"] = [[t.tolist() for t in ours.flat_responses()],
+                                   [t.tolist() for t in theirs.flat_responses()]]
+        result[f"{tag}_greedy_lp_gap"] = max(float((a - b).abs().max()) for a, b in
+                                             zip(ours.flat_logprobs(), theirs.flat_logprobs()) if a.shape == b.shape)
+        first, again = engine.generate(PROMPTS, sampled), engine.generate(PROMPTS, sampled)
+        result[f"{tag}_seeded_repeat"] = ([t.tolist() for t in first.flat_responses()] ==
+                                          [t.tolist() for t in again.flat_responses()])
+        gaps = [float((lp - teacher_forced(model, PROMPTS[i // 4], t.tolist(), 0.8)).abs().max())
+                for i, (t, lp) in enumerate(zip(first.flat_responses(), first.flat_logprobs()))]
+        result[f"{tag}_sampled_lp_gap"] = max(gaps)
+        result[f"{tag}_digests"] = engine.weight_digests()
+        result[f"{tag}_expected"] = {k: tensor_digest(v) for k, v in model.state_dict().items()}
+
+    compare("initial")
+    for seed in (1, 2):
+        stats = weight_sync.receive_weights(src=0, group=group, load_fn=engine.load_weights)
+        perturbed(model, seed)  # what the actor now holds
+        compare(f"sync{seed}")
+        result[f"sync{seed}_buckets"] = stats.buckets
+    engine.close()
+    from hpc_rlhf.engines.rollout.reaper import process_stat
+
+    result["alive_after_close"] = [pid for pid in result["pids"] if (stat := process_stat(pid)) and stat[2] != "Z"]
+    dist.barrier()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm_engine") / "result.json"
+    run_ranks(2, __file__, "engine", str(out), timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_vllm_processes_stay_out_of_our_world(run):
+    assert len(run["pids"]) >= 2, "vLLM's engine core and worker were not seen"
+    worker = run["worker"]
+    assert worker["pid"] in run["pids"]
+    assert all(value is None for value in worker["env"].values()), worker["env"]
+    assert worker["world_size"] == 1  # vLLM's own torch world (its worker alone), not our 2 ranks
+
+
+def test_greedy_output_equals_the_hf_engine_before_and_after_each_sync(run):
+    for tag in ("initial", "sync1", "sync2"):
+        ours, theirs = run[f"{tag}_greedy"]
+        assert ours == theirs, tag
+        assert run[f"{tag}_greedy_lp_gap"] < 1e-4, tag
+    assert run["initial_greedy"][0] != run["sync1_greedy"][0] != run["sync2_greedy"][0]  # the syncs mattered
+
+
+def test_sampled_log_probs_are_those_of_the_sampling_distribution(run):
+    for tag in ("initial", "sync1", "sync2"):
+        assert run[f"{tag}_sampled_lp_gap"] < 1e-4, tag
+
+
+def test_seeded_sampling_repeats(run):
+    assert all(run[f"{tag}_seeded_repeat"] for tag in ("initial", "sync1", "sync2"))
+
+
+def test_weight_sync_over_the_group_reaches_the_worker_bit_for_bit(run):
+    assert run["sync1_buckets"] >= 3  # the update session spans buckets that cut layers
+    for tag in ("initial", "sync1", "sync2"):
+        assert run[f"{tag}_digests"] == run[f"{tag}_expected"], tag
+    assert run["sync1_digests"] != run["initial_digests"]
+    assert len(run["sync2_digests"]) == 39  # every weight of the 4-layer model, q/k/v and gate/up split back
+
+
+def test_close_ends_vllm_processes(run):
+    assert run["alive_after_close"] == []
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
 
 
 # ---------------------------------------------------------------------------------------- sampling params
@@ -67,70 +208,163 @@ def test_incomplete_outputs_are_refused_with_the_prompt_named():
 
 
 # ------------------------------------------------------------------------------------- engine plumbing
-def test_engine_kwargs_name_an_importable_worker_extension_and_processed_logprobs():
+def test_engine_kwargs_name_an_importable_worker_extension_and_our_transport():
     kwargs = vr.engine_kwargs("/models/actor", tensor_parallel_size=2, dtype="bfloat16", gpu_memory_utilization=0.4,
                               seed=3, enable_sleep_mode=True, max_model_len=None, enforce_eager=False,
-                              extra={"enable_prefix_caching": False})
+                              weight_backend=vr.CUDA_IPC_BACKEND, extra={"enable_prefix_caching": False})
     assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["distributed_executor_backend"] == "mp"
-    assert "max_model_len" not in kwargs and kwargs["enable_prefix_caching"] is False
+    assert kwargs["weight_transfer_config"] == {"backend": "hpc_rlhf_cuda_ipc"} and kwargs["skip_tokenizer_init"]
+    assert "max_model_len" not in kwargs and "kv_cache_memory_bytes" not in kwargs
+    assert kwargs["enable_prefix_caching"] is False
     module, cls = kwargs["worker_extension_cls"].rsplit(".", 1)
-    assert getattr(importlib.import_module(module), cls) is vr.WorkerExtension
-    single = vr.engine_kwargs("/m", tensor_parallel_size=1, dtype="auto", gpu_memory_utilization=0.3, seed=0,
-                              enable_sleep_mode=False, max_model_len=512, enforce_eager=True)
+    worker = importlib.import_module(module)  # registers both transports with vLLM's factory
+    assert getattr(worker, cls) is worker.WorkerExtension
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    assert {vr.SHM_BACKEND, vr.CUDA_IPC_BACKEND} <= set(WeightTransferEngineFactory._registry)
+    single = vr.engine_kwargs("/m", tensor_parallel_size=1, dtype="float32", gpu_memory_utilization=0.3, seed=0,
+                              enable_sleep_mode=False, max_model_len=512, enforce_eager=True,
+                              weight_backend=vr.SHM_BACKEND, kv_cache_bytes=64 << 20)
     assert "distributed_executor_backend" not in single and single["max_model_len"] == 512
+    assert single["kv_cache_memory_bytes"] == 64 << 20
 
 
-def test_spawn_environment_hides_our_launcher_and_restores_everything(monkeypatch):
+def test_worker_environment_hides_our_launcher_and_our_own_variables():
+    ours = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
+            "TORCHELASTIC_RUN_ID": "x", "HPC_RLHF_FAULT": "rank=3,kind=kill", "HPC_RLHF_LOCAL_LAUNCH": "1",
+            "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PATH": "/usr/bin", "SLURM_JOB_ID": "42",
+            "HPC_RLHF_CPU_KERNELS": "native"}
+    gpu = vr.worker_environment(ours, [2, 3], on_cpu=False)
+    assert gpu == {"PATH": "/usr/bin", "SLURM_JOB_ID": "42", "HPC_RLHF_CPU_KERNELS": "native",
+                   "CUDA_VISIBLE_DEVICES": "2,3",
+                   "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    cpu = vr.worker_environment(ours, None, on_cpu=True)
+    assert cpu["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and cpu["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert vr.worker_environment({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, None, True)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+
+
+def test_spawn_environment_restores_everything(monkeypatch):
     monkeypatch.setenv("RANK", "3")
-    monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     with pytest.raises(KeyError):
         with vr.spawn_environment([2, 3]):
-            assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
-            assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
-            assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+            assert "RANK" not in os.environ and os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
             raise KeyError("vLLM failed to start")
-    assert os.environ["RANK"] == "3" and os.environ["MASTER_PORT"] == "29500"
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+    assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
 
 
-def test_creating_an_engine_without_vllm_gives_one_clear_error():
-    try:
-        import vllm  # noqa: F401
-        pytest.skip("vllm is installed here")
-    except ImportError:
-        pass
+def test_creating_an_engine_without_vllm_gives_one_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if it were not installed
     with pytest.raises(RolloutError, match="needs the vllm package"):
         vr.VLLMRolloutEngine("/models/actor", eos_id=2)
 
 
-def test_worker_extension_loads_a_bucket_from_the_gpu_named_by_uuid(monkeypatch):
-    """The worker side with its CUDA parts faked: rebuild the buffer on the right device, load every view."""
-    tensors = [("model.embed_tokens.weight", torch.randn(5, 4)), ("model.norm.weight", torch.randn(4)),
-               ("lm_head.weight", torch.randn(5, 4))]
-    (bucket,) = Bucketer(1 << 20, torch.device("cpu")).buckets(tensors)
-    layout = vr.bucket_layout(bucket)
-    assert layout == [("model.embed_tokens.weight", (5, 4), 0), ("model.norm.weight", (4,), 20),
-                      ("lm_head.weight", (5, 4), 24)]
-    seen_devices, loaded = [], []
+def mixed_tensors(seed: int, scale: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return [("model.embed_tokens.weight", torch.randn(5 * scale, 4, generator=generator)),
+            ("model.norm.weight", torch.randn(3, generator=generator).to(torch.bfloat16)),
+            ("lm_head.weight", torch.randn(5, 4 * scale, generator=generator)),
+            ("step", torch.tensor([7, -1], dtype=torch.int64))]
 
-    def rebuild(*args):
-        seen_devices.append(args[6])
-        return bucket.flat
 
+def test_bucket_layout_aligns_every_tensor():
+    offsets, nbytes = vr.bucket_layout(mixed_tensors(0))
+    assert offsets == [0, 128, 192, 320] and nbytes == 336  # 80 B, 6 B, 80 B, 16 B, each from a 64-byte boundary
+
+
+class FakeModel:
+    def __init__(self):
+        self.loaded = []
+
+    def load_weights(self, weights):
+        self.loaded.append([(name, tensor) for name, tensor in weights])
+
+
+def test_shared_memory_transport_moves_buckets_bit_for_bit_and_grows():
+    """Both sides of the CPU transport in one process: the driver packs into its memfd, the worker's engine maps
+    it through /proc and loads copies (the buffer is overwritten by the next bucket)."""
+    from hpc_rlhf.engines.rollout.vllm_worker import SharedMemoryWeightTransferEngine
+
+    sender = vr.SharedBuffer()
+    worker = object.__new__(SharedMemoryWeightTransferEngine)
+    worker.model, worker._mapped = FakeModel(), None
+    try:
+        for seed, scale in ((0, 1), (1, 1), (2, 5000)):  # the last bucket is larger than the buffer: it grows
+            sent = mixed_tensors(seed, scale)
+            worker.update_weights(sender.bucket(sent))
+            got = worker.model.loaded[-1]
+            assert [n for n, _ in got] == [n for n, _ in sent]
+            assert all(g.dtype == t.dtype and torch.equal(g, t) for (_, g), (_, t) in zip(got, sent))
+        assert sender.size >= vr.bucket_layout(mixed_tensors(2, 5000))[1]
+        first = worker.model.loaded[0]
+        assert torch.equal(first[0][1], mixed_tensors(0)[0][1])  # a copy: later buckets did not overwrite it
+        info = sender.bucket(mixed_tensors(3))
+        info["offsets"][2] = info["nbytes"]
+        with pytest.raises(ValueError, match="'lm_head.weight' lies outside the buffer"):
+            worker.update_weights(info)
+    finally:
+        worker.shutdown()
+        sender.close()
+
+
+def fake_rebuild(*args):
+    """Stands for torch's rebuild_cuda_tensor (module level, so the handle pickles)."""
+    fake_rebuild.devices.append(args[6])
+    return fake_rebuild.buffer
+
+
+def test_cuda_ipc_worker_rebuilds_the_buffer_on_the_gpu_that_holds_it(monkeypatch):
+    """The GPU transport's worker side with its CUDA calls faked: the handle is unpickled (only when vLLM allows
+    it), the buffer rebuilt on the GPU found by uuid, and every tensor loaded."""
+    from hpc_rlhf.engines.rollout import vllm_worker
+
+    tensors = mixed_tensors(0)
+    offsets, nbytes = vr.bucket_layout(tensors)
+    fake_rebuild.buffer, fake_rebuild.devices = torch.zeros(nbytes, dtype=torch.uint8), []
+    vr.pack_into(fake_rebuild.buffer, tensors, offsets)
+    handle = base64.b64encode(pickle.dumps((fake_rebuild, ("cls", 1, 1, 0, "storage", "dtype", 0, "h")))).decode()
+    info = vr.update_info(tensors, offsets, nbytes, handle=handle, device_uuid="GPU-1")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    worker = vr.WorkerExtension()
-    worker.model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=lambda weights: loaded.extend(weights)))
-    handle = (rebuild, ("cls", "size", "stride", 0, "storage", "dtype", 0, "handle"))
-    assert worker.hpc_rlhf_load_bucket(handle, "GPU-1", layout) == 3
-    assert seen_devices == [1]
-    assert [n for n, _ in loaded] == [n for n, _ in tensors]
-    assert all(torch.equal(got, t) for (_, got), (_, t) in zip(loaded, tensors))
-    with pytest.raises(RolloutError, match="GPU-7, which this vLLM worker cannot see"):
-        worker.hpc_rlhf_load_bucket(handle, "GPU-7", layout)
+    worker = object.__new__(vllm_worker.CudaIpcWeightTransferEngine)
+    worker.model, worker._rebuilt = FakeModel(), None
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    with pytest.raises(ValueError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        worker.receive_weights(worker.parse_update_info(info))
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    worker.receive_weights(worker.parse_update_info(info))
+    worker.receive_weights(worker.parse_update_info(info))  # the same buffer: rebuilt once
+    assert fake_rebuild.devices == [1]
+    assert all(torch.equal(g, t) for (_, g), (_, t) in zip(worker.model.loaded[0], tensors))
+    with pytest.raises(ValueError, match="GPU-7, which this vLLM worker cannot see"):
+        vr.find_device_index("GPU-7", ["GPU-0", "GPU-1"])
+
+
+def _consume_cuda_bucket(info: dict) -> dict[str, str]:
+    """In a spawned process, as vLLM's worker does: open the buffer from its IPC handle, read every tensor."""
+    from hpc_rlhf.engines.rollout import vllm as engine
+
+    buffer = engine.rebuild_cuda_buffer(info["handle"], info["device_uuid"])
+    views = engine.bucket_views(buffer, info["names"], info["dtype_names"], info["shapes"], info["offsets"],
+                                info["nbytes"])
+    return {name: view.cpu().view(torch.uint8).numpy().tobytes().hex() for name, view in views}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA IPC transport needs a CUDA GPU")
+def test_cuda_ipc_transport_reaches_another_process_bit_for_bit():
+    """GPU only (run on a lent H100, see the README): the driving rank's side packs buckets into its CUDA
+    buffer; another process opens it by handle on the GPU found by uuid and reads each tensor exactly, also after
+    the buffer grew (a new handle)."""
+    sender = vr.CudaIpcBuffer(torch.device("cuda", 0))
+    context = torch.multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        for seed, scale in ((0, 1), (1, 300)):
+            tensors = [(name, t.cuda()) for name, t in mixed_tensors(seed, scale)]
+            got = pool.apply(_consume_cuda_bucket, (sender.bucket(tensors),))
+            assert got == {name: t.cpu().view(torch.uint8).numpy().tobytes().hex() for name, t in tensors}
+    sender.close()
 
 
 # ------------------------------------------------------------------------------------------ weight names
@@ -174,3 +408,8 @@ def test_a_merged_peft_actor_wrapped_like_deepspeed_loads_into_a_plain_model():
     got = engine.model.state_dict()
     assert set(got) == set(expected)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "engine":
+        _rank_main(sys.argv[2])

