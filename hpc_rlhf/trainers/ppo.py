@@ -107,7 +107,7 @@ class RLRecipe:
             self.actor = TrainEngine(actor, self._engine_train_cfg(cfg.train), group=groups.role_group("actor"),
                                      model_dtype=cfg.actor.dtype)
         if groups.has_role("critic"):
-            critic = build_value_model(cfg.critic)
+            critic = build_value_model(cfg.critic, fold_normalization=cfg.reward.normalize)
             disable_dropout(critic)
             self.critic = TrainEngine(critic, self._engine_train_cfg(cfg.critic_train),
                                       group=groups.role_group("critic"), model_dtype=cfg.critic.dtype)

@@ -9,7 +9,7 @@ import torch
 
 from hpc_rlhf.config import ModelSection
 from hpc_rlhf.models.builders import ModelFolderError
-from hpc_rlhf.models.value_model import (build_value_model, gather_last, last_token_index,
+from hpc_rlhf.models.value_model import (build_value_model, fold_reward_normalization, gather_last, last_token_index,
                                          position_ids_from_mask, reward_normalization, save_value_model,
                                          sequence_scores, set_reward_normalization, token_values)
 from tests.models.conftest import FAMILIES, make_model_folder, padded_batch
@@ -175,6 +175,38 @@ def test_critic_from_a_saved_reward_model_keeps_its_head(causal_folders, tmp_pat
     save_value_model(reward, tmp_path / "rm")
     critic = build_value_model(ModelSection(path=str(tmp_path / "rm")))
     assert torch.equal(critic.score.weight, reward.score.weight)
+
+
+def test_a_critic_from_a_normalised_reward_model_starts_in_normalised_units(causal_folders, tmp_path):
+    """PPO's critic starts from the reward model: with the normalisation folded into its head, its values at
+    every position are (raw - mean) / std, and it saves as a model without normalisation."""
+    reward = build_value_model(ModelSection(path=str(causal_folders["llama"])), for_training=False)
+    set_reward_normalization(reward, mean=3.5, std=4.0)
+    save_value_model(reward, tmp_path / "rm")
+    ids, mask = padded_batch(seed=8)
+    raw = token_values(reward, ids, mask)
+
+    critic = build_value_model(ModelSection(path=str(tmp_path / "rm")), fold_normalization=True)
+    critic.eval()
+    torch.testing.assert_close(token_values(critic, ids, mask), torch.where(mask.bool(), (raw - 3.5) / 4.0, 0.0))
+    assert reward_normalization(critic) == (0.0, 1.0)
+    unfolded = build_value_model(ModelSection(path=str(tmp_path / "rm")))
+    assert torch.equal(unfolded.score.weight, reward.score.weight)
+
+
+def test_folding_gives_a_bias_less_head_a_bias(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    folder = make_model_folder(tmp_path / "seqcls", model_class=AutoModelForSequenceClassification, num_labels=1)
+    model = build_value_model(ModelSection(path=str(folder), init_value_head=False), for_training=False)
+    assert model.score.bias is None
+    ids, mask = padded_batch(seed=9)
+    raw = sequence_scores(model, ids, mask)
+    set_reward_normalization(model, mean=-1.0, std=0.5)
+    fold_reward_normalization(model)
+    torch.testing.assert_close(sequence_scores(model, ids, mask), (raw + 1.0) / 0.5)
+    fold_reward_normalization(model)  # (0, 1) now: nothing changes
+    torch.testing.assert_close(sequence_scores(model, ids, mask), (raw + 1.0) / 0.5)
 
 
 # ------------------------------------------------------------------------------------------------ errors
