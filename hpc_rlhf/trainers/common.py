@@ -213,7 +213,7 @@ class StopSignal:
         self.received = signum
 
     def requested(self, group=None) -> bool:
-        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32, device=comm_device(group))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
@@ -243,7 +243,7 @@ class NonFiniteGuard:
 
 def all_finite(value: torch.Tensor, group=None) -> bool:
     """True on every rank of `group` when the value is finite on all of them."""
-    flag = torch.tensor([1.0 if bool(torch.isfinite(value.detach()).all()) else 0.0])
+    flag = torch.tensor([1.0 if bool(torch.isfinite(value.detach()).all()) else 0.0], device=comm_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
@@ -313,7 +313,7 @@ def mean_over(values: list[float]) -> float:
 
 
 def reduce_mean(value: float, group=None) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=comm_device(group))
     dist.all_reduce(t, group=group)
     return float(t.item()) / dist.get_world_size(group)
 

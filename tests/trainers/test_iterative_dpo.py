@@ -1,5 +1,5 @@
-"""Iterative DPO: pairs by hand, and two chained rounds from the session's SFT model where the second beats the
-first and the first beats the start; a restart after the last round repeats nothing."""
+"""Iterative DPO: pairs by hand, and two chained rounds from the session's SFT model that beat the start, the second
+trained on pairs sampled from the first's policy; a restart after the last round repeats nothing."""
 
 from __future__ import annotations
 
@@ -45,11 +45,20 @@ def carries(prompt: str) -> bool:
     return int(a) % 10 + int(b) % 10 >= 10
 
 
+# Calibrated over seeds 0-4 (scripts/calibrate_learning_tests.py; figures in the README): after two rounds held-out
+# exact match is up by +0.16 to +0.28, but neither round alone gains on every seed (round 1: -0.04 to +0.21,
+# round 2: -0.01 to +0.20: one round's overshoot is the next round's correction). Round 2's pairs come from round
+# 1's policy and its new mistakes: their share without a carry rises by 0.19 to 0.49. With train.lr=0 both
+# figures stay at 0.
+IDPO_GAIN = 0.08
+PAIRS_SHIFT = 0.1
+
+
 @pytest.mark.learning
-def test_second_round_beats_the_first(world, tmp_path, sft_base):
-    """Round 1's pairs are mostly carry problems (the others are rarely answered wrong), so it overshoots into
-    carrying where there is none; round 2 samples that policy, its pairs are mostly those new mistakes, and it
-    corrects them. Offline pairs could not: this is what the rounds are for."""
+def test_two_rounds_beat_the_start_and_the_second_samples_the_first(world, tmp_path, sft_base):
+    """Round 1's pairs are mostly carry problems (the others are rarely answered wrong), so it tends to overshoot
+    into carrying where there is none; round 2 samples that policy, its pairs are mostly those new mistakes, and
+    it corrects them. Offline pairs could not: this is what the rounds are for."""
     from hpc_rlhf.trainers import iterative_dpo
 
     out = tmp_path / "idpo"
@@ -60,21 +69,16 @@ def test_second_round_beats_the_first(world, tmp_path, sft_base):
     start, after_1, after_2 = first[0]["eval_exact_match"], first[-1]["eval_exact_match"], \
         second[-1]["eval_exact_match"]
     rounds = read_metrics(out)
-    record_figures("idpo", start=start, round_1=after_1, round_2=after_2, gain_1=after_1 - start,
-                   gain_2=after_2 - after_1)
     pairs = [[json.loads(line) for line in (out / f"round_{r}" / "pairs.jsonl").read_text().splitlines()]
              for r in (1, 2)]
     no_carry = [sum(not carries(p["prompt"]) for p in round_pairs) / len(round_pairs) for round_pairs in pairs]
+    record_figures("idpo", start=start, round_1=after_1, round_2=after_2, gain=after_2 - start,
+                   gain_1=after_1 - start, gain_2=after_2 - after_1, pairs_shift=no_carry[1] - no_carry[0])
     print(f"idpo: exact match {start:.3f} -> round 1 {after_1:.3f} -> round 2 {after_2:.3f}; pairs "
           f"{[r['pairs'] for r in rounds]}, share without a carry {[round(x, 2) for x in no_carry]}")
     assert second[0]["eval_exact_match"] == after_1  # round 2 starts from round 1's policy
-    # measured (seeded, one thread, 200 held-out prompts): 0.695 -> 0.770 -> 0.890; with train.seed and
-    # generate.seed 1: 0.695 -> 0.830 -> 0.895, with 2: 0.695 -> 0.800 -> 0.870. Over 500 prompts (seed 0):
-    # 0.664 -> 0.780 -> 0.906, carry problems 0.28 -> 0.96 -> 0.86, the others 0.98 -> 0.64 -> 0.95.
-    assert after_1 >= start + 0.04
-    assert after_2 >= after_1 + 0.06
-    # round 2's pairs come from round 1's policy and its mistakes: measured 0.18 -> 0.60 of pairs without a carry
-    assert no_carry[1] >= no_carry[0] + 0.2
+    assert after_2 >= start + IDPO_GAIN, (start, after_1, after_2)
+    assert no_carry[1] >= no_carry[0] + PAIRS_SHIFT, no_carry
     assert all(p["chosen_score"] > p["rejected_score"] for round_pairs in pairs for p in round_pairs)
     assert (out / "final" / "model.safetensors").is_file() and result["round"] == 2
 

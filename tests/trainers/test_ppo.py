@@ -31,7 +31,7 @@ def eval_curve(out: Path) -> list[float]:
 def test_grpo_rule_reward_beats_the_sft_plateau_colocated(tmp_path, sft_base):
     out = tmp_path / "grpo"
     hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
-             "placement=actor+ref=1,rollout@actor", *learning("train.max_steps=60", "log.eval_every_steps=30"),
+             "placement=actor+ref=1,rollout@actor", *learning("train.max_steps=30", "log.eval_every_steps=30"),
              EVAL_ROWS, *QUIET)
     curve = eval_curve(out)
     rows = read_metrics(out)
