@@ -99,7 +99,7 @@ def test_dpo_raises_held_out_preference_accuracy_and_margin(world, tmp_path, sft
     out = tmp_path / "dpo"
     dpo.run(dpo_config(out, f"model.path={sft_base}",
                        *learning("train.max_steps=80", "train.batch_size=32", "train.micro_batch_size=32",
-                                 "train.lr=1e-3", "train.warmup_steps=5", "log.every_steps=20",
+                                 "train.lr=5e-4", "train.warmup_steps=5", "log.every_steps=20",
                                  "log.eval_every_steps=80", "data.max_eval_rows=256", "eval.prompt_files=[]")))
     rows = read_metrics(out)
     start, end = rows[0], rows[-1]
@@ -108,9 +108,11 @@ def test_dpo_raises_held_out_preference_accuracy_and_margin(world, tmp_path, sft
     # The policy starts as the reference: every implied reward is 0, so no pair is ranked right yet.
     assert start["eval_accuracy"] == 0.0 and start["eval_margin"] == 0.0
     assert start["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
-    # Chance is 0.5 +- 0.03 on 256 pairs; measured after 80 steps from the session's SFT base: 0.72, margin 0.31.
-    # (From the weak warm-start model DPO stayed at chance on pairs that probe both digits.)
-    assert end["eval_accuracy"] > 0.6 and end["eval_margin"] > 0.1
+    # Chance is 0.5 +- 0.03 on 256 pairs. Measured after 80 steps from the session's SFT base at seeds 0-4:
+    # accuracy 0.742-0.828, margin 0.309-0.381 (with train.lr=0: 0 and 0). At lr 1e-3 seed 4 diverged early
+    # (training loss 0.82 at step 20, accuracy 0.551 at the end). From the weak warm-start model DPO stayed at
+    # chance on pairs that probe both digits.
+    assert end["eval_accuracy"] > 0.65 and end["eval_margin"] > 0.15
     assert end["eval_loss"] < start["eval_loss"]
     assert end["loss"] < math.log(2) and end["chosen_reward"] > end["rejected_reward"]
     assert (out / "final" / "model.safetensors").is_file()
@@ -135,7 +137,8 @@ def test_ipo_and_cdpo_losses_fall(world, tmp_path, sft_base, variant, first_loss
     # At step 0 the policy is the reference (h = 0): IPO's loss is (1 / (2 beta))^2 = 25 for beta 0.1 and cDPO's
     # is log 2 whatever the smoothing; the mean over the last 10 steps must be below it. The 96 training pairs
     # come round every 3 steps: this checks that each loss is optimised (on fresh batches IPO's target of 5 nats
-    # per token moves its training loss little in 60 steps).
+    # per token moves its training loss little in 60 steps). Calibrated over seeds 0-4: the last loss is 0.14-0.25
+    # of the first for IPO and 0.74-0.78 of log 2 for cDPO; 1.0 for both with train.lr=0.
     assert rows[-1]["loss"] < 0.9 * first_loss
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["margin"] > 0
 

@@ -65,12 +65,15 @@ def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(tmp_path, sf
     assert (out / "final" / "model.safetensors").is_file() and (out / "final_critic" / "model.safetensors").is_file()
 
 
-# Measured here (300 held-out prompts, seeded): the 1000-step SFT base scores 0.67-0.69 (0.92 without a carry,
-# 0.33 with one: the demonstrations' mistake); GRPO reached 0.83 after 25 steps and 0.85 after 100; PPO with the
-# reward model alone 0.84 after 20 steps and 0.90 after 40 (max KL 1.5). The thresholds keep about half of that.
+# Calibrated over seeds 0-4 (300 held-out prompts; scripts/calibrate_learning_tests.py, README): the session's SFT
+# base scores 0.62-0.80 (its carry problems are the demonstrations' mistake). GRPO gained +0.15 to +0.24 in 30
+# steps. The reward model reached 0.914-0.976 held-out pairwise accuracy, and PPO with it alone gained +0.09 to
+# +0.22 in 40 steps (max KL 0.8-1.3); before the critic's head was put in normalised units
+# (models/value_model.fold_reward_normalization) the same runs went -0.16 to +0.22. With train.lr=0 the gains
+# are 0.
 GAIN = 0.08
-RM_PPO_GAIN = 0.10
-RM_ACCURACY = 0.9
+RM_PPO_GAIN = 0.05
+RM_ACCURACY = 0.85
 MAX_KL = 5.0
 
 

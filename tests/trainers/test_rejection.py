@@ -56,9 +56,9 @@ def test_rejection_sampling_beats_its_starting_model(world, tmp_path, sft_base):
     record_figures("rs", before=before, after=after, gain=after - before, kept=result["kept"])
     print(f"rs: exact match {before:.3f} -> {after:.3f}; kept {result['kept']} samples of {result['prompts']} prompts; "
           f"mean sample score {result['mean_score']:.3f}, best-of-8 {result['best_of_n_score']:.3f}")
-    # measured (seeded, one thread, 200 held-out prompts): 0.695 -> 0.880; with train.seed and generate.seed 1:
-    # 0.695 -> 0.895. (From the weak warm-start model used before, 0.040 -> 0.100.)
-    assert after >= before + 0.09
+    # Calibrated over seeds 0-4 (scripts/calibrate_learning_tests.py, README): +0.095 to +0.21 (0.615-0.775 ->
+    # 0.78-0.915); the lr=0 control stays where it started.
+    assert after >= before + 0.05
     kept = [json.loads(line) for line in (out / "round_1" / "sft_data.jsonl").read_text().splitlines()]
     assert kept and all(r["score"] == 1.0 for r in kept)
     assert len(kept) == result["kept"] <= 384 * 8 and result["best_of_n_score"] > result["mean_score"]
