@@ -108,20 +108,6 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def make_models(folder: Path) -> tuple[Path, Path]:
-    """Random-init actor (llama-tiny) and a value-model folder (the same body, new scalar head)."""
-    from hpc_rlhf.config import ModelSection
-    from hpc_rlhf.models.builders import load_tokenizer
-    from hpc_rlhf.models.tiny import make_model_folder
-    from hpc_rlhf.models.value_model import build_value_model, save_value_model
-
-    actor = make_model_folder("llama-tiny", folder / "actor-random", seed=0)
-    value = folder / "value-random"
-    model = build_value_model(ModelSection(path=str(actor), dtype="float32"), for_training=False)
-    save_value_model(model, value, tokenizer=load_tokenizer(actor))
-    return actor, value
-
-
 def run_once(tmp: Path, actor: Path, value: Path, k: int, args, name: str) -> dict:
     out = tmp / name
     out.mkdir()
@@ -207,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        actor, value = make_models(tmp)
+        actor, value = benchlib.random_actor_and_value(tmp)
         for r in range(args.rounds):
             order = args.ks[r % len(args.ks):] + args.ks[:r % len(args.ks)]
             for k in order:

@@ -96,6 +96,21 @@ def make_bench_model(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     return out_dir
 
 
+def random_actor_and_value(folder: Path) -> tuple[Path, Path]:
+    """Random-init actor (llama-tiny) and a value-model folder (the same body, new scalar head), for the RL
+    benchmarks whose timings do not depend on what the weights have learnt."""
+    from hpc_rlhf.config import ModelSection
+    from hpc_rlhf.models.builders import load_tokenizer
+    from hpc_rlhf.models.tiny import make_model_folder
+    from hpc_rlhf.models.value_model import build_value_model, save_value_model
+
+    actor = make_model_folder("llama-tiny", folder / "actor-random", seed=0)
+    value = folder / "value-random"
+    model = build_value_model(ModelSection(path=str(actor), dtype="float32"), for_training=False)
+    save_value_model(model, value, tokenizer=load_tokenizer(actor))
+    return actor, value
+
+
 def count_params(folder: str | Path) -> int:
     from safetensors import safe_open
 
