@@ -38,6 +38,10 @@ The store connection is a client of its own: the default store's client is used 
 groups, which can block for minutes. Per step the recipes only call `phase()` and `set_step()`, which set two
 attributes; all store traffic happens in the thread.
 
+Why one module of 700 lines: the beat, the store-timing thread, the failure verdicts and the report path share
+one state (who is watched, what was seen, which record is the cause) and only make sense read together; the
+protocol they speak, which other processes read, is apart in liveness.py.
+
 Timeout: `dist.heartbeat_timeout_s` (default 45 s, so that a frozen rank's job, reported and ended, is gone
 within a minute; 0 turns the watchdog off), or the environment variable HPC_RLHF_HEARTBEAT_TIMEOUT_S, which
 wins (handy to switch it off while a debugger holds a rank).

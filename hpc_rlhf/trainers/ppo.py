@@ -61,7 +61,7 @@ from hpc_rlhf.trainers.experience import (Experience, SampleBatch, from_ragged, 
 from hpc_rlhf.trainers.reference import FrozenModel
 from hpc_rlhf.trainers.rl_config import Config, check_plan_against_config, reward_role_names, tis_cap
 from hpc_rlhf.trainers.rl_pipeline import RolloutPipeline, engine_generate, engine_led_here, share_generated
-from hpc_rlhf.trainers.rl_roles import build_rollout_engine, hf_names, load_prompts
+from hpc_rlhf.trainers.rl_roles import build_rollout_engine, hf_names, load_prompts, ranks_per_node
 from hpc_rlhf.trainers.rl_scoring import rule_scores, sample_figures, score_on_shard
 from hpc_rlhf.utils import faults
 
@@ -79,8 +79,8 @@ class RLRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.run = run = common.start_run(cfg, self.mode)
-        ranks_per_node = cfg.ranks_per_node or _ranks_per_node(run.world_size)
-        self.plan = plan = make_plan(cfg.placement, run.world_size, ranks_per_node)
+        per_node = cfg.ranks_per_node or ranks_per_node(run.world_size)
+        self.plan = plan = make_plan(cfg.placement, run.world_size, per_node)
         check_plan_against_config(plan, cfg)
         if run.is_main:
             log.info("placement:\n%s", plan.format_table())
@@ -486,13 +486,6 @@ class RLRecipe:
         texts = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
         correct = sum(exact_match(t, p["answer"]) for t, p in zip(texts, self.eval_prompts) if p["answer"] is not None)
         return correct / max(1, sum(p["answer"] is not None for p in self.eval_prompts))
-
-
-def _ranks_per_node(world_size: int) -> int:
-    from hpc_rlhf.dist.bootstrap import current_launch  # after init: under MPI the node layout is known only then
-
-    info = current_launch()
-    return (info.ranks_per_node if info is not None else None) or world_size
 
 
 def _any_rank(flag: bool) -> bool:

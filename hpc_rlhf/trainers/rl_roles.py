@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hpc_rlhf.data.examples import prompt_example
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.dist import groups
+from hpc_rlhf.dist.bootstrap import current_launch
 from hpc_rlhf.engines.rollout.base import hf_param_name
 from hpc_rlhf.models.builders import build_causal_lm
 from hpc_rlhf.trainers.rl_config import Config
@@ -31,6 +32,12 @@ def load_prompts(cfg: Config, tokenizer, paths, where: str, max_rows) -> list[di
         answer = row.get(data.answer_key)
         out.append({"input_ids": ids, "text": row[data.prompt_key], "answer": None if answer is None else str(answer)})
     return out
+
+
+def ranks_per_node(world_size: int) -> int:
+    """Ranks per node as the launcher reports them (call after init: under MPI the layout is known only then)."""
+    info = current_launch()
+    return (info.ranks_per_node if info is not None else None) or world_size
 
 
 def build_rollout_engine(cfg: Config, plan, tokenizer, device, actor=None):
