@@ -56,10 +56,8 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
     """One rank under torchrun: time the waiting calls, run the PPO mode, write this rank's figures."""
     import torch.distributed as dist
 
-    from hpc_rlhf import cli
     from hpc_rlhf.dist import exchange, groups, weight_sync
     from hpc_rlhf.trainers import common, ppo, rl_exchange
-    from hpc_rlhf.utils import metrics
 
     waiting = {"s": 0.0, "cpu": 0.0, "calls": 0}
     steps: list[dict] = []
@@ -83,17 +81,10 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
     ppo._any_rank = timed(ppo._any_rank)
     ppo.RLRecipe._critic_figures_to_all = timed(ppo.RLRecipe._critic_figures_to_all)
     common.StopSignal.requested = timed(common.StopSignal.requested)
-    advance = metrics.MetricsLogger.advance
+    benchlib.on_each_rl_step(lambda: steps.append({"end": time.perf_counter(), "end_cpu": time.process_time(),
+                                                   **waiting}))
 
-    def advance_and_record(self, n: int = 1) -> None:  # every rank calls it once per RL step, at its end
-        steps.append({"end": time.perf_counter(), "end_cpu": time.process_time(), **waiting})
-        advance(self, n)
-
-    metrics.MetricsLogger.advance = advance_and_record
-    run_ppo = ppo.run
-
-    def run_and_write(cfg, mode: str = "ppo"):
-        result = run_ppo(cfg, mode)
+    def write() -> None:
         start = time.perf_counter()
         probe = timed(lambda: None)
         for _ in range(10000):
@@ -101,10 +92,8 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
         call_cost = (time.perf_counter() - start) / 10000  # one timed call around nothing
         (out_dir / RANK_FILE.format(rank=dist.get_rank())).write_text(json.dumps(
             {"roles": groups.my_roles(), "steps": steps, "call_cost_s": call_cost}))
-        return result
 
-    ppo.run = run_and_write  # the CLI looks the mode's run function up when it starts it
-    return cli.main(["ppo", *ppo_args])
+    return benchlib.run_ppo_then(write, ppo_args)
 
 
 # ------------------------------------------------------------------------------------------------ driver

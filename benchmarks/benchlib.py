@@ -96,6 +96,36 @@ def make_bench_model(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     return out_dir
 
 
+def on_each_rl_step(record) -> None:
+    """Call `record()` at the end of every RL step on this rank (inside a benchmark's worker process): every rank
+    advances its metrics logger once per step, at its end."""
+    from hpc_rlhf.utils import metrics
+
+    advance = metrics.MetricsLogger.advance
+
+    def advance_and_record(self, n: int = 1) -> None:
+        record()
+        advance(self, n)
+
+    metrics.MetricsLogger.advance = advance_and_record
+
+
+def run_ppo_then(write, ppo_args: list[str]) -> int:
+    """Run the PPO mode through the CLI on this rank, then `write()` this rank's figures."""
+    from hpc_rlhf import cli
+    from hpc_rlhf.trainers import ppo
+
+    run_ppo = ppo.run
+
+    def run_and_write(cfg, mode: str = "ppo"):
+        result = run_ppo(cfg, mode)
+        write()
+        return result
+
+    ppo.run = run_and_write  # the CLI looks the mode's run function up when it starts it
+    return cli.main(["ppo", *ppo_args])
+
+
 def random_actor_and_value(folder: Path) -> tuple[Path, Path]:
     """Random-init actor (llama-tiny) and a value-model folder (the same body, new scalar head), for the RL
     benchmarks whose timings do not depend on what the weights have learnt."""

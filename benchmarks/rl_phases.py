@@ -44,10 +44,8 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from hpc_rlhf import cli
     from hpc_rlhf.dist import exchange, groups
-    from hpc_rlhf.trainers import ppo, rl_exchange
-    from hpc_rlhf.utils import metrics
+    from hpc_rlhf.trainers import rl_exchange
 
     totals = {"wait": 0.0, "move": 0.0, "calls": 0}
     per_step: list[dict] = []
@@ -91,17 +89,9 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
 
     rl_exchange.share = timed(rl_exchange.share, route_of)
     exchange.gather_ragged = timed(exchange.gather_ragged, group_of)
-    advance = metrics.MetricsLogger.advance
+    benchlib.on_each_rl_step(lambda: per_step.append(dict(totals)))
 
-    def advance_and_record(self, n: int = 1) -> None:  # every rank calls it once per RL step
-        per_step.append(dict(totals))
-        advance(self, n)
-
-    metrics.MetricsLogger.advance = advance_and_record
-    run_ppo = ppo.run
-
-    def run_and_write(cfg, mode: str = "ppo"):
-        result = run_ppo(cfg, mode)
+    def write() -> None:
         # every rank has left the recipe's final barrier: the ranks are in step for timing bare barriers
         start = time.perf_counter()
         for _ in range(20):
@@ -110,10 +100,8 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
         steps = [{k: s[k] - (per_step[i - 1][k] if i else 0) for k in s} for i, s in enumerate(per_step)]
         (out_dir / EXCHANGE_FILE.format(rank=dist.get_rank())).write_text(
             json.dumps({"steps": steps, "barrier_s": barrier_s}))
-        return result
 
-    ppo.run = run_and_write  # the CLI looks the mode's run function up when it starts it
-    return cli.main(["ppo", *ppo_args])
+    return benchlib.run_ppo_then(write, ppo_args)
 
 
 # ------------------------------------------------------------------------------------------------ driver
