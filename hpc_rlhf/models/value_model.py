@@ -220,7 +220,9 @@ def fold_reward_normalization(model) -> None:
     normalised scores; an unfolded head starts in the reward model's raw units (measured on the tiny task: raw
     scores around 10-20, a first value loss of 114 against returns of about 1), and until it has unlearned them
     its GAE advantages are mostly noise (held-out exact match 0.62 -> 0.77 -> 0.62 over 40 steps). A head without
-    a bias (sequence-classification heads) gets one."""
+    a bias (sequence-classification heads) gets one; such a critic's saved folder then holds a `score.bias` that
+    transformers' sequence-classification class does not load back (reported as an unused tensor), so reload it
+    with its training checkpoint, which keeps the bias, rather than from that folder."""
     mean, std = reward_normalization(model)
     if (mean, std) == (0.0, 1.0):
         return

@@ -61,7 +61,7 @@ from hpc_rlhf.trainers.experience import (Experience, SampleBatch, from_ragged, 
 from hpc_rlhf.trainers.reference import FrozenModel
 from hpc_rlhf.trainers.rl_config import Config, check_plan_against_config, reward_role_names, tis_cap
 from hpc_rlhf.trainers.rl_pipeline import RolloutPipeline, engine_generate, engine_led_here, share_generated
-from hpc_rlhf.trainers.rl_roles import build_rollout_engine, hf_names, load_prompts, ranks_per_node
+from hpc_rlhf.trainers.rl_roles import batch_rows, build_rollout_engine, hf_names, load_prompts, ranks_per_node
 from hpc_rlhf.trainers.rl_scoring import rule_scores, sample_figures, score_on_shard
 from hpc_rlhf.utils import faults
 
@@ -138,7 +138,8 @@ class RLRecipe:
     def _engine_train_cfg(self, train: TrainSection) -> TrainSection:
         """The engine counts optimizer steps: several per RL step (ppo_epochs x samples / batch_size)."""
         updates = self.cfg.rl.ppo_epochs * (self.samples_per_step // train.batch_size)
-        return dataclasses.replace(train, max_steps=train.max_steps * updates, warmup_steps=train.warmup_steps * updates)
+        return dataclasses.replace(train, max_steps=train.max_steps * updates,
+                                   warmup_steps=train.warmup_steps * updates)
 
     def _my_engines(self) -> dict:
         return {name: engine for name, engine in (("actor", self.actor), ("critic", self.critic)) if engine}
@@ -221,8 +222,8 @@ class RLRecipe:
     # ------------------------------------------------------------------------------------------ phase 1-3
     def _prompts_of(self, index: int) -> list[dict]:
         """The prompts of batch `index`, the same on every rank (seeded)."""
-        rollout, seed = self.cfg.rollout, self.cfg.train.seed
-        return [self.prompts[i] for i in common.step_indices(len(self.prompts), rollout.prompts_per_step, index, seed)]
+        rows = batch_rows(len(self.prompts), self.cfg.rollout.prompts_per_step, index, self.cfg.train.seed)
+        return [self.prompts[i] for i in rows]
 
     def _rollout(self, index: int, version: int, phase: str = "rollout") -> None:
         """The engines generate batch `index` with the weights they hold (policy `version`); each engine's first
@@ -249,10 +250,9 @@ class RLRecipe:
 
     @contextlib.contextmanager
     def _engine_awake(self):
-        """A hybrid vLLM engine (its own copy of the weights, in its own processes) sleeps while the actor trains:
-        when the actor's weights changed since the engine last got them, stream them in (one module gathered at a
-        time under ZeRO-3, on every actor rank), then wake it, generate, put it back to sleep (on GPU; on CPU
-        sleep is a no-op)."""
+        """A hybrid vLLM engine (its own weights, its own processes) sleeps while the actor trains: stream the actor's
+        weights in when they changed since it last got them (one module gathered at a time under ZeRO-3, on every
+        actor rank), wake it, generate, put it back to sleep (a no-op on CPU)."""
         if not (self.plan.is_hybrid and self.cfg.rollout.backend == "vllm"):
             yield
             return

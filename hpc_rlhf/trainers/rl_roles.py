@@ -6,6 +6,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable, Iterator
 
 import torch
@@ -17,6 +18,7 @@ from hpc_rlhf.dist import groups
 from hpc_rlhf.dist.bootstrap import current_launch
 from hpc_rlhf.engines.rollout.base import hf_param_name
 from hpc_rlhf.models.builders import build_causal_lm
+from hpc_rlhf.trainers.common import step_indices
 from hpc_rlhf.trainers.rl_config import Config
 
 
@@ -32,6 +34,13 @@ def load_prompts(cfg: Config, tokenizer, paths, where: str, max_rows) -> list[di
         answer = row.get(data.answer_key)
         out.append({"input_ids": ids, "text": row[data.prompt_key], "answer": None if answer is None else str(answer)})
     return out
+
+
+@functools.lru_cache(maxsize=16)  # a batch's prompts are needed at its rollout, its exchange and its scoring
+def batch_rows(num_rows: int, per_batch: int, index: int, seed: int) -> tuple[int, ...]:
+    """The prompt rows of RL batch `index` (the same on every rank; each call draws a permutation of the whole
+    prompt set, so it is drawn once per batch)."""
+    return tuple(step_indices(num_rows, per_batch, index, seed))
 
 
 def ranks_per_node(world_size: int) -> int:

@@ -56,3 +56,15 @@ def test_actor_log_probs_at_the_sampling_temperature_equal_the_engines(tmp_path)
             assert key in row, key
         assert row["tis_weight"] == pytest.approx(1.0, abs=1e-3)  # pi_old = pi_rollout: weights of 1
         assert row["kl_k3"] >= 0
+
+
+def test_a_batch_draws_its_prompts_once():
+    """Rollout, exchange and scoring all ask for a batch's prompt rows; the permutation of the whole prompt set
+    behind them is drawn once per batch (it is the same on every rank and after a resume: common.step_indices)."""
+    from hpc_rlhf.trainers.common import step_indices
+    from hpc_rlhf.trainers.rl_roles import batch_rows
+
+    batch_rows.cache_clear()
+    for _ in range(3):
+        assert batch_rows(1000, 16, 7, 3) == tuple(step_indices(1000, 16, 7, 3))
+    assert batch_rows.cache_info().misses == 1 and batch_rows.cache_info().hits == 2
