@@ -502,4 +502,11 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     case, out_dir = sys.argv[1], Path(sys.argv[2])
     {"equivalence": equivalence_worker, "two-roles": two_roles_worker}[case](out_dir)
+    dist.barrier()
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown of the DeepSpeed engines still alive here: once in about six full
+    # suites (2026-11-25) rank 1 of the equivalence run died there with "terminate called without an active
+    # exception" (SIGABRT) after the results were written and checked. Cause not found; what is tested is above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
