@@ -6,15 +6,19 @@ time_step (as seen by rank 0, the actor's leader). The models are RANDOM-INIT fo
 config, 1M parameters; the critic and reward model are the same body with a new scalar head): the timing does
 not depend on what the weights have learnt, so no SFT or RM run is needed first.
 
-Data movement: every experience message the recipe sends (`rl_exchange.share`: to the ranks of its route,
-by broadcast over the route's group or point to point; and the gathers inside a scoring role,
-`exchange.gather_ragged`) is wrapped, in the ranks of this benchmark only, by a synchronisation of exactly the
-ranks taking part (a barrier on the group; a ping-pong of one element between the two ranks of a point-to-point
-route) followed by the call itself. The synchronisation absorbs the time a rank waits for slower roles
-("wait"), so the call's own time is the transfer ("move"). The share of the step spent moving data is
-(move + time_sync) / time_step on rank 0; time_sync covers gathering the actor's weights and streaming them to
-both rollout engines. The synchronisations cost time themselves: their count and measured latency are printed,
-so their effect on time_step can be judged.
+Data movement: every experience call the recipe makes (`rl_exchange.share_responses`: the engines' responses and
+sampling log-probs; `rl_exchange.share_known`: a step's scores; the gathers inside a scoring role,
+`exchange.gather_ragged`; each message along its route, by broadcast over the route's group or point to point)
+is timed on every rank, with
+no synchronisation added: each rank reads the machine's monotonic clock (CLOCK_MONOTONIC, one clock for all
+processes of a machine) when it enters and leaves the call. Every rank makes the same calls in the same order
+(ranks outside a route return at once), so the k-th call of a kind is the same exchange on every rank. For a
+rank, the call's partners are the ranks of the routes it is on; what it spends before the last partner has
+entered is waiting for slower roles ("wait"), what it spends after that is moving the data ("move"). The share
+of the step spent moving data is (move + time_sync) / time_step on rank 0; time_sync covers gathering the
+actor's weights and streaming them to both rollout engines. The instrumentation's own cost is two clock reads
+per call on each rank; an older version separated wait from move with a barrier before every call, which cost
+about as much as the messages it measured.
 
     .venv/bin/python benchmarks/rl_phases.py
     .venv/bin/python benchmarks/rl_phases.py --steps 30 --placement actor=2,critic=1,ref=1,reward=1,rollout=1
@@ -39,81 +43,101 @@ EXCHANGE_FILE = "exchange_rank{rank}.json"
 
 
 # ------------------------------------------------------------------------------------------------ worker
-def worker(out_dir: Path, ppo_args: list[str]) -> int:
-    """One rank under torchrun: instrument the exchanges, run the PPO mode, write this rank's figures."""
-    import torch
+def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
+    """One rank under torchrun: clock the exchange calls, run the PPO mode, write this rank's calls."""
     import torch.distributed as dist
 
     from hpc_rlhf.dist import exchange, groups
     from hpc_rlhf.trainers import rl_exchange
 
-    totals = {"wait": 0.0, "move": 0.0, "calls": 0}
-    per_step: list[dict] = []
+    calls: list[list] = []  # [kind, step, partners, arrived, entered, left]
+    step = [0]
+    settle_groups: dict[tuple[int, ...], object] = {}
 
-    def in_step(ranks, group) -> None:
-        """Return once every rank of `ranks` has arrived (they are the ranks of the call that follows)."""
-        if len(ranks) > 2:
-            dist.barrier(group=group)
-        elif len(ranks) == 2:
-            other = ranks[1] if dist.get_rank() == ranks[0] else ranks[0]
-            token = torch.zeros(1)
-            if dist.get_rank() == ranks[0]:
-                dist.send(token, other)
-                dist.recv(token, other)
-            else:
-                dist.recv(token, other)
-                dist.send(token, other)
+    def clock() -> float:
+        return time.clock_gettime(time.CLOCK_MONOTONIC)
 
-    def timed(fn, ranks_and_group):
+    def settled(everyone: tuple[int, ...]) -> None:
+        """--settle: a barrier of every rank the call can involve (the same set on every rank)."""
+        if everyone not in settle_groups:  # every rank makes the same calls in the same order: safe to create here
+            settle_groups[everyone] = dist.new_group(list(everyone))
+        if dist.get_rank() in everyone:
+            dist.barrier(group=settle_groups[everyone])
+
+    def timed(fn, kind, partners_of, everyone_of):
         def call(*args, **kwargs):
-            ranks, group = ranks_and_group(*args, **kwargs)
-            if dist.get_rank() not in ranks or len(ranks) == 1:
-                return fn(*args, **kwargs)  # takes no part, or nothing travels
-            t0 = time.perf_counter()
-            in_step(ranks, group)
-            t1 = time.perf_counter()
+            arrived = clock()
+            if settle:
+                settled(tuple(sorted(everyone_of(*args, **kwargs))))
+            entered = clock()
             result = fn(*args, **kwargs)
-            totals["wait"] += t1 - t0
-            totals["move"] += time.perf_counter() - t1
-            totals["calls"] += 1
+            name = kind(*args, **kwargs) if callable(kind) else kind
+            calls.append([name, step[0], sorted(partners_of(*args, **kwargs)), arrived, entered, clock()])
             return result
         return call
 
-    def route_of(values, key, dtype=None, lengths=None):
-        path = groups.route(key)
-        return path.ranks, (groups.route_group(key) if len(path.ranks) > 2 and dist.get_rank() in path.ranks
-                            else None)
+    def on_routes(keys, me=None) -> set[int]:
+        return {r for key in keys for r in groups.route(key).ranks if me is None or me in groups.route(key).ranks}
 
-    def group_of(seqs, dst, group=None, **kwargs):
-        return exchange.group_ranks(group), group
+    def engine_routes(args):
+        return [f"{args[2]}/{e}" for e in range(args[3])]
 
-    rl_exchange.share = timed(rl_exchange.share, route_of)
-    exchange.gather_ragged = timed(exchange.gather_ragged, group_of)
-    benchlib.on_each_rl_step(lambda: per_step.append(dict(totals)))
+    rl_exchange.share_responses = timed(
+        rl_exchange.share_responses, lambda *a, **kw: f"share_responses {a[2]}",
+        lambda *a, **kw: on_routes(engine_routes(a), dist.get_rank()), lambda *a, **kw: on_routes(engine_routes(a)))
+    rl_exchange.share_known = timed(rl_exchange.share_known, "share_known",
+                                    lambda messages, **kw: on_routes(messages, dist.get_rank()),
+                                    lambda messages, **kw: on_routes(messages))
+    group_ranks = lambda seqs, dst, group=None, **kw: exchange.group_ranks(group)  # noqa: E731
+    exchange.gather_ragged = timed(exchange.gather_ragged, lambda *a, **kw: f"gather {kw.get('tag')}", group_ranks,
+                                   group_ranks)
+    benchlib.on_each_rl_step(lambda: step.__setitem__(0, step[0] + 1))
 
     def write() -> None:
-        # every rank has left the recipe's final barrier: the ranks are in step for timing bare barriers
-        start = time.perf_counter()
-        for _ in range(20):
-            dist.barrier()
-        barrier_s = (time.perf_counter() - start) / 20  # a 6-rank barrier: the dearest synchronisation used
-        steps = [{k: s[k] - (per_step[i - 1][k] if i else 0) for k in s} for i, s in enumerate(per_step)]
-        (out_dir / EXCHANGE_FILE.format(rank=dist.get_rank())).write_text(
-            json.dumps({"steps": steps, "barrier_s": barrier_s}))
+        (out_dir / EXCHANGE_FILE.format(rank=dist.get_rank())).write_text(json.dumps({"calls": calls}))
 
     return benchlib.run_ppo_then(write, ppo_args)
+
+
+def wait_and_move(ranks: list[dict], steps: int) -> list[list[dict]]:
+    """Per rank and step: seconds waiting for the call's partners to arrive and seconds moving data after that,
+    and the number of calls this rank took part in (see the module docstring)."""
+    entered: dict[tuple[int, str, int], float] = {}  # (rank, kind, k-th call of that kind) -> entry time
+    for rank, figures in enumerate(ranks):
+        seen: dict[str, int] = {}
+        for kind, _, _, _, t_in, _ in figures["calls"]:
+            entered[(rank, kind, seen.get(kind, 0))] = t_in
+            seen[kind] = seen.get(kind, 0) + 1
+    out = [[{"wait": 0.0, "move": 0.0, "calls": 0, "by_kind": {}} for _ in range(steps)] for _ in ranks]
+    for rank, figures in enumerate(ranks):
+        seen = {}
+        for kind, step, partners, t_arrived, t_in, t_out in figures["calls"]:
+            k = seen.get(kind, 0)
+            seen[kind] = k + 1
+            if len(partners) < 2 or step >= steps:
+                continue  # took no part, or nothing travelled; or after the last step
+            last = max(entered[(p, kind, k)] for p in partners)
+            cell = out[rank][step]
+            cell["wait"] += max(0.0, min(last, t_out) - t_arrived)
+            moved = max(0.0, t_out - max(last, t_in))
+            cell["move"] += moved
+            cell["calls"] += 1
+            cell["by_kind"][kind] = cell["by_kind"].get(kind, 0.0) + moved
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ driver
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        return worker(Path(argv[1]), argv[2:])
+        return worker(Path(argv[1]), argv[3:], settle=argv[2] == "settle")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12, help="RL steps in the run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     parser.add_argument("--placement", default="actor=1,critic=1,ref=1,reward=1,rollout=2")
     parser.add_argument("--rows", type=int, default=1024, help="prompts loaded (set-up cost only)")
+    parser.add_argument("--settle", action="store_true",
+                        help="a barrier of the call's ranks before every exchange call (the older instrumentation)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must be larger than --warmup")
@@ -134,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                     "data.eval_files=[]", "log.every_steps=1", "log.eval_every_steps=0", "log.tensorboard=false",
                     "log.progress=false", "checkpoint.resume=false"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "--max_restarts=0", str(Path(__file__).resolve()), "--worker", str(out), *ppo_args]
+               "--max_restarts=0", str(Path(__file__).resolve()), "--worker", str(out),
+               "settle" if args.settle else "clock", *ppo_args]
         started = time.perf_counter()
         benchlib.run_command(cmd, what="6-rank PPO", timeout=1200)
         wall = time.perf_counter() - started
@@ -149,13 +174,13 @@ def report(args, metrics: list[dict], ranks: list[dict], wall: float) -> None:
     timed = metrics[args.warmup:]
     steady = range(args.warmup, len(metrics))
     med = {key: benchlib.median(r[key] for r in timed) for key in (*PHASES, "time_step", "samples_per_s")}
-    move0 = benchlib.median(ranks[0]["steps"][i]["move"] for i in steady)
-    wait0 = benchlib.median(ranks[0]["steps"][i]["wait"] for i in steady)
-    move_max = benchlib.median(max(rk["steps"][i]["move"] for rk in ranks) for i in steady)
-    calls = ranks[0]["steps"][args.warmup]["calls"]
-    barrier = benchlib.median(rk["barrier_s"] for rk in ranks)
+    per_step = wait_and_move(ranks, len(metrics))
+    move0 = benchlib.median(per_step[0][i]["move"] for i in steady)
+    wait0 = benchlib.median(per_step[0][i]["wait"] for i in steady)
+    move_max = benchlib.median(max(rk[i]["move"] for rk in per_step) for i in steady)
+    calls = per_step[0][args.warmup]["calls"]
     step = med["time_step"]
-    print(f"   models: random init (llama-tiny actor/ref, value-model critic/reward) - timing only, not learning")
+    print("   models: random init (llama-tiny actor/ref, value-model critic/reward) - timing only, not learning")
     print(f"   {len(metrics)} RL steps ({len(timed)} after warmup), 16 prompts x 4 samples, 6 new tokens; "
           f"whole run {wall:.0f} s wall (start-up included)")
     print(f"   machine after: {benchlib.machine_state()}\n")
@@ -170,10 +195,12 @@ def report(args, metrics: list[dict], ranks: list[dict], wall: float) -> None:
             ["moving data: exchange + sync (rank 0)", moving, benchlib.ratio(moving, step)],
             ["waiting for other roles at exchanges (rank 0)", wait0, benchlib.ratio(wait0, step)]]
     print(benchlib.table(["data movement per step", "seconds (median)", "share of step"], rows))
-    print(f"\n   {calls} exchange calls per step on rank 0, each preceded by a synchronisation of its ranks costing "
-          f"at most ~{barrier * 1e3:.1f} ms (a barrier of all {len(ranks)} ranks), so at most "
-          f"~{calls * barrier:.3f} s per step ({calls * barrier / step:.1%} of it) is the "
-          f"instrumentation's own; {med['samples_per_s']:.1f} samples/s")
+    kinds = sorted({kind for i in steady for kind in per_step[0][i]["by_kind"]})
+    rows = [[kind, benchlib.median(per_step[0][i]["by_kind"].get(kind, 0.0) for i in steady)] for kind in kinds]
+    print()
+    print(benchlib.table(["moving data on rank 0, by call", "seconds (median per step)"], rows))
+    print(f"\n   {calls} exchange calls per step on rank 0, each timed by two clock reads on every rank (no added "
+          f"synchronisation); {med['samples_per_s']:.1f} samples/s")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ because `new_group` must be entered by every rank of the world in the same order
    one other rank go point to point, and a message whose only consumer is its sender does not travel.
 
 Routes (DESIGN §4.3: to the ranks that need them). Rank 0, the actor's leader, logs the step's figures:
-- `responses/E`: engine E's responses, from its first rank to every scoring rank (actor, critic, ref, reward
-  models; the rule rewards run on one of them) and rank 0;
-- `rollout-logprobs/E`: engine E's sampling log-probs, to the trained roles (actor, critic) and rank 0;
+- `responses/E`: engine E's responses and their sampling log-probs, from its first rank to every scoring rank
+  (actor, critic, ref, reward models; the rule rewards run on one of them) and rank 0. The log-probs are for the
+  trained roles; they ride in the same message (trainers/rl_exchange.py says why);
 - `scores/ROLE` (actor, critic, ref, reward, reward2, ..., and `rules` for the rule/remote rewards): that
   role's per-sample results, from its leader (the rule rewards' rank for `rules`) to the trained roles and
   rank 0;
@@ -96,7 +96,6 @@ def routes_of(plan: Plan) -> dict[str, Route]:
     if plan.has("rollout"):
         for index, engine in enumerate(plan.role("rollout").engines):
             add(f"responses/{index}", engine[0], scorers)
-            add(f"rollout-logprobs/{index}", engine[0], trained)
             add(f"eval/{index}", engine[0], {LOGGING_RANK})
     for name, role in plan.roles.items():
         if role.kind != "rollout":

@@ -55,14 +55,14 @@ from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.dropout import disable_dropout
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores, token_values
-from hpc_rlhf.trainers import common, rl_exchange
+from hpc_rlhf.trainers import common
 from hpc_rlhf.trainers.experience import (Experience, SampleBatch, from_ragged, make_batch, response_logprobs,
                                           shard_bounds, to_ragged)
 from hpc_rlhf.trainers.reference import FrozenModel
 from hpc_rlhf.trainers.rl_config import Config, check_plan_against_config, reward_role_names, tis_cap
 from hpc_rlhf.trainers.rl_pipeline import RolloutPipeline, engine_generate, engine_led_here, share_generated
 from hpc_rlhf.trainers.rl_roles import batch_rows, build_rollout_engine, hf_names, load_prompts, ranks_per_node
-from hpc_rlhf.trainers.rl_scoring import rule_scores, sample_figures, score_on_shard
+from hpc_rlhf.trainers.rl_scoring import rule_scores, sample_figures, score_on_shard, share_scores
 from hpc_rlhf.utils import faults
 
 log = logging.getLogger("hpc_rlhf")
@@ -182,11 +182,11 @@ class RLRecipe:
                     if self.critic is not None:
                         critic_figures = self._train_critic(step, exp)
             t_train = time.perf_counter()
-            metrics.update(self._critic_figures_to_all(critic_figures))
             # 8. weight sync
             with watchdog.phase("weight_sync"):
                 sync_mb = self._sync_weights()
             t_sync = time.perf_counter()
+            metrics.update(self._critic_figures_to_logger(critic_figures))
             done = step + 1
 
             # A non-finite step of either trained role counts (each role's ranks skipped it together).
@@ -319,19 +319,14 @@ class RLRecipe:
             with deepspeed_compat.keep_collectives_in_group(frozen.group):
                 local[name] = score_on_shard(name, samples, micro, batch_of, scores_of(frozen.model))
 
-        scored = {}
+        with_rules, rules = bool(self.rule_functions or cfg.reward.http_url), None
+        if with_rules:
+            rules = rule_scores(cfg, self.rule_functions, self.tokenizer, self.rule_leader,
+                                self._per_sample(step_prompts, "text"), responses,
+                                self._per_sample(step_prompts, "answer"))
+        roles = [r for r in ["actor", "critic", "ref", *self.reward_roles] if self.plan.has(r)]
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
-            for role in ["actor", "critic", "ref", *self.reward_roles]:
-                if self.plan.has(role):  # to the trained roles only; lengths known from the responses
-                    lengths = None if batch is None else [1] * len(responses) if role.startswith("reward") \
-                        else batch.response_lens
-                    full = rl_exchange.share(local.get(role), f"scores/{role}", lengths=lengths)
-                    if full is not None:
-                        scored[role] = torch.cat(full) if role.startswith("reward") else from_ragged(full, batch)
-        scored["rules"] = rule_scores(cfg, self.rule_functions, self.tokenizer, self.rule_leader,
-                                      self._per_sample(step_prompts, "text"), responses,
-                                      self._per_sample(step_prompts, "answer"))
-        return scored
+            return share_scores(local, roles, rules, with_rules, batch)
 
     # -------------------------------------------------------------------------------------------- phase 6
     def _experience(self, batch: SampleBatch, scored: dict[str, torch.Tensor],
@@ -438,14 +433,17 @@ class RLRecipe:
         out[f"{role}_skipped"] = float(any(i.skipped for i in stepped))
         return out
 
-    def _critic_figures_to_all(self, figures: dict[str, float]) -> dict[str, float]:
-        """The critic's figures, from its leader to every rank (rank 0 logs them)."""
-        if not self.plan.has("critic"):
+    def _critic_figures_to_logger(self, figures: dict[str, float]) -> dict[str, float]:
+        """The critic's figures, from its leader to rank 0, which logs them ({} on the other ranks)."""
+        leader = groups.role_leader("critic") if self.plan.has("critic") else None
+        if dist.get_rank() not in (leader, groups.LOGGING_RANK) or leader is None:
             return {}
-        leader = groups.role_leader("critic")
-        values = torch.tensor([figures.get(k, float("nan")) for k in CRITIC_FIGURES], dtype=torch.float64,
-                              device=exchange.comm_device())
-        dist.broadcast(values, src=leader)
+        values = torch.tensor([figures.get(k, float("nan")) for k in CRITIC_FIGURES], dtype=torch.float64)
+        if leader != groups.LOGGING_RANK:
+            if dist.get_rank() == leader:
+                exchange.send_known(values, groups.LOGGING_RANK, len(CRITIC_FIGURES), torch.float64, tag="critic")
+                return {}
+            values = exchange.recv_known(leader, len(CRITIC_FIGURES), torch.float64)
         return dict(zip(CRITIC_FIGURES[:-1], values.tolist()))
 
     # -------------------------------------------------------------------------------------------- phase 8

@@ -1,14 +1,19 @@
 """Experience messages of the RL step, each to the ranks that consume it (DESIGN §4.3).
 
 A message kind has a route (`hpc_rlhf.dist.groups.route`): its sender and its consumers, a pure function of the
-placement. `share` moves one ragged list along a route: nothing when the sender is its only consumer, a
-point-to-point send to a single consumer, a broadcast over the route's group otherwise. Ranks outside the route
-take no part and get None.
+placement. A message travels nowhere when its sender is its only consumer, point to point to a single consumer,
+by broadcast over the route's group otherwise; ranks outside the route take no part and get None.
+
+On a machine where roles share cores, a message costs a rank far more in latency (its partner must be scheduled)
+than in bytes, so the messages of one phase travel together, all in flight before any is waited for:
+`share_responses` moves a batch's responses and sampling log-probs from every engine in two rounds (sizes, then
+data), `share_known` a step's scores from every role in one (their lengths follow from the responses, and what
+one sender sends to the same ranks goes as one message).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,56 +21,131 @@ import torch.distributed as dist
 from hpc_rlhf.dist import exchange, groups
 
 
-def share(values: Sequence[torch.Tensor] | None, key: str, dtype: torch.dtype = torch.float32,
-          lengths: Sequence[int] | None = None) -> list[torch.Tensor] | None:
-    """`values` (given on the route's sender; ignored elsewhere) on every rank of route `key`; None on the ranks
-    outside it. Every rank of the route must call it, in the same order as the other routes it is on.
+def share_known(messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequence[int] | None]],
+                dtype: torch.dtype = torch.float32) -> dict[str, list[torch.Tensor] | None]:
+    """Several messages of known lengths at once: `messages[key] = (values, lengths)` for route `key`, `values`
+    given on the route's sender, `lengths` (of every value) on every rank of the route; the result maps each key
+    to its values on the ranks of its route, None elsewhere. Every rank passes the same keys in the same order.
 
-    `lengths`: the length of every value, when every rank of the route knows them already (per-token results of
-    responses that all of them hold, one score per sample): the values then travel as one flat message without
-    a header (`exchange.broadcast_known`)."""
-    path = groups.route(key)
+    Messages whose routes have the same sender and ranks travel as one flat message, and every message is in
+    flight before any is waited for (point to point for two ranks, an asynchronous broadcast over the route's
+    group otherwise): a rank that consumes several messages waits for the slowest, not for their sum."""
     me = dist.get_rank()
-    if me not in path.ranks:
-        return None
-    if len(path.ranks) == 1:
-        return list(values)
-    if lengths is not None:
-        return _share_known(values, path, key, dtype, list(lengths))
-    if len(path.ranks) == 2:
-        if me == path.src:
-            exchange.send_ragged(values, path.consumers[0], tag=key, dtype=dtype)
-            return list(values)
-        return exchange.recv_ragged(path.src, tag=key)
-    return exchange.broadcast_ragged(values if me == path.src else None, src=path.src,
-                                     group=groups.route_group(key), tag=key, dtype=dtype)
-
-
-def _share_known(values, path: groups.Route, key: str, dtype: torch.dtype, lengths: list[int]) -> list[torch.Tensor]:
-    total, me = sum(lengths), dist.get_rank()
-    flat = None
-    if me == path.src:
-        if values is None or len(values) != len(lengths):
-            got = "none" if values is None else len(values)
-            raise exchange.ExchangeError(f"share('{key}'): {got} values for {len(lengths)} samples")
-        flat = torch.cat([v.reshape(-1) for v in values]) if values else torch.zeros(0, dtype=dtype)
-    if len(path.ranks) == 2:
-        if me == path.src:
-            exchange.send_known(flat, path.consumers[0], total, dtype, tag=key)
+    out: dict[str, list[torch.Tensor] | None] = {key: None for key in messages}
+    bundles: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for key, (values, lengths) in messages.items():
+        path = groups.route(key)
+        if me not in path.ranks:
+            continue
+        if lengths is None:
+            raise exchange.ExchangeError(f"share_known('{key}'): rank {me} is on the route but knows no lengths")
+        if len(path.ranks) == 1:
+            out[key] = list(values)
+            continue
+        bundles.setdefault((path.src, path.ranks), []).append(key)
+    device = exchange.comm_device()
+    flats = []  # every bundle's buffer, checked and filled before anything travels
+    for (src, ranks), keys in bundles.items():
+        if me != src:
+            flats.append(torch.empty(sum(sum(messages[key][1]) for key in keys), dtype=dtype, device=device))
+            continue
+        parts = []
+        for key in keys:
+            values, lengths = messages[key]
+            if values is None or [v.numel() for v in values] != list(lengths):
+                got = "none" if values is None else [v.numel() for v in values]
+                raise exchange.ExchangeError(f"share_known('{key}'): values of lengths {got}, but the route's ranks "
+                                             f"expect {list(lengths)}")
+            parts += [v.reshape(-1).to(dtype) for v in values]
+        flats.append(torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=dtype, device=device))
+    works = []
+    for ((src, ranks), keys), flat in zip(bundles.items(), flats):
+        if not flat.numel():
+            continue
+        if len(ranks) == 2:
+            other = ranks[1] if ranks[0] == me else ranks[0]
+            works.append(dist.isend(flat, other) if me == src else dist.irecv(flat, src))
         else:
-            flat = exchange.recv_known(path.src, total, dtype)
-    else:
-        flat = exchange.broadcast_known(flat, path.src, groups.route_group(key), total, dtype, tag=key)
-    return list(torch.split(flat, lengths))
+            works.append(dist.broadcast(flat, src, group=groups.route_group(keys[0]), async_op=True))
+    for work in works:
+        work.wait()
+    for keys, flat in zip(bundles.values(), flats):
+        sizes = [sum(messages[key][1]) for key in keys]
+        for key, part in zip(keys, torch.split(flat.cpu(), sizes)):
+            out[key] = list(torch.split(part, list(messages[key][1])))
+    return out
 
 
-def share_engines(per_engine: Sequence[torch.Tensor] | None, kind: str, engines: int, dtype: torch.dtype,
-                  lengths: Sequence[Sequence[int] | None] | None = None) -> list[list[torch.Tensor] | None]:
-    """Every engine's list (`per_engine`: this rank's own engine's, on its first rank) along the routes
-    `kind/0`, `kind/1`, ...: per engine, its list on the ranks of its route, None elsewhere. `lengths[e]`: the
-    lengths of engine e's values where the route's ranks know them (see `share`)."""
-    return [share(per_engine, f"{kind}/{index}", dtype=dtype, lengths=lengths[index] if lengths else None)
-            for index in range(engines)]
+def _post(flat: torch.Tensor, key: str) -> object | None:
+    """Start moving `flat` along route `key` (this rank is on it): a work to wait for, None if nothing travels."""
+    path, me = groups.route(key), dist.get_rank()
+    if len(path.ranks) == 1 or not flat.numel():
+        return None
+    if len(path.ranks) == 2:
+        other = path.ranks[1] if path.ranks[0] == me else path.ranks[0]
+        return dist.isend(flat, other) if me == path.src else dist.irecv(flat, path.src)
+    return dist.broadcast(flat, path.src, group=groups.route_group(key), async_op=True)
+
+
+def _wait(works) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[torch.Tensor] | None, kind: str,
+                    engines: int, with_logprobs: bool = False
+                    ) -> tuple[list[list[torch.Tensor] | None], list[list[torch.Tensor] | None]]:
+    """Every engine's responses (`mine`: token ids, on the engine's first rank) along the routes `kind/E`, with
+    `with_logprobs` their sampling log-probs (`mine_logps`) too: per engine, (token ids, log-probs) on the ranks
+    of its route, None elsewhere. Every rank calls it.
+
+    Two rounds, every engine's message of a round in flight at once: the sizes (count and total tokens), then
+    one message per engine of 4-byte words: the lengths, the token ids (int32: vocabularies are far below 2^31)
+    and the log-probs' bits. The log-probs so ride along in the bytes that int64 ids would have taken: every
+    scoring rank gets them, the trained roles use them, and nobody waits for a second message."""
+    device, me = exchange.comm_device(), dist.get_rank()
+    keys = [f"{kind}/{e}" for e in range(engines)]
+    tokens: list[list[torch.Tensor] | None] = [None] * engines
+    logps: list[list[torch.Tensor] | None] = [None] * engines
+    sizes, works = {}, []
+    for e, key in enumerate(keys):  # round 1: sizes
+        path = groups.route(key)
+        if me not in path.ranks:
+            continue
+        if me == path.src:
+            if mine is None or (with_logprobs and (mine_logps is None or
+                                                   [len(t) for t in mine_logps] != [len(t) for t in mine])):
+                raise exchange.ExchangeError(f"share_responses('{key}'): the engine's responses and log-probs "
+                                             "are missing or of different lengths")
+            sizes[e] = torch.tensor([len(mine), sum(len(t) for t in mine)], dtype=torch.int64, device=device)
+        else:
+            sizes[e] = torch.zeros(2, dtype=torch.int64, device=device)
+        works.append(_post(sizes[e], key))
+    _wait(works)
+    words, works = {}, []
+    for e, size in sizes.items():  # round 2: the data
+        count, total = size.tolist()
+        if me == groups.route(keys[e]).src:
+            flat, lengths = exchange.pack_ragged(mine, torch.long)
+            if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < 2**31):
+                raise exchange.ExchangeError(f"share_responses('{keys[e]}'): token ids outside int32")
+            parts = [lengths.to(torch.int32), flat.to(torch.int32)]
+            if with_logprobs:
+                parts.append(exchange.pack_ragged(mine_logps, torch.float32)[0].view(torch.int32))
+            words[e] = torch.cat(parts).to(device)
+        else:
+            words[e] = torch.empty(count + total * (2 if with_logprobs else 1), dtype=torch.int32, device=device)
+        works.append(_post(words[e], keys[e]))
+    _wait(works)
+    for e, flat in words.items():
+        count, total = sizes[e].tolist()
+        flat = flat.cpu()
+        lengths = flat[:count].tolist()
+        tokens[e] = list(torch.split(flat[count:count + total].long(), lengths))
+        if with_logprobs:
+            logps[e] = list(torch.split(flat[count + total:].view(torch.float32).clone(), lengths))
+    return tokens, logps
 
 
 def concatenated(per_engine: list[list[torch.Tensor] | None]) -> list[torch.Tensor] | None:

@@ -89,7 +89,7 @@ class RolloutPipeline:
 
     def exchange(self, index: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, int]:
         """Batch `index` leaves the pipeline (every rank, at step `index`): its responses on every scoring rank
-        and rank 0, its sampling log-probs on the trained roles and rank 0 (None elsewhere), and its staleness."""
+        and rank 0 with its sampling log-probs (None elsewhere), and its staleness."""
         mine, mine_logps, staleness = self.take(index)
         responses, logps = share_generated(mine, mine_logps, "responses", with_logprobs=True)
         return responses, logps, staleness
@@ -156,16 +156,11 @@ def share_generated(mine: list[torch.Tensor] | None, mine_logps: list[torch.Tens
                     with_logprobs: bool = False) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
     """Each engine's share of a batch (`mine`, on the engine's first rank) along the routes `to/E`: every
     response, prompt-major, on the ranks of all those routes (the scoring ranks and rank 0 for "responses", rank
-    0 alone for "eval"), and with `with_logprobs` the sampling log-probs on the trained roles and rank 0 (routes
-    `rollout-logprobs/E`); None elsewhere. Every rank calls it."""
+    0 alone for "eval"), and with `with_logprobs` their sampling log-probs on the same ranks (in the same
+    messages: `rl_exchange.share_responses`); None elsewhere. Every rank calls it."""
     engines = len(groups.plan().role("rollout").engines)
-    responses = rl_exchange.share_engines(mine, to, engines, torch.long)
-    logps = None
-    if with_logprobs:  # as long as the responses, which every rank of those routes holds: no header
-        lengths = [[len(r) for r in part] if part is not None else None for part in responses]
-        logps = rl_exchange.concatenated(rl_exchange.share_engines(
-            mine_logps, "rollout-logprobs", engines, torch.float32, lengths))
-    return rl_exchange.concatenated(responses), logps
+    responses, logps = rl_exchange.share_responses(mine, mine_logps, to, engines, with_logprobs)
+    return rl_exchange.concatenated(responses), rl_exchange.concatenated(logps) if with_logprobs else None
 
 
 def engine_led_here() -> int | None:

@@ -14,7 +14,7 @@ from hpc_rlhf import rewards as reward_fns
 from hpc_rlhf.algorithms.kl import kl_estimate
 from hpc_rlhf.dist import exchange, groups
 from hpc_rlhf.trainers import rl_exchange
-from hpc_rlhf.trainers.experience import Experience, SampleBatch, shard_bounds
+from hpc_rlhf.trainers.experience import Experience, SampleBatch, from_ragged, shard_bounds
 
 
 def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int, int], SampleBatch],
@@ -39,29 +39,48 @@ def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int,
 
 
 def rule_scores(cfg, rule_functions, tokenizer, leader: int, prompts: list[str],
-                responses: list[torch.Tensor] | None, answers: list[str | None]) -> torch.Tensor | None:
+                responses: list[torch.Tensor] | None, answers: list[str | None]) -> list[torch.Tensor] | None:
     """Rule functions and the HTTP endpoint, weighted and summed, computed once on `leader` (the only rank that
-    decodes the responses): (B,) on the ranks of the route `scores/rules` (the trained roles), None elsewhere.
-    Without rule functions or an endpoint nothing is decoded or sent: the scores are 0."""
+    decodes the responses, the sender of the route `scores/rules`): [(B,)] there, None elsewhere."""
     route = groups.route("scores/rules")
     if route.src != leader:
         raise ValueError(f"rule rewards run on rank {route.src} (hpc_rlhf.dist.groups.rule_reward_rank), not {leader}")
-    if dist.get_rank() not in route.ranks:
+    if dist.get_rank() != leader:
         return None
-    if not (rule_functions or cfg.reward.http_url):
-        return torch.zeros(len(prompts))
-    full = None
-    if dist.get_rank() == leader:
-        texts = [tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
-        total = torch.zeros(len(texts))
-        weights = cfg.reward.function_weights or [1.0] * len(rule_functions)
-        for (spec, fn), w in zip(rule_functions, weights):
-            total += w * torch.tensor(reward_fns.call_reward_function(fn, spec, prompts, texts, answers))
-        if cfg.reward.http_url:
-            total += cfg.reward.http_weight * torch.tensor(reward_fns.remote_rewards(
-                cfg.reward.http_url, prompts, texts, answers, timeout_s=cfg.reward.http_timeout_s))
-        full = [total]
-    return rl_exchange.share(full, "scores/rules", lengths=[len(prompts)])[0]
+    texts = [tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
+    total = torch.zeros(len(texts))
+    weights = cfg.reward.function_weights or [1.0] * len(rule_functions)
+    for (spec, fn), w in zip(rule_functions, weights):
+        total += w * torch.tensor(reward_fns.call_reward_function(fn, spec, prompts, texts, answers))
+    if cfg.reward.http_url:
+        total += cfg.reward.http_weight * torch.tensor(reward_fns.remote_rewards(
+            cfg.reward.http_url, prompts, texts, answers, timeout_s=cfg.reward.http_timeout_s))
+    return [total]
+
+
+def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], rules: list[torch.Tensor] | None,
+                 with_rules: bool, batch: SampleBatch | None) -> dict[str, torch.Tensor]:
+    """Every scoring role's results (`local[role]`, on its leader) and the rule rewards (`rules`, on their rank)
+    to the trained roles, all in one round (`rl_exchange.share_known`; the lengths follow from the responses):
+    dense on those ranks, (B, T-1) per-token tensors for actor, critic and ref, (B,) scores of each reward model
+    and "rules" (zeros without rule or remote rewards)."""
+    def lengths_of(role):
+        if batch is None:
+            return None
+        return [1] * len(batch.response_lens) if role.startswith("reward") or role == "rules" else batch.response_lens
+
+    messages = {f"scores/{role}": (local.get(role), lengths_of(role)) for role in roles}
+    if with_rules:
+        messages["scores/rules"] = (rules, None if batch is None else [len(batch.response_lens)])
+    scored = {}
+    for key, full in rl_exchange.share_known(messages).items():
+        role = key.removeprefix("scores/")
+        if full is not None:
+            per_sample = role.startswith("reward") or role == "rules"
+            scored[role] = torch.cat(full) if per_sample else from_ragged(full, batch)
+    if not with_rules and batch is not None:
+        scored["rules"] = torch.zeros(len(batch.response_lens))
+    return scored
 
 
 def sample_figures(exp: Experience, kl_estimator: str, has_ref: bool, tis_cap: float | None) -> dict[str, float]:

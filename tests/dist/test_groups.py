@@ -21,15 +21,15 @@ def test_plans_used_by_the_distributed_case():
 
 
 def test_routes_go_to_the_ranks_that_consume_them():
-    """Responses to every scoring rank, log-probs and scores to the trained roles (rank 0 logs), evaluation
+    """Responses (with their log-probs) to every scoring rank, scores to the trained roles (rank 0 logs), evaluation
     responses to rank 0 alone; pure, so every rank computes the same."""
     routes = {key: (r.src, r.ranks) for key, r in groups.routes_of(make_plan(*COLOCATED)).items()}
     assert routes == {
-        "responses/0": (4, (0, 1, 2, 3, 4)), "rollout-logprobs/0": (4, (0, 1, 3, 4)), "eval/0": (4, (0, 4)),
+        "responses/0": (4, (0, 1, 2, 3, 4)), "eval/0": (4, (0, 4)),
         "scores/actor": (0, (0, 1, 3)), "scores/critic": (3, (0, 1, 3)), "scores/ref": (0, (0, 1, 3)),
         "scores/reward": (2, (0, 1, 2, 3)), "scores/rules": (2, (0, 1, 2, 3))}
     grpo = groups.routes_of(make_plan("actor=1,ref=1,rollout=2", 4, 4))
-    assert grpo["responses/1"].ranks == (0, 1, 3) and grpo["rollout-logprobs/1"].ranks == (0, 3)
+    assert grpo["responses/1"].ranks == (0, 1, 3)
     assert grpo["scores/actor"].ranks == (0,) and grpo["scores/rules"].src == 0  # no reward model: the actor
     hybrid = groups.routes_of(make_plan("actor+ref=1,rollout@actor", 1, 1))
     assert {r.ranks for r in hybrid.values()} == {(0,)}  # one rank: nothing travels
@@ -142,6 +142,43 @@ if __name__ == "__main__":
     if rank in (0, 1, 3):
         assert groups.route_group("scores/actor") is groups.route_group("scores/critic")
     assert "point to point" in raises(PlacementError, groups.route_group, "eval/0")
+
+    # A step's scores in one round (trainers.rl_exchange.share_known): per-token results of actor and ref from
+    # rank 0 (one message: same sender, same ranks), the critic's from rank 3, reward and rule scores from rank 2,
+    # each on exactly the ranks of its route. Every rank rebuilds what each sender sends from a seed.
+    from hpc_rlhf.trainers.rl_exchange import share_known
+
+    lengths = {"scores/actor": [3, 0, 2], "scores/critic": [3, 0, 2], "scores/ref": [3, 0, 2],
+               "scores/reward": [1, 1, 1], "scores/rules": [1, 1, 1]}
+
+    def sent(key):
+        g = torch.Generator().manual_seed(len(key) * 31 + sum(map(ord, key)))
+        return [torch.randn(n, generator=g) for n in lengths[key]]
+
+    routes = {key: groups.route(key) for key in lengths}
+    messages = {key: (sent(key) if rank == routes[key].src else None, lengths[key] if rank in routes[key].ranks
+                      else None) for key in lengths}
+    got = share_known(messages)
+    for key, route in routes.items():
+        if rank in route.ranks:
+            assert [torch.equal(a, b) for a, b in zip(got[key], sent(key))] == [True] * 3, (key, got[key])
+        else:
+            assert got[key] is None, (key, rank)
+
+    # A batch's responses with their sampling log-probs (trainers.rl_exchange.share_responses), from engine 0's
+    # first rank (4) to the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5.
+    from hpc_rlhf.trainers.rl_exchange import share_responses
+
+    g = torch.Generator().manual_seed(5)
+    want = [torch.randint(0, 2**31 - 1, (n,), generator=g) for n in (4, 0, 7, 1)]
+    want_logps = [-torch.rand(len(t), generator=g) * 9 for t in want]
+    got, got_logps = share_responses(want if rank == 4 else None, want_logps if rank == 4 else None, "responses", 1,
+                                     with_logprobs=True)
+    if rank <= 4:
+        assert all(torch.equal(a, b) for a, b in zip(got[0], want)) and len(got[0]) == 4, got
+        assert all(torch.equal(a, b) for a, b in zip(got_logps[0], want_logps)), got_logps
+    else:
+        assert got == [None] and got_logps == [None]
 
     # Different collectives at the same time on different groups must not pair up across groups:
     # actor all_reduces 50 times while the reward rank all_gathers alone;
