@@ -4,14 +4,15 @@ The actor's leader (`src`) streams (name, tensor) pairs of the full model (`Trai
 module gathered at a time under ZeRO-3) and sends them bucket by bucket while the next module is gathered:
 
     header   exchange's fixed-size int64 header: tensor count n, names size, data bytes, the sender's bucket
-             size, where the description is, dtype
+             size, where the description is, whether it is the last bucket, dtype
     payload  the bucket's bytes (uint8 on the wire, so every dtype travels bit for bit on any backend), then its
              description: int64 words, per tensor (offset in the bucket, ndim, shape padded with zeros), then
              the n names (utf-8, newline-separated) packed into int64 words
 
-and at the end a header with n = 0 (two messages per bucket; a tensor sent straight through from its own storage
-has its description in a message of its own). Nothing is pickled and a receiver never posts a buffer of the wrong size.
-Receivers rebuild (name, view) pairs and pass each bucket to `load_fn` (a rollout engine's `load_weights`).
+two messages per bucket (a tensor sent straight through from its own storage has its description in a message of
+its own). The last bucket's header says it is the last; only a sync whose last bucket was full before the stream
+ended sends an end marker, a header with n = 0. Nothing is pickled and a receiver never posts a buffer of the
+wrong size. Receivers rebuild (name, view) pairs and pass each bucket to `load_fn` (a rollout engine's `load_weights`).
 
 Memory and overlap, on the sender: tensors of one dtype are copied into a bucket buffer of `bucket_mb`; a full
 bucket goes out with an asynchronous broadcast, and while it travels the next module is gathered and packed
@@ -264,12 +265,13 @@ def _description(bucket: Bucket) -> torch.Tensor:
     return torch.cat([bucket.meta().reshape(-1), padded.view(torch.int64)])
 
 
-def _header(bucket: Bucket | None, bucket_bytes: int, inline: bool) -> torch.Tensor:
-    """count, names bytes, data bytes, the sender's bucket size, description inline (1) or apart (0)."""
+def _header(bucket: Bucket | None, bucket_bytes: int, inline: bool, last: bool = False) -> torch.Tensor:
+    """count, names bytes, data bytes, the sender's bucket size, description inline (1) or apart (0), last bucket
+    of the sync (1: no end marker follows)."""
     if bucket is None:
-        return make_header(Kind.TENSOR, _TAG, torch.uint8, (0, 0, 0, 0, 0))
+        return make_header(Kind.TENSOR, _TAG, torch.uint8, (0, 0, 0, 0, 0, 1))
     return make_header(Kind.TENSOR, _TAG, bucket.flat.dtype, (len(bucket.names), len(bucket.encoded_names()),
-                                                              bucket.nbytes, bucket_bytes, int(inline)))
+                                                              bucket.nbytes, bucket_bytes, int(inline), int(last)))
 
 
 def _as_bytes(flat: torch.Tensor) -> torch.Tensor:
@@ -302,20 +304,29 @@ def send_weights(named_params: Iterable[tuple[str, torch.Tensor]], src: int,
     def send(tensor: torch.Tensor) -> object:
         return dist.broadcast(tensor.to(device), src, group=group, async_op=True)
 
+    def post(bucket: Bucket, last: bool) -> None:
+        payload, description = _payload(bucket)
+        works = [send(_header(bucket, pool.bucket_bytes, description is None, last))]
+        if description is not None:
+            works.append(send(description))
+        works.append(send(payload))
+        if bucket.storage is None:  # straight through from the caller's tensor: done before it moves on
+            for work in works:
+                work.wait()
+        else:
+            pool.release(bucket.storage, works)
+        _count(stats, bucket)
+
     try:
-        for bucket in Bucketer(pool.bucket_bytes, device, pool).buckets(named_params):
-            payload, description = _payload(bucket)
-            works = [send(_header(bucket, pool.bucket_bytes, description is None))]
-            if description is not None:
-                works.append(send(description))
-            works.append(send(payload))
-            if bucket.storage is None:  # straight through from the caller's tensor: done before it moves on
-                for work in works:
-                    work.wait()
-            else:
-                pool.release(bucket.storage, works)
-            _count(stats, bucket)
-        send(_header(None, pool.bucket_bytes, True)).wait()
+        bucketer = Bucketer(pool.bucket_bytes, device, pool)
+        for name, tensor in named_params:
+            for bucket in bucketer.add(name, tensor):
+                post(bucket, last=False)
+        rest = bucketer.flush()  # the partly filled buckets: the last one says so, and no end marker is needed
+        for i, bucket in enumerate(rest):
+            post(bucket, last=i == len(rest) - 1)
+        if not rest:
+            send(_header(None, pool.bucket_bytes, True)).wait()
     finally:
         pool.drain()
     stats.peak_buffer_bytes = pool.peak_lent_bytes
@@ -347,7 +358,7 @@ def _bucket_from(raw: torch.Tensor, description: torch.Tensor, dtype: torch.dtyp
 
 
 def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn) -> SyncStats:
-    """Take buckets from `src` until its end marker; `load_fn` gets each bucket's (name, view) pairs.
+    """Take buckets from `src` until its last one (or end marker); `load_fn` gets each bucket's (name, view) pairs.
 
     The views point into a buffer that is reused afterwards: `load_fn` must copy what it keeps.
     """
@@ -361,7 +372,8 @@ def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn) 
     while True:
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
         dist.broadcast(header, src, group=group)
-        dtype, (count, names_len, nbytes, bucket_bytes, inline) = read_header(header.cpu(), Kind.TENSOR, _TAG, what)
+        dtype, (count, names_len, nbytes, bucket_bytes, inline, last) = read_header(header.cpu(), Kind.TENSOR, _TAG,
+                                                                                    what)
         if count == 0:
             break
         words = count * _META_WIDTH + _align(names_len) // 8
@@ -382,6 +394,8 @@ def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn) 
         stats.bytes += nbytes
         stats.buckets += 1
         slot = 1 - slot
+        if last:
+            break
     if pending is not None:
         load_fn(_bucket_from(*pending).views())
     stats.seconds = time.perf_counter() - start

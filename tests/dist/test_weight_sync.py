@@ -201,6 +201,19 @@ def _sync(rank: int):
     else:
         dist.barrier(group=other_group)
 
+    # A sync whose stream ends with a tensor sent straight through has no partly filled bucket to mark as the
+    # last: it ends with an end marker.
+    if rank in sync_ranks:
+        big = extra["extra.big_fp32"]
+        if rank == leader:
+            stats = send_weights(iter([("a", big), ("b", big + 1)]), leader, sync_group, bucket_mb=bucket_mb)
+            assert stats.buckets == 2
+        else:
+            got = {}
+            stats = receive_weights(leader, sync_group, lambda views: got.update((n, t.clone()) for n, t in views))
+            assert stats.buckets == 2
+            assert torch.equal(got["a"], big) and torch.equal(got["b"], big + 1)
+
     # Throughput figure for the report: 42 MB of fp32 in the default 256 MB buckets to the two receivers.
     if rank in sync_ranks:
         dist.barrier(group=sync_group)
