@@ -80,7 +80,7 @@ def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
         return {r for key in keys for r in groups.route(key).ranks if me is None or me in groups.route(key).ranks}
 
     def engine_routes(args):
-        return [f"{args[2]}/{e}" for e in range(args[3])]
+        return [f"{args[2]}/{e}" for e in range(len(args[3]))]
 
     rl_exchange.share_responses = timed(
         rl_exchange.share_responses, lambda *a, **kw: f"share_responses {a[2]}",

@@ -237,8 +237,10 @@ class RLRecipe:
     def _exchange(self, index: int):
         """Batch `index` leaves the pipeline: (padded batch, responses, sampling log-probs (B, T-1)) where known,
         else None; and the batch's staleness in policy versions."""
+        rollout = self.cfg.rollout
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
-            responses, logps, staleness = self.pipeline.exchange(index)
+            responses, logps, staleness = self.pipeline.exchange(index, len(self._prompts_of(index)),
+                                                                 rollout.n_samples, rollout.max_new_tokens)
         if responses is None:  # ranks that consume no responses (rollout-only ranks)
             return None, None, None, staleness
         batch = make_batch(self._per_sample(self._prompts_of(index), "input_ids"), responses,
@@ -478,7 +480,7 @@ class RLRecipe:
         mine, _ = engine_generate(self.rollout, [p["input_ids"] for p in self.eval_prompts], sampling,
                                   self._engine_awake)
         with watchdog.phase("exchange"):
-            responses, _ = share_generated(mine, None, "eval")
+            responses, _ = share_generated(mine, None, "eval", len(self.eval_prompts), 1, sampling.max_new_tokens)
         if responses is None:  # only rank 0 gets the responses, decodes and logs the figure
             return float("nan")
         texts = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]

@@ -6,9 +6,9 @@ by broadcast over the route's group otherwise; ranks outside the route take no p
 
 On a machine where roles share cores, a message costs a rank far more in latency (its partner must be scheduled)
 than in bytes, so the messages of one phase travel together, all in flight before any is waited for:
-`share_responses` moves a batch's responses and sampling log-probs from every engine in two rounds (sizes, then
-data), `share_known` a step's scores from every role in one (their lengths follow from the responses, and what
-one sender sends to the same ranks goes as one message).
+`share_responses` moves a batch's responses and sampling log-probs from every engine in one round (padded to a
+size every rank knows), `share_known` a step's scores from every role in one (their lengths follow from the
+responses, and what one sender sends to the same ranks goes as one message).
 """
 
 from __future__ import annotations
@@ -94,57 +94,59 @@ def _wait(works) -> None:
 
 
 def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[torch.Tensor] | None, kind: str,
-                    engines: int, with_logprobs: bool = False
+                    counts: Sequence[int], max_len: int, with_logprobs: bool = False
                     ) -> tuple[list[list[torch.Tensor] | None], list[list[torch.Tensor] | None]]:
-    """Every engine's responses (`mine`: token ids, on the engine's first rank) along the routes `kind/E`, with
-    `with_logprobs` their sampling log-probs (`mine_logps`) too: per engine, (token ids, log-probs) on the ranks
-    of its route, None elsewhere. Every rank calls it.
+    """Every engine's responses (`mine`: token ids, on the engine's first rank; engine E generated `counts[E]`
+    responses of at most `max_len` tokens) along the routes `kind/E`, with `with_logprobs` their sampling
+    log-probs (`mine_logps`) too: per engine, (token ids, log-probs) on the ranks of its route, None elsewhere.
+    Every rank calls it.
 
-    Two rounds, every engine's message of a round in flight at once: the sizes (count and total tokens), then
-    one message per engine of 4-byte words: the lengths, the token ids (int32: vocabularies are far below 2^31)
-    and the log-probs' bits. The log-probs so ride along in the bytes that int64 ids would have taken: every
-    scoring rank gets them, the trained roles use them, and nobody waits for a second message."""
+    One message per engine, all in flight at once, of a size every rank knows: 4-byte words, the lengths, then
+    room for `max_len` token ids (int32: vocabularies are far below 2^31) per response, then as much for the
+    log-probs' bits. Padding to the longest possible batch costs bytes, which are cheap next to the round trip
+    that announcing the size would cost; the log-probs ride in the room int64 ids would have taken, so the
+    ranks that do not need them (ref, reward) get no more bytes than the ids alone would have cost them."""
     device, me = exchange.comm_device(), dist.get_rank()
-    keys = [f"{kind}/{e}" for e in range(engines)]
-    tokens: list[list[torch.Tensor] | None] = [None] * engines
-    logps: list[list[torch.Tensor] | None] = [None] * engines
-    sizes, works = {}, []
-    for e, key in enumerate(keys):  # round 1: sizes
+    width = 2 if with_logprobs else 1
+    tokens: list[list[torch.Tensor] | None] = [None] * len(counts)
+    logps: list[list[torch.Tensor] | None] = [None] * len(counts)
+    words, works = {}, []
+    for e, count in enumerate(counts):
+        key = f"{kind}/{e}"
         path = groups.route(key)
         if me not in path.ranks:
             continue
+        room = count * max_len
+        words[e] = torch.zeros(count + width * room, dtype=torch.int32)
         if me == path.src:
-            if mine is None or (with_logprobs and (mine_logps is None or
-                                                   [len(t) for t in mine_logps] != [len(t) for t in mine])):
-                raise exchange.ExchangeError(f"share_responses('{key}'): the engine's responses and log-probs "
-                                             "are missing or of different lengths")
-            sizes[e] = torch.tensor([len(mine), sum(len(t) for t in mine)], dtype=torch.int64, device=device)
-        else:
-            sizes[e] = torch.zeros(2, dtype=torch.int64, device=device)
-        works.append(_post(sizes[e], key))
-    _wait(works)
-    words, works = {}, []
-    for e, size in sizes.items():  # round 2: the data
-        count, total = size.tolist()
-        if me == groups.route(keys[e]).src:
-            flat, lengths = exchange.pack_ragged(mine, torch.long)
+            lengths = [len(t) for t in mine] if mine is not None else None
+            if lengths is None or len(lengths) != count or (lengths and max(lengths) > max_len):
+                raise exchange.ExchangeError(f"share_responses('{key}'): the engine has {len(lengths or [])} "
+                                             f"responses of up to {max(lengths or [0])} tokens; the ranks of the "
+                                             f"route expect {count} of at most {max_len}")
+            if with_logprobs and (mine_logps is None or [len(t) for t in mine_logps] != lengths):
+                raise exchange.ExchangeError(f"share_responses('{key}'): log-probs missing or not as long as the "
+                                             "responses")
+            flat, _ = exchange.pack_ragged(mine, torch.long)
             if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < 2**31):
-                raise exchange.ExchangeError(f"share_responses('{keys[e]}'): token ids outside int32")
-            parts = [lengths.to(torch.int32), flat.to(torch.int32)]
+                raise exchange.ExchangeError(f"share_responses('{key}'): token ids outside int32")
+            total = flat.numel()
+            words[e][:count] = torch.tensor(lengths, dtype=torch.int32)
+            words[e][count:count + total] = flat.to(torch.int32)
             if with_logprobs:
-                parts.append(exchange.pack_ragged(mine_logps, torch.float32)[0].view(torch.int32))
-            words[e] = torch.cat(parts).to(device)
-        else:
-            words[e] = torch.empty(count + total * (2 if with_logprobs else 1), dtype=torch.int32, device=device)
-        works.append(_post(words[e], keys[e]))
+                logp_bits = exchange.pack_ragged(mine_logps, torch.float32)[0].view(torch.int32)
+                words[e][count + room:count + room + total] = logp_bits
+        words[e] = words[e].to(device)
+        works.append(_post(words[e], key))
     _wait(works)
     for e, flat in words.items():
-        count, total = sizes[e].tolist()
+        count, room = counts[e], counts[e] * max_len
         flat = flat.cpu()
         lengths = flat[:count].tolist()
+        total = sum(lengths)
         tokens[e] = list(torch.split(flat[count:count + total].long(), lengths))
         if with_logprobs:
-            logps[e] = list(torch.split(flat[count + total:].view(torch.float32).clone(), lengths))
+            logps[e] = list(torch.split(flat[count + room:count + room + total].view(torch.float32).clone(), lengths))
     return tokens, logps
 
 

@@ -87,11 +87,13 @@ class RolloutPipeline:
         responses, logprobs = self.shares.pop(index, (None, None))
         return responses, logprobs, staleness
 
-    def exchange(self, index: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, int]:
-        """Batch `index` leaves the pipeline (every rank, at step `index`): its responses on every scoring rank
-        and rank 0 with its sampling log-probs (None elsewhere), and its staleness."""
+    def exchange(self, index: int, prompts: int, n: int, max_len: int
+                 ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, int]:
+        """Batch `index` (`prompts` prompts x `n` samples of at most `max_len` tokens) leaves the pipeline (every
+        rank, at step `index`): its responses on every scoring rank and rank 0 with its sampling log-probs (None
+        elsewhere), and its staleness."""
         mine, mine_logps, staleness = self.take(index)
-        responses, logps = share_generated(mine, mine_logps, "responses", with_logprobs=True)
+        responses, logps = share_generated(mine, mine_logps, "responses", prompts, n, max_len, with_logprobs=True)
         return responses, logps, staleness
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -152,14 +154,17 @@ def engine_generate(rollout, prompts: list[list[int]], sampling: SamplingParams,
     return out.flat_responses(), out.flat_logprobs()
 
 
-def share_generated(mine: list[torch.Tensor] | None, mine_logps: list[torch.Tensor] | None, to: str,
-                    with_logprobs: bool = False) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-    """Each engine's share of a batch (`mine`, on the engine's first rank) along the routes `to/E`: every
-    response, prompt-major, on the ranks of all those routes (the scoring ranks and rank 0 for "responses", rank
-    0 alone for "eval"), and with `with_logprobs` their sampling log-probs on the same ranks (in the same
-    messages: `rl_exchange.share_responses`); None elsewhere. Every rank calls it."""
+def share_generated(mine: list[torch.Tensor] | None, mine_logps: list[torch.Tensor] | None, to: str, prompts: int,
+                    n: int, max_len: int, with_logprobs: bool = False
+                    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """Each engine's share of a batch of `prompts` prompts x `n` samples of at most `max_len` tokens (`mine`, on
+    the engine's first rank) along the routes `to/E`: every response, prompt-major, on the ranks of all those
+    routes (the scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), and with `with_logprobs`
+    their sampling log-probs on the same ranks (in the same messages: `rl_exchange.share_responses`); None
+    elsewhere. Every rank calls it."""
     engines = len(groups.plan().role("rollout").engines)
-    responses, logps = rl_exchange.share_responses(mine, mine_logps, to, engines, with_logprobs)
+    counts = [n * (end - start) for start, end in (shard_bounds(prompts, engines, e) for e in range(engines))]
+    responses, logps = rl_exchange.share_responses(mine, mine_logps, to, counts, max_len, with_logprobs)
     return rl_exchange.concatenated(responses), rl_exchange.concatenated(logps) if with_logprobs else None
 
 

@@ -172,8 +172,8 @@ if __name__ == "__main__":
     g = torch.Generator().manual_seed(5)
     want = [torch.randint(0, 2**31 - 1, (n,), generator=g) for n in (4, 0, 7, 1)]
     want_logps = [-torch.rand(len(t), generator=g) * 9 for t in want]
-    got, got_logps = share_responses(want if rank == 4 else None, want_logps if rank == 4 else None, "responses", 1,
-                                     with_logprobs=True)
+    got, got_logps = share_responses(want if rank == 4 else None, want_logps if rank == 4 else None, "responses",
+                                     counts=[4], max_len=7, with_logprobs=True)
     if rank <= 4:
         assert all(torch.equal(a, b) for a, b in zip(got[0], want)) and len(got[0]) == 4, got
         assert all(torch.equal(a, b) for a, b in zip(got_logps[0], want_logps)), got_logps
