@@ -4,10 +4,13 @@ Three gloo ranks (torchrun, one thread each): rank 0 holds ~40 MB of fp32 weight
 small Llama (hidden 320, 4 layers, vocabulary 8000: 10.1M parameters); ranks 1 and 2 hold a model of the same
 shapes and load what they receive into it. Methods, all over the whole 3-rank group:
 
-  bucketed N MB   hpc_rlhf.dist.weight_sync.send_weights / receive_weights with bucket_mb=N: tensors packed
-                  into buffers reused between syncs, a full bucket sent asynchronously while the next is
-                  packed, tensors of a bucket's size or more sent straight from their storage; the receiver's
-                  load_fn copies every view into its own tensor of that name (what a rollout engine does)
+  bucketed N MB   hpc_rlhf.dist.weight_sync.send_weights with bucket_mb=N (tensors packed into buffers reused
+                  between syncs, a full bucket sent asynchronously while the next is packed, tensors of a
+                  bucket's size or more sent straight from their storage) and `receive_into` on the receivers,
+                  as the hf engine does: each bucket arrives in a buffer the receiver keeps and its tensors stay
+                  there as the receiver's weights, rewritten in place by the next sync (no copy out)
+  ..., copied     the same sender; the receivers' load_fn copies every view into its own tensor of that name
+                  (what the vLLM engine's loader does)
   per tensor      one dist.broadcast per tensor, straight into the receiver's tensor (no copies; the way
                   DESIGN §9 measured 0.6 GB/s)
   one flat        a single dist.broadcast of one flat tensor of the same bytes (the floor: no names, no
@@ -16,7 +19,8 @@ shapes and load what they receive into it. Methods, all over the whole 3-rank gr
 Each repetition runs every method once, in a rotated order, each started after a barrier and timed until the
 last rank finishes (max over ranks). GB/s = model bytes / median seconds (each receiver gets all the bytes);
 the ratios are medians of the per-repetition ratios.
-The received weights are checked against the sender's after the first bucketed run.
+The received weights (every receiver's, copied and kept) are checked against the sender's after a warm-up run
+of every method.
 
     .venv/bin/python benchmarks/weight_sync.py
     .venv/bin/python benchmarks/weight_sync.py --buckets 0.5 2 8 32 128 --repeats 9
@@ -51,12 +55,12 @@ def llama_shapes() -> list[tuple[str, tuple[int, ...]]]:
 
 
 # ------------------------------------------------------------------------------------------------ worker
-def worker(result_file: Path, buckets: list[float], repeats: int) -> int:
+def worker(result_file: Path, buckets: list[float], copied: list[float], repeats: int) -> int:
     import torch
     import torch.distributed as dist
 
     from hpc_rlhf.dist.bootstrap import init_distributed
-    from hpc_rlhf.dist.weight_sync import receive_weights, send_weights
+    from hpc_rlhf.dist.weight_sync import receive_into, receive_weights, send_weights
 
     benchlib.set_torch_threads()
     init_distributed("gloo")
@@ -73,10 +77,27 @@ def worker(result_file: Path, buckets: list[float], repeats: int) -> int:
         for name, view in pairs:
             weights[name].copy_(view)
 
-    def bucketed(bucket_mb):
+    class Receiver:  # what receive_into needs of an engine that keeps the buckets (hpc_rlhf's hf engine)
+        def __init__(self):
+            self.model = torch.nn.Module()
+            for i, (name, shape) in enumerate(llama_shapes()):
+                self.model.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(shape), requires_grad=False))
+            self.by_name = dict(zip(weights, self.model.parameters()))
+            self.received_buffers = []
+
+        def adopt_weights(self, pairs):
+            for name, view in pairs:
+                self.by_name[name].data = view
+            return {id(self.by_name[name]) for name, _ in pairs}
+
+    receivers = {}
+
+    def bucketed(bucket_mb, kept: bool):
         def run():
             if rank == src:
                 send_weights(iter(weights.items()), src=src, group=None, bucket_mb=bucket_mb)
+            elif kept:
+                receive_into(receivers.setdefault(bucket_mb, Receiver()), src=src, group=None)
             else:
                 receive_weights(src=src, group=None, load_fn=load)
         return run
@@ -88,7 +109,8 @@ def worker(result_file: Path, buckets: list[float], repeats: int) -> int:
     def one_flat():
         dist.broadcast(flat, src=src)
 
-    methods = {f"bucketed {b:g} MB": bucketed(b) for b in buckets}
+    methods = {f"bucketed {b:g} MB": bucketed(b, kept=True) for b in buckets}
+    methods.update({f"bucketed {b:g} MB, copied": bucketed(b, kept=False) for b in copied})
     methods["per tensor"] = per_tensor
     methods["one flat"] = one_flat
     names = list(methods)
@@ -101,11 +123,16 @@ def worker(result_file: Path, buckets: list[float], repeats: int) -> int:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # done when the slowest rank is done
         return float(elapsed.item())
 
-    timed(methods[names[0]])  # warm-up: first-use costs (gloo buffers, allocator) stay out of the figures
-    checksum = torch.tensor([sum(float(t.double().sum()) for t in weights.values())], dtype=torch.float64)
-    sums = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    for name in names:  # warm-up: first-use costs (gloo buffers, allocator, kept buffers) stay out of the figures
+        timed(methods[name])
+    # received == sent, for the copying receivers and for every keeping one
+    checks = (1 if copied else 0) + len(buckets)
+    kept = [list(r.model.parameters()) for _, r in sorted(receivers.items())]
+    held = [list(weights.values())] * checks if rank == src else ([list(weights.values())] if copied else []) + kept
+    checksum = torch.tensor([sum(float(t.double().sum()) for t in tensors) for tensors in held], dtype=torch.float64)
+    sums = [torch.zeros(checks, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(sums, checksum)
-    verified = all(abs(float(s) - float(sums[src])) <= 1e-6 * abs(float(sums[src])) for s in sums)
+    verified = all(torch.allclose(s, sums[src], rtol=1e-9, atol=0) for s in sums)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -124,12 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--buckets", nargs="+", type=float, default=[1, 4, 16, 64, 256], help="bucket sizes, MB")
+    parser.add_argument("--copied", nargs="*", type=float, default=[16, 256],
+                        help="bucket sizes also run with receivers that copy out of the buckets")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ranks", type=int, default=3, help="1 sender + (ranks - 1) receivers")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(Path(args.worker), args.buckets, args.repeats)
+        return worker(Path(args.worker), args.buckets, args.copied, args.repeats)
     if args.ranks < 2:
         parser.error("--ranks must be at least 2")
 
@@ -139,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         result_file = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
                "--max_restarts=0", str(Path(__file__).resolve()), "--worker", str(result_file),
-               "--repeats", str(args.repeats), "--buckets", *map(str, args.buckets)]
+               "--repeats", str(args.repeats), "--buckets", *map(str, args.buckets),
+               "--copied", *map(str, args.copied)]
         benchlib.run_command(cmd, what="weight-sync ranks", timeout=900)
         result = json.loads(result_file.read_text())
     size = result["bytes"]

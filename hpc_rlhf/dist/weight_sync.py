@@ -357,10 +357,24 @@ def _bucket_from(raw: torch.Tensor, description: torch.Tensor, dtype: torch.dtyp
     return Bucket(raw[:nbytes].view(dtype), names, [tuple(r[2:2 + r[1]]) for r in rows], [r[0] for r in rows])
 
 
-def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn) -> SyncStats:
+def _kept_buffer(keep: list[torch.Tensor], index: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """Bucket `index`'s buffer in `keep`, the same memory at every sync unless it is too small (then a new one:
+    views still pointing into the old one keep it alive until they are replaced)."""
+    while len(keep) <= index:
+        keep.append(torch.empty(0, dtype=torch.uint8, device=device))
+    if keep[index].numel() < nbytes or keep[index].device != device:
+        keep[index] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return keep[index][:nbytes]
+
+
+def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn,
+                    keep: list[torch.Tensor] | None = None) -> SyncStats:
     """Take buckets from `src` until its last one (or end marker); `load_fn` gets each bucket's (name, view) pairs.
 
-    The views point into a buffer that is reused afterwards: `load_fn` must copy what it keeps.
+    Without `keep` the views point into two buffers reused for the next buckets: `load_fn` must copy what it
+    keeps. With `keep` (a list the receiver holds on to, empty at first) bucket i of every sync is received into
+    keep[i] and stays there: `load_fn` may keep the views as its weights, uncopied, and the next sync rewrites
+    them in place (`receive_into`).
     """
     if dist.get_rank() == src:
         raise ExchangeError(f"receive_weights runs on the receiving ranks, not on the source rank {src}")
@@ -382,7 +396,8 @@ def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn) 
             description = torch.empty(words, dtype=torch.int64, device=device)
             dist.broadcast(description, src, group=group)
         size = _align(nbytes) + 8 * words if inline else nbytes
-        raw = _receive_buffer(device, slot, size, bucket_bytes)
+        raw = (_kept_buffer(keep, stats.buckets, size, device) if keep is not None
+               else _receive_buffer(device, slot, size, bucket_bytes))
         work = dist.broadcast(raw, src, group=group, async_op=True)
         if pending is not None:
             load_fn(_bucket_from(*pending).views())
@@ -399,6 +414,33 @@ def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn) 
     if pending is not None:
         load_fn(_bucket_from(*pending).views())
     stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def receive_into(engine, src: int, group: dist.ProcessGroup | None) -> SyncStats:
+    """A rollout rank's side of a sync into `engine` (None: a rank that takes part and drops the data).
+
+    An engine with `adopt_weights` (the hf engine) takes the received buckets as its weights: its parameters
+    become views of buffers it keeps (`engine.received_buffers`), which the next sync rewrites in place, so no
+    receiver copies a byte out of a bucket. Every parameter must then come with every sync (a parameter left
+    pointing into a rewritten buffer would hold another tensor's bytes): one that did not raises. Other engines
+    (vLLM, whose own loader copies) get `load_weights`."""
+    if engine is None:
+        return receive_weights(src, group, lambda named: None)
+    adopt = getattr(engine, "adopt_weights", None)
+    if adopt is None:
+        return receive_weights(src, group, engine.load_weights)
+    adopted: set[int] = set()
+
+    def load(named: list[tuple[str, torch.Tensor]]) -> None:
+        adopted.update(adopt(named))
+
+    stats = receive_weights(src, group, load, keep=engine.received_buffers)
+    missing = [name for name, p in engine.model.named_parameters() if id(p) not in adopted]
+    if missing:
+        raise ExchangeError(f"weight sync: {len(missing)} parameters of the rollout engine were not in this sync "
+                            f"(first: {missing[:3]}); an engine that keeps the received buffers needs every "
+                            "parameter every time")
     return stats
 
 

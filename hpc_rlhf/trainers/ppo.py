@@ -465,10 +465,8 @@ class RLRecipe:
             else:
                 for _ in weights:
                     pass
-        if groups.has_role("rollout"):
-            # A vLLM engine's other ranks are in the group but hold no engine: they take part and drop the data.
-            load = self.rollout.load_weights if self.rollout is not None else (lambda named: None)
-            weight_sync.receive_weights(src=src, group=groups.weight_sync_group(), load_fn=load)
+        if groups.has_role("rollout"):  # a vLLM engine's other ranks hold no engine (None): they drop the data
+            weight_sync.receive_into(self.rollout, src=src, group=groups.weight_sync_group())
         return float(sent)
 
     # -------------------------------------------------------------------------------------------- eval

@@ -37,6 +37,21 @@ def mixed_module(seed: int) -> torch.nn.Module:
     return module
 
 
+class KeepingEngine:
+    """What weight_sync.receive_into needs of an engine that keeps the received buckets (the hf engine's
+    adopt_weights, without importing transformers on every rank): parameters become the views."""
+
+    def __init__(self, model):
+        self.model = model
+        self.received_buffers = []
+
+    def adopt_weights(self, named):
+        params = dict(self.model.named_parameters())
+        for name, view in named:
+            params[name].data = view
+        return {id(params[name]) for name, _ in named}
+
+
 def named_stream(model, release: bool = False):
     """named_parameters as a ZeRO-3 caller would stream them: optionally wiped once the iterator moves on."""
     for name, param in model.named_parameters():
@@ -200,6 +215,32 @@ def _sync(rank: int):
             assert torch.equal(param, expected[name]), name
     else:
         dist.barrier(group=other_group)
+
+    # An engine that keeps the received buckets as its weights (weight_sync.receive_into): three syncs, the
+    # third with another bucket size (another layout). Its parameters are views into the buffers it keeps; the
+    # second sync rewrites them in place (same memory), and after each sync every parameter holds the sender's.
+    if rank in sync_ranks:
+        kept_sizes = (bucket_mb, bucket_mb, 2 * bucket_mb)
+        if rank == leader:
+            for seed, size in zip((20, 21, 22), kept_sizes):
+                send_weights(named_stream(mixed_module(seed), release=True), leader, sync_group, bucket_mb=size)
+            # a sync without one of the parameters: refused by the receivers, which cannot leave it stale
+            send_weights(list(named_stream(mixed_module(23)))[1:], leader, sync_group, bucket_mb=bucket_mb)
+        else:
+            engine = KeepingEngine(mixed_module(rank))
+            pointers = None
+            for seed, size in zip((20, 21, 22), kept_sizes):
+                weight_sync.receive_into(engine, leader, sync_group)
+                for name, param in engine.model.named_parameters():
+                    assert torch.equal(param, dict(mixed_module(seed).named_parameters())[name]), (seed, name)
+                    assert any(param.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                               for b in engine.received_buffers), name  # a view, not a copy
+                now = [p.data_ptr() for p in engine.model.parameters()]
+                if seed == 21:
+                    assert now == pointers  # rewritten in place
+                pointers = now
+            with pytest.raises(ExchangeError, match="1 parameters of the rollout engine were not in this sync"):
+                weight_sync.receive_into(engine, leader, sync_group)
 
     # A sync whose stream ends with a tensor sent straight through has no partly filled bucket to mark as the
     # last: it ends with an end marker.

@@ -175,6 +175,35 @@ def test_load_weights_then_generate_equals_a_model_built_with_those_weights():
     assert any(not torch.equal(a, b) for a, b in zip(before.flat_responses(), after.flat_responses()))
 
 
+def test_adopted_weights_are_the_given_tensors_and_generate_as_loaded_ones():
+    """adopt_weights (the weight sync's receive side for this engine) makes the parameters views of the given
+    tensors, uncopied, where the dtype matches, and copies where it does not; the engine then generates exactly as
+    one that loaded the same weights by copy."""
+    target = tiny_llama(7)
+    engine = HFRolloutEngine(tiny_llama(8), pad_id=PAD, eos_id=EOS)
+    reference = HFRolloutEngine(target, pad_id=PAD, eos_id=EOS)
+    buffer = torch.cat([p.detach().reshape(-1) for p in target.parameters()])  # one flat "received bucket"
+    views, offset = [], 0
+    for name, p in target.named_parameters():
+        views.append((name, buffer[offset:offset + p.numel()].view(p.shape)))
+        offset += p.numel()
+    cast = views[1][0]
+    views[1] = (cast, views[1][1].double())  # another dtype: copied into place
+    done = engine.adopt_weights(views)
+    assert done == {id(p) for p in engine.model.parameters()}
+    params = dict(engine.model.named_parameters())
+    for name, view in views:
+        same_memory = params[name].data_ptr() == view.data_ptr()
+        assert same_memory == (name != cast), name
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=4)
+    after, expected = engine.generate(PROMPTS, sampling), reference.generate(PROMPTS, sampling)
+    assert [t.tolist() for t in after.flat_responses()] == [t.tolist() for t in expected.flat_responses()]
+    buffer.zero_()  # the next sync writes into the same memory: the adopted parameters see it
+    assert all(float(params[name].abs().sum()) == 0 for name, _ in views if name != cast)
+    with pytest.raises(RolloutError, match="adopt_weights: the model has no parameter or buffer named 'nope'"):
+        engine.adopt_weights([("nope", torch.zeros(1))])
+
+
 def test_load_weights_names_the_unknown_or_misshapen_tensor(engine):
     with pytest.raises(RolloutError, match=r"no parameter or buffer named 'model.layers.0.mlp.up_proj.weigth'.*"
                                            r"did you mean 'model.layers.0.mlp.up_proj.weight'"):

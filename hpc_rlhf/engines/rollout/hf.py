@@ -103,6 +103,9 @@ class HFRolloutEngine(RolloutEngine):
         self.full_params = full_params or contextlib.nullcontext
         self.sync_group = sync_group  # ranks that run every forward pass together (see the module docstring)
         self._home_device: torch.device | None = None  # where the weights go back to on wake()
+        # The receive buffers the weights live in once a sync has handed them over (`adopt_weights`,
+        # hpc_rlhf.dist.weight_sync.receive_into): kept so that the next sync rewrites them in place.
+        self.received_buffers: list[torch.Tensor] = []
 
     @property
     def device(self) -> torch.device:
@@ -189,26 +192,51 @@ class HFRolloutEngine(RolloutEngine):
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.sync_group)
         return int(count.item())
 
+    def _targets(self) -> dict[str, torch.Tensor]:
+        # remove_duplicate=False: a tied lm_head.weight is accepted under either of its names.
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        return targets
+
+    @staticmethod
+    def _target(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        target = targets.get(name)
+        if target is None:
+            near = difflib.get_close_matches(name, list(targets), n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise RolloutError(f"{what}: the model has no parameter or buffer named '{name}'{hint}")
+        if target.shape != tensor.shape:
+            raise RolloutError(f"{what}: '{name}' has shape {tuple(target.shape)} in the model but "
+                               f"{tuple(tensor.shape)} was sent")
+        return target
+
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy by name into an unpartitioned model (dtype cast allowed, shape must match). A hybrid engine
         that generates with the actor's own ZeRO-3 module needs no loading at all."""
-        # remove_duplicate=False: a tied lm_head.weight is accepted under either of its names.
-        targets = dict(self.model.named_parameters(remove_duplicate=False))
-        targets.update(self.model.named_buffers(remove_duplicate=False))
+        targets = self._targets()
         loaded = 0
         for name, tensor in named_tensors:
-            target = targets.get(name)
-            if target is None:
-                near = difflib.get_close_matches(name, list(targets), n=1)
-                hint = f"; did you mean '{near[0]}'?" if near else ""
-                raise RolloutError(f"load_weights: the model has no parameter or buffer named '{name}'{hint}")
-            if target.shape != tensor.shape:
-                raise RolloutError(f"load_weights: '{name}' has shape {tuple(target.shape)} in the model but "
-                                   f"{tuple(tensor.shape)} was sent")
-            target.copy_(tensor)
+            self._target(targets, name, tensor, "load_weights").copy_(tensor)
             loaded += 1
         return loaded
+
+    @torch.no_grad()
+    def adopt_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[int]:
+        """Take the tensors as the model's own parameters, uncopied, where dtype and device match (views into
+        receive buffers this engine keeps: `received_buffers`); copy them otherwise (a dtype cast, a buffer).
+        Returns the ids of the parameters now up to date."""
+        targets = self._targets()
+        parameters = {id(p) for p in self.model.parameters()}
+        done = set()
+        for name, tensor in named_tensors:
+            target = self._target(targets, name, tensor, "adopt_weights")
+            if id(target) in parameters and tensor.dtype == target.dtype and tensor.device == target.device:
+                target.data = tensor
+            else:
+                target.copy_(tensor)
+            done.add(id(target))
+        return done
 
     def sleep(self) -> None:
         """On GPU: weights to host memory and the allocator's cache released. On CPU: nothing to free.
@@ -221,6 +249,7 @@ class HFRolloutEngine(RolloutEngine):
             return
         self._home_device = device
         self.model.to("cpu")
+        self.received_buffers.clear()  # the weights were copied out of them; the next sync makes new ones
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
