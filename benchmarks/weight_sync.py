@@ -90,14 +90,14 @@ def worker(result_file: Path, buckets: list[float], copied: list[float], repeats
                 self.by_name[name].data = view
             return {id(self.by_name[name]) for name, _ in pairs}
 
-    receivers = {}
+    receivers = {b: Receiver() for b in buckets} if rank != src else {}  # built once: not part of a sync
 
     def bucketed(bucket_mb, kept: bool):
         def run():
             if rank == src:
                 send_weights(iter(weights.items()), src=src, group=None, bucket_mb=bucket_mb)
             elif kept:
-                receive_into(receivers.setdefault(bucket_mb, Receiver()), src=src, group=None)
+                receive_into(receivers[bucket_mb], src=src, group=None)
             else:
                 receive_weights(src=src, group=None, load_fn=load)
         return run
