@@ -54,7 +54,8 @@ def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(tmp_path, sf
     rows = read_metrics(out)
     record_figures("ppo_rm", rm_accuracy=rm_rows[-1]["eval_accuracy"], curve=curve, gain=curve[-1] - curve[0],
                    max_kl=max(r["kl_k1"] for r in rows if "kl_k1" in r))
-    assert rm_rows[-1]["eval_accuracy"] >= RM_ACCURACY, "the reward model this test relies on ranks held-out pairs badly"
+    assert rm_rows[-1]["eval_accuracy"] >= RM_ACCURACY, \
+        "the reward model this test relies on ranks held-out pairs badly"
     assert curve[-1] >= curve[0] + RM_PPO_GAIN, f"PPO held-out exact match {curve} (from the SFT model at {curve[0]})"
     assert max(r["kl_k1"] for r in rows if "kl_k1" in r) < MAX_KL
     for key in ("reward", "kl_k1", "entropy", "policy_loss", "value_loss", "clip_fraction", "value_clip_fraction",
