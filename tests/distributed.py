@@ -29,21 +29,6 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-# Niceness of a run that others wait for: under CFS a process at -5 weighs about 3x one at 0, so a one-thread
-# trainer gets nearly a core of its own while the tests beside it share the rest.
-AHEAD_NICENESS = -5
-
-
-def run_ahead(pid: int) -> bool:
-    """Raise process `pid`'s CPU priority to AHEAD_NICENESS (its children inherit it). Only a privileged user may
-    (CI runs as root, for the local Slurm); elsewhere nothing changes and False comes back."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, pid, AHEAD_NICENESS)
-        return True
-    except (PermissionError, ProcessLookupError):
-        return False
-
-
 def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
               env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -57,27 +42,15 @@ def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
 
 
 def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: int = 1,
-                 env: dict[str, str] | None = None, ahead: bool = False) -> subprocess.CompletedProcess:
-    """`python -m hpc_rlhf ARGS` as a user types it (the local launcher starts the ranks the placement needs).
-
-    `ahead`: the run goes before the rest of the machine's work (`run_ahead`), for the session's shared models that
-    other tests wait for; the schedule changes only when it finishes, never what it computes."""
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m hpc_rlhf ARGS` as a user types it (the local launcher starts the ranks the placement needs)."""
     # The thread count fixes the order of float sums, and the learning tests were measured with theirs (the PPO
     # test's reward model: 0.97 held-out accuracy on 2 threads, 0.80 on 1). Threads spin while they wait
     # (OpenMP's default): on a quiet machine that was measured 1.6x faster than OMP_WAIT_POLICY=PASSIVE (200 SFT
     # base steps: 38 s against 60 s), though beside another busy process it is the slower one by far.
     full_env = worker_env({"OMP_NUM_THREADS": str(threads), **(env or {})})
-    with subprocess.Popen([sys.executable, "-m", "hpc_rlhf", *args], cwd=REPO, env=full_env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as popen:
-        if ahead:
-            run_ahead(popen.pid)
-        try:
-            stdout, stderr = popen.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.communicate()
-            raise
-    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
+    proc = subprocess.run([sys.executable, "-m", "hpc_rlhf", *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"hpc-rlhf {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
                              f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")

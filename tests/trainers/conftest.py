@@ -111,9 +111,7 @@ def start_shared_models(tmp_path_factory, needed: set[str]) -> None:
 def _train(mode: str, out: Path, *args: str) -> Path:
     # A generous bound: on a busy machine the SFT base has taken over 15 minutes; a test waiting for it still has
     # its own pytest timeout.
-    # They are the session's critical path (the SFT base, then the reward model trained from it, then the tests
-    # that need them): they run ahead of the tests beside them (tests/distributed.run_ahead).
-    hpc_rlhf_cli(mode, f"output_dir={out}", *QUIET, *args, timeout=3600, ahead=True)
+    hpc_rlhf_cli(mode, f"output_dir={out}", *QUIET, *args, timeout=3600)
     return out / "final"
 
 
