@@ -10,12 +10,13 @@ machine of the same pool. Pinning ATen, MKL and oneDNN to AVX2 makes every x86-6
 the same path; it is the path an AVX2 machine takes anyway (same bits as unpinned there).
 
 What the pin cannot do: agree across processor vendors. MKL's AVX2 branch is Intel's; on an AMD processor
-oneMKL's documentation says MKL_CBWR=AVX2 falls back to its AUTO branch. So Intel machines agree with each other,
-AMD machines with each other, and the two differ: measured on 2026-11-25, the test suite's seed-0 SFT base reached
-0.58 held-out exact match on an Intel Xeon (AVX-512) where the AMD EPYC machines gave 0.62-0.80 at seeds 0-4, and
-three learning tests failed there (README: learning tests are calibrated on both). The branch that agrees across
-vendors, MKL_CBWR=COMPATIBLE (SSE2), doubled the time of 30 training steps of the tiny model (3.7 s -> 7.4 s on
-one thread), so it is not the default; a user who needs it sets it (a variable the user set is kept).
+oneMKL's documentation says MKL_CBWR=AVX2 falls back to its AUTO branch, so an Intel and an AMD machine take other
+code paths. Measured on 2026-11-25: the test suite's seed-0 SFT base reached 0.58 held-out exact match on an Intel
+Xeon (AVX-512) where the AMD EPYC machines gave 0.62-0.80 at seeds 0-4, and three learning tests failed there
+(README: the learning tests are calibrated on both). The branch documented to agree across vendors,
+MKL_CBWR=COMPATIBLE (SSE2; not checked here, no AMD machine at hand), doubled the time of 30 training steps of the
+tiny model (3.7 s -> 7.4 s on one thread), so it is not the default; a user who needs it sets it (a variable the
+user set is kept).
 
 It must happen before torch loads MKL or dispatches its first kernel, hence environment variables set when the
 package is imported. A variable the user set is left as it is; `HPC_RLHF_CPU_KERNELS=native` turns the pin off
