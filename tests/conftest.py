@@ -12,11 +12,18 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+# The shared models that take longest (tests/trainers/conftest.py): the SFT base, and the reward model after it.
+LATE_SHARED_MODELS = {"sft_base", "ppo_reward_model"}
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Tests that wait for work started in the background run last: the learning tests (they need the shared
-    models), then the cluster tests (they need the local Slurm's jobs). Otherwise the collected order stays."""
+    models), then the cluster tests (they need the local Slurm's jobs). Among the learning tests, those that need
+    none of the late shared models go first: they run beside the reward model's training instead of after it,
+    where one of the two cores would be idle. Otherwise the collected order stays."""
     items.sort(key=lambda item: (item.get_closest_marker("cluster") is not None,
-                                 item.get_closest_marker("learning") is not None))  # a stable sort
+                                 item.get_closest_marker("learning") is not None,
+                                 bool(LATE_SHARED_MODELS & set(item.fixturenames))))  # a stable sort
 
 
 def pytest_collection_finish(session):
