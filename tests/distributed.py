@@ -1,4 +1,4 @@
-"""Run a script on N local ranks under torchrun (gloo, one thread per rank) and check that it succeeded.
+"""Run a script on N local ranks (gloo, one thread per rank) and check that it succeeded.
 
 A distributed test keeps its worker code in the test module itself, under `if __name__ == "__main__":`, and
 calls `run_ranks(N, __file__, "case-name")`; the worker reads the case name from sys.argv.
@@ -30,9 +30,17 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
-              env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--max_restarts=0", "--monitor_interval=0.5", str(script), *args]
+              env: dict[str, str] | None = None, check: bool = True,
+              launcher: str = "fork") -> subprocess.CompletedProcess:
+    """`launcher="fork"`: the ranks are forks of one interpreter that imported the heavy libraries once
+    (tests/fork_ranks.py); `"torchrun"`: torchrun's fresh interpreters, for the tests about torchrun itself."""
+    if launcher == "fork":
+        cmd = [sys.executable, str(REPO / "tests" / "fork_ranks.py"), str(nproc), str(script), *args]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "--max_restarts=0", "--monitor_interval=0.5", str(script), *args]
+    else:
+        raise ValueError(f"run_ranks: launcher must be 'fork' or 'torchrun', not {launcher!r}")
     proc = subprocess.run(cmd, cwd=REPO, env=worker_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{nproc}-rank run of {Path(script).name} {' '.join(args)} failed "

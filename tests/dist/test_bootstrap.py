@@ -198,7 +198,7 @@ def test_rank_0_names_the_ranks_that_never_arrived():
 
 
 def test_three_torchrun_ranks_all_reduce():
-    proc = run_ranks(3, __file__, "allreduce", timeout=120)
+    proc = run_ranks(3, __file__, "allreduce", timeout=120, launcher="torchrun")
     assert proc.stdout.count("allreduce ok") == 3
 
 

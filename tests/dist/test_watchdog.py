@@ -501,7 +501,7 @@ def test_local_world_a_rank_ended_by_sigterm_says_so_and_is_not_reported():
 
 def test_torchrun_a_killed_rank_is_named_by_the_others():
     env = {FAULT_ENV: "rank=2,phase=training,step=1,kind=kill", watchdog.HEARTBEAT_TIMEOUT_ENV: "3"}
-    proc = run_ranks(3, __file__, "phases", env=env, check=False, timeout=120)
+    proc = run_ranks(3, __file__, "phases", env=env, check=False, timeout=120, launcher="torchrun")
     assert proc.returncode != 0
     assert "hpc_rlhf: rank 2 (role rollout) failed during training: its process" in proc.stderr, proc.stderr[-3000:]
 
