@@ -251,14 +251,14 @@ class LostRankJob:
 
 
 LOST_RANK_PLACEMENT = "actor=1,critic=1,ref=1,reward=1,rollout=2"
-# (role, phase, step, kind): each role loses its (last) rank once, by kill -9, and the reward rank is frozen
-# instead. The actor's rank is rank 0, beside the store's process (hpc_rlhf.dist.store_host). Every fault comes
-# after the first collective of all ranks (the exchange of step 1), so that every rank has set up and can report
-# it: the rollout engines generate step 1 before that, while a slow rank may still be loading (seen on a busy
-# machine: it died of srun's SIGTERM without a word), so the rollout case is at step 2.
-LOST_RANK_CASES = (("critic", "training", 1, "kill"), ("reward", "scoring", 1, "freeze"),
-                   ("ref", "scoring", 1, "kill"), ("rollout", "rollout", 2, "kill"),
-                   ("actor", "weight_sync", 1, "kill"))
+# (role, phase, step, kind): what only a Slurm job shows. The actor's rank is rank 0, beside the store's process
+# (hpc_rlhf.dist.store_host, which srun's ranks have and torchrun's do not): killed, the others must still name
+# it with its phase. The reward rank, on the other node, is frozen: found only by its silence, killed by the rank
+# that found it, and srun must then end the step on both nodes. Each role losing a rank in each kind of phase
+# is tests/trainers/test_failures.py's (the same job under torchrun): a job here costs six fresh interpreters.
+# Every fault comes after the first collective of all ranks (the exchange of step 1), so that every rank has set
+# up and can report it (a rank still loading dies of srun's SIGTERM without a word).
+LOST_RANK_CASES = (("reward", "scoring", 1, "freeze"), ("actor", "weight_sync", 1, "kill"))
 # These jobs run beside the other jobs of the session on two cores: a healthy rank must never go this long
 # without a heartbeat, and a frozen one is found after it.
 LOST_RANK_HEARTBEAT_S = 20
@@ -272,7 +272,7 @@ SMALL_PPO = ["data.eval_files=[]", "log.eval_every_steps=0", "log.progress=false
 def _submit_lost_rank_jobs(cluster: LocalCluster | None, root: Path) -> list[LostRankJob]:
     """The disjoint PPO layout of sbatch/tiny_cpu.sbatch's PPO on 2 nodes x 3 tasks (actor and the rollout
     engines on node1, critic, ref and reward on node2), every role starting from the built-in tiny model: one job
-    per role loses that role's rank by kill -9 (LOST_RANK_CASES), except the reward role's, frozen (SIGSTOP)."""
+    per case of LOST_RANK_CASES (the actor's rank killed, the reward's frozen)."""
     from hpc_rlhf.config import TINY_ASSETS
     from hpc_rlhf.data.assets import ensure_assets
     from hpc_rlhf.dist.placement import make_plan

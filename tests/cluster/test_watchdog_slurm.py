@@ -1,7 +1,8 @@
 """Lost ranks under Slurm: the 6-rank disjoint PPO job submitted with sbatch/tiny_cpu.sbatch on 2 nodes x 3 tasks
-(conftest.lost_rank_jobs) loses one rank of each role in turn: by kill -9, and the reward rank by a freeze
-(SIGSTOP). Each job must end non-zero within the bound after the fault, and its output must name the lost rank,
-its role and its phase.
+(conftest.lost_rank_jobs) loses rank 0 (the actor's, beside the store's process) by kill -9, and the reward rank
+on the other node by a freeze (SIGSTOP). Each job must end non-zero within the bound after the fault, and its
+output must name the lost rank, its role and its phase. Every role's loss in each kind of phase is tested under
+torchrun (tests/trainers/test_failures.py).
 
 (This file's name sorts after the others: when the whole folder runs, `tiny_jobs` submits these jobs together
 with every other job of the session, and the tests here find them finished.)"""
