@@ -174,6 +174,33 @@ class _RotaryCacheIsNotAWeight(logging.Filter):
 
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryCacheIsNotAWeight())
 
+def _wait_for_work_without_spinning() -> None:
+    """On CPU, the worker waits for its next order from vLLM's engine core by sleeping, not by spinning.
+
+    After each order it reads, vLLM's worker busy-loops (sched_yield) for a second on the shared-memory queue
+    before it sleeps on its notification socket (`shm_broadcast.SpinCondition`, `busy_loop_s=1`). On a GPU node
+    that costs an otherwise idle core; on CPU, where the engine's ranks share the cores with the trained roles,
+    the worker spun through every phase of an RL step that was not generation. Measured on 2 cores (GRPO hybrid,
+    30 steps, the built-in task): the worker's CPU time 28.3 s -> 14.3 s, wall time and every figure unchanged.
+    Only the worker's reading side changes: the engine core keeps spinning on the worker's answers, because
+    making it sleep too slowed generation (wall time 52 s -> 69 s). This module is imported in the worker before
+    it creates its queues (the worker extension is resolved first), so the queues it creates take the setting."""
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or getattr(shm_broadcast.SpinCondition, "_hpc_rlhf_no_spin", False):
+        return
+    spin_init = shm_broadcast.SpinCondition.__init__
+
+    def init_without_spinning(self, is_reader, context, notify_address, busy_loop_s=1.0):
+        spin_init(self, is_reader, context, notify_address, busy_loop_s=0.0)
+
+    shm_broadcast.SpinCondition.__init__ = init_without_spinning
+    shm_broadcast.SpinCondition._hpc_rlhf_no_spin = True
+
+
+_wait_for_work_without_spinning()
+
 for _name, _engine in ((SHM_BACKEND, SharedMemoryWeightTransferEngine),
                        (CUDA_IPC_BACKEND, CudaIpcWeightTransferEngine)):
     if _name not in WeightTransferEngineFactory._registry:
