@@ -5,7 +5,7 @@ print what each one measured: the figures behind every threshold, seed by seed, 
     python scripts/calibrate_learning_tests.py --report runs/calibration     # the table again, nothing run
 
 Each seed is one pytest session with HPC_RLHF_TEST_SEED=N (tests/trainers/conftest.py): the shared models (SFT
-base, warm start, the PPO test's reward model) and every tested run are trained at that seed, as a fresh CI session
+base, the reward model the PPO tests start from) and every tested run are trained at that seed, as a fresh CI session
 would at seed 0. The control session (HPC_RLHF_TEST_NO_LEARNING=1, seed 0) trains each tested stage at lr 0:
 every learning test must fail there, or its threshold does not tell a run that learned from one that did not.
 A threshold is sound when it holds for every seed with a clear margin and fails the control.

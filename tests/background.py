@@ -8,6 +8,11 @@ Tests that need them are ordered last (learning tests, then cluster tests), so b
 
 A job's exception is raised again by `result`, in the fixture that asked, so a failed base fails the tests that
 need it with its own message, as it would have without the head start.
+
+A gate holds a job back until a point of the session: the local cluster's jobs wait at CLUSTER_JOBS_GATE, which
+opens when the first learning test starts (tests/conftest.py). Before that the machine's two cores are busy with
+the other tests and the shared models; from there on the learning tests, most of them one process, leave a core
+idle that the cluster's jobs fill.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
+CLUSTER_JOBS_GATE = "cluster-jobs"
+
 _JOBS: dict[str, Future] = {}
+_GATES: dict[str, threading.Event] = {}
 _LOCK = threading.Lock()
 
 
@@ -48,3 +56,18 @@ def result(name: str, work: Callable[[], Any] | None = None) -> Any:
             raise KeyError(f"no background job '{name}' was started")
         start(name, work)
     return _JOBS[name].result()
+
+
+def _gate(name: str) -> threading.Event:
+    with _LOCK:
+        return _GATES.setdefault(name, threading.Event())
+
+
+def open_gate(name: str) -> None:
+    """Let every job waiting at gate `name` go on (opening it twice is harmless)."""
+    _gate(name).set()
+
+
+def wait_at_gate(name: str) -> None:
+    """Block until gate `name` is open: a job that should not start before some point of the session."""
+    _gate(name).wait()

@@ -9,6 +9,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import hpc_rlhf  # noqa: E402,F401  (pins the CPU kernels before torch loads: utils/cpu_kernels.py)
 import torch  # noqa: E402
 
+from tests import background  # noqa: E402
+
 torch.set_num_threads(1)
 
 
@@ -38,4 +40,12 @@ def pytest_collection_finish(session):
     if "cluster" in needed:
         from tests.cluster.conftest import start_cluster_session
 
+        if not any(item.get_closest_marker("learning") for item in session.items):
+            background.open_gate(background.CLUSTER_JOBS_GATE)
         start_cluster_session(factory, needed)
+
+
+def pytest_runtest_setup(item):
+    """The cluster's jobs go in when the first learning (or cluster) test starts (tests/background.py says why)."""
+    if item.get_closest_marker("learning") or item.get_closest_marker("cluster"):
+        background.open_gate(background.CLUSTER_JOBS_GATE)

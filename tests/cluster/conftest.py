@@ -5,8 +5,8 @@ on Debian) and stops it again at the end (KEEP_LOCAL_SLURM=1 keeps it). Only whe
 tests skipped, with the reason the script gives.
 
 All of it starts in the background as soon as the session has collected a cluster test (tests/conftest.py,
-tests/background.py): the cluster comes up and every job is submitted while the rest of the suite runs, and the
-cluster tests, ordered last, find their jobs finished. `tiny_jobs` submits every job of the cluster tests at once,
+tests/background.py): the cluster comes up at once, every job is submitted when the learning tests begin (they
+leave a core idle), and the cluster tests, ordered last, find their jobs finished. `tiny_jobs` submits every job of the cluster tests at once,
 so that they share the machine's cores instead of waiting for each other: the built-in tiny SFT (2 nodes x 2
 tasks, the reference), the same job preempted mid-run, the tiny job under `mpirun` and under `srun --mpi=pmix`
 (through launch/mpirun.sh and launch/srun.sh), and a submitit submission (also preempted). Background threads send
@@ -116,12 +116,18 @@ def start_cluster_session(tmp_path_factory, needed: set[str]) -> None:
     background.start("cluster", _bring_up)
     if "lost_rank_jobs" in needed and not background.started("lost_rank_jobs"):
         root = tmp_path_factory.mktemp("lost_ranks")
-        background.start("lost_rank_jobs", lambda out=root: _submit_lost_rank_jobs(_up_or_none(), out))
+
+        def submit_lost_rank_jobs(out=root):
+            background.wait_at_gate(background.CLUSTER_JOBS_GATE)  # tests/background.py says why
+            return _submit_lost_rank_jobs(_up_or_none(), out)
+
+        background.start("lost_rank_jobs", submit_lost_rank_jobs)
     if "tiny_jobs" in needed and not background.started("tiny_jobs"):
         root = tmp_path_factory.mktemp("cluster")
         lost_ranks_first = background.started("lost_rank_jobs")
 
         def submit_tiny_jobs(out=root):
+            background.wait_at_gate(background.CLUSTER_JOBS_GATE)
             if lost_ranks_first:  # every job of the session runs at the same time: the long ones go in first
                 background.result("lost_rank_jobs")
             return _submit_tiny_jobs(_up_or_none(), out)

@@ -1,7 +1,7 @@
 """What the trainer tests share: a one-rank gloo world for in-process runs, an SFT configuration, and the models
-trained once per session that the learning tests start from (the warm start of the RM and KTO tests, the SFT base
-of the DPO, RL and iterative-mode tests, the PPO test's reward model), with the hooks that calibrate those tests
-over seeds."""
+trained once per session that the learning tests start from (the SFT base of the DPO, KTO, RL and iterative-mode
+tests, and the reward model the PPO tests start from, whose own training is the reward-model learning test), with
+the hooks that calibrate those tests over seeds."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from tests.distributed import REPO, hpc_rlhf_cli
 QUIET = ["log.progress=false", "log.tensorboard=false"]
 
 # Calibrating the learning tests over seeds (scripts/calibrate_learning_tests.py runs them this way):
-# HPC_RLHF_TEST_SEED=N trains the shared models (SFT base, warm start, the PPO test's reward model) and every tested
-# run at train.seed=N (and generate.seed=N where a mode samples); HPC_RLHF_TEST_NO_LEARNING=1 trains the tested
-# stage at train.lr=0, which must make every learning test fail; HPC_RLHF_TEST_FIGURES=FILE appends each learning
+# HPC_RLHF_TEST_SEED=N trains the shared models (SFT base, the reward model) and every tested run at train.seed=N
+# (and generate.seed=N where a mode samples); HPC_RLHF_TEST_NO_LEARNING=1 trains the tested stage at train.lr=0 (the
+# reward model is the tested stage of its own test), which must make every learning test fail; HPC_RLHF_TEST_FIGURES=FILE appends each learning
 # test's figures to FILE, one JSON object per line. Unset, the suite runs seed 0 and records nothing.
 TEST_SEED = int(os.environ.get("HPC_RLHF_TEST_SEED", "0"))
 NO_LEARNING = os.environ.get("HPC_RLHF_TEST_NO_LEARNING", "") == "1"
@@ -77,15 +77,13 @@ def sft_config(out: Path, *overrides: str):
     return load_config(sft.Config, None, [f"output_dir={out}", *QUIET, *overrides])
 
 
-WARM_START_SETTINGS = ("train.max_steps=300", "train.batch_size=64", "train.micro_batch_size=64", "train.lr=3e-3",
-                       "train.warmup_steps=20", "log.every_steps=100", "log.eval_every_steps=0",
-                       "data.max_eval_rows=8", "eval.prompt_files=[]", "checkpoint.resume=false")
 # Strong enough at plain addition that the demonstrations' carry mistake is what holds it back (DESIGN §7).
 SFT_BASE = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=2e-3",
             "train.warmup_steps=20", "log.every_steps=100", "log.eval_every_steps=0", "eval.max_rows=300",
             "checkpoint.resume=false"]
 # A reward model good enough for PPO to learn from (tests/trainers/test_ppo.py); it must also judge the units
-# digit: see hpc_rlhf.data.synthetic.wrong_answer.
+# digit: see hpc_rlhf.data.synthetic.wrong_answer. Its training is what tests/trainers/test_rm.py's learning test
+# checks, so the control trains it at lr 0 too.
 PPO_REWARD_MODEL = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
                     "log.every_steps=100", "log.eval_every_steps=500", "checkpoint.resume=false"]
 
@@ -95,9 +93,6 @@ PPO_REWARD_MODEL = ["train.max_steps=1000", "train.batch_size=128", "train.micro
 
 def start_shared_models(tmp_path_factory, needed: set[str]) -> None:
     """Start training the shared models the collected tests need (fixture names), in the background."""
-    if "sft_warm_start" in needed and not background.started("sft_warm_start"):
-        folder = tmp_path_factory.mktemp("sft_warm_start")
-        background.start("sft_warm_start", lambda out=folder: _train("sft", out, *seeded(*WARM_START_SETTINGS)))
     if {"sft_base", "ppo_reward_model"} & needed and not background.started("sft_base"):
         folder = tmp_path_factory.mktemp("sft_base")
         background.start("sft_base", lambda out=folder: _sft_base(out))
@@ -105,7 +100,7 @@ def start_shared_models(tmp_path_factory, needed: set[str]) -> None:
         folder = tmp_path_factory.mktemp("ppo_reward_model")
         background.start("ppo_reward_model", lambda out=folder: _train(
             "rm", out, "--config", "examples/tiny/rm.yaml", f"model.path={background.result('sft_base')}",
-            *seeded(*PPO_REWARD_MODEL)))
+            *learning(*PPO_REWARD_MODEL)))
 
 
 def _train(mode: str, out: Path, *args: str) -> Path:
@@ -123,14 +118,6 @@ def _sft_base(out: Path) -> Path:
                                  "final/ folder")
         return folder
     return _train("sft", out, "--config", "examples/tiny/sft.yaml", *seeded(*SFT_BASE))
-
-
-@pytest.fixture(scope="session")
-def sft_warm_start(tmp_path_factory) -> Path:
-    """A briefly fine-tuned model (a final/ folder) the RM and KTO tests start from: preferences over sums teach a
-    random model very slowly, but sharpen one that has begun to add."""
-    start_shared_models(tmp_path_factory, {"sft_warm_start"})
-    return background.result("sft_warm_start")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""The reward-model recipe: it learns to rank held-out pairs, and final/ reloads with the same scores and its
-normalisation constants. The two-rank ZeRO-3 run goes through torchrun (worker code at the bottom)."""
+"""The reward-model recipe: it learns to rank held-out pairs (the session's shared reward model), and final/ reloads
+with the same scores and its normalisation constants. The two-rank ZeRO-3 run's worker code is at the bottom."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET, learning, record_figures
+from tests.trainers.conftest import QUIET, record_figures
 
 
 def rm_config(out, *overrides):
@@ -20,43 +20,52 @@ def rm_config(out, *overrides):
     return load_config(rm.Config, None, [f"output_dir={out}", *QUIET, "checkpoint.resume=false", *overrides])
 
 
+# The session's reward model (tests/trainers/conftest.py) must rank held-out pairs at least this well: PPO rewarded
+# by it alone (tests/trainers/test_ppo.py) needs as much. Measured over seeds 0-4 on AMD machines 0.914-0.976 after
+# 1000 steps (0.50 at step 0, 0.74-0.84 at step 500); on an Intel one 0.838-0.956 (seeds 0-2); with train.lr=0 it
+# stays at chance.
+RM_ACCURACY = 0.85
+
+
 @pytest.mark.learning
-def test_reward_model_ranks_held_out_pairs_and_final_reloads(world, tmp_path, sft_warm_start):
+def test_reward_model_ranks_held_out_pairs_and_final_reloads(world, tmp_path, ppo_reward_model):
+    """The session's reward model (1000 steps from the SFT base on the built-in correct-vs-wrong pairs, the one the
+    PPO tests start from) learned to rank held-out pairs, and its final/ folder, loaded again as a plain
+    token-classification model, scores them exactly as the trained model did, with the normalisation constants it
+    stored."""
     from transformers import AutoModelForTokenClassification
 
     from hpc_rlhf.data.examples import pair_collate
     from hpc_rlhf.models.value_model import reward_normalization, sequence_scores
     from hpc_rlhf.trainers import rm
 
-    out = tmp_path / "rm"
-    recipe = rm.RewardModelRecipe(rm_config(
-        out, f"model.path={sft_warm_start}", *learning("train.max_steps=250", "train.batch_size=64",
-                                                       "train.micro_batch_size=64", "train.lr=1e-3",
-                                                       "train.warmup_steps=10", "log.every_steps=50",
-                                                       "log.eval_every_steps=250", "data.max_eval_rows=256")))
-    recipe.setup()
-    result = recipe.train()
-    rows = read_metrics(out)
-    record_figures("rm_ranks_pairs", accuracy_start=rows[0]["eval_accuracy"], accuracy=rows[-1]["eval_accuracy"],
-                   margin=rows[-1]["eval_margin"], loss_first=rows[1]["loss"], loss_last=rows[-1]["loss"])
-    assert 0.35 < rows[0]["eval_accuracy"] < 0.65  # a new head ranks pairs by chance
-    # Chance is 0.5 +- 0.03 on 256 pairs; measured after 250 steps: 0.61, margin 0.12 (the wrong answers probe the
-    # units and the tens digit; tests/trainers/test_ppo.py trains one to 0.97 from a stronger SFT model).
-    assert rows[-1]["eval_accuracy"] > 0.56 and rows[-1]["eval_margin"] > 0.05
-    assert rows[-1]["loss"] < rows[1]["loss"]
+    rows = read_metrics(ppo_reward_model.parent)
+    first, last = rows[0], rows[-1]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    record_figures("rm_ranks_pairs", accuracy_start=first["eval_accuracy"], accuracy=last["eval_accuracy"],
+                   margin=last["eval_margin"], loss_first=losses[0], loss_last=losses[-1])
+    assert first["step"] == 0 and 0.35 < first["eval_accuracy"] < 0.65  # a new head ranks pairs by chance
+    assert last["eval_accuracy"] >= RM_ACCURACY and last["eval_margin"] > 0.05, last
+    assert losses[-1] < losses[0]
 
-    # final/ is a plain token-classification folder; it scores exactly as the trained model does.
+    # final/ on the same held-out pairs: the last evaluation's figures, bit for bit, and the stored constants are
+    # those of its scores.
+    trained_with = load_config(rm.Config, ppo_reward_model.parent / "config.yaml", [])
+    recipe = rm.RewardModelRecipe(rm_config(tmp_path / "reloaded", f"model.path={ppo_reward_model}",
+                                            f"data.eval_files=[{','.join(trained_with.data.eval_files)}]",
+                                            f"data.max_eval_rows={trained_with.data.max_eval_rows}"))
+    recipe.setup()
+    assert recipe.evaluate() == {k: last[k] for k in ("eval_accuracy", "eval_margin", "eval_loss")}
+    loaded = AutoModelForTokenClassification.from_pretrained(ppo_reward_model)
+    mean, std = reward_normalization(loaded)
+    assert (mean, std) == (pytest.approx(recipe.normalization_constants()[0]),
+                           pytest.approx(recipe.normalization_constants()[1]))
+    assert std > 0 and (mean, std) != (0.0, 1.0)
     batch = pair_collate(recipe.eval_examples[:16], recipe.tokenizer.pad_token_id)
     with torch.no_grad():
-        trained = sequence_scores(recipe.engine.module, batch["input_ids"], batch["attention_mask"])
-        loaded = AutoModelForTokenClassification.from_pretrained(out / "final")
-        reloaded = sequence_scores(loaded, batch["input_ids"], batch["attention_mask"])
-    torch.testing.assert_close(reloaded, trained, rtol=1e-5, atol=1e-5)
-    mean, std = reward_normalization(loaded)
-    assert (mean, std) == (pytest.approx(result["reward_mean"]), pytest.approx(result["reward_std"]))
-    assert std > 0 and (mean, std) != (0.0, 1.0)
-    normalized = sequence_scores(loaded, batch["input_ids"], batch["attention_mask"], normalize=True)
-    torch.testing.assert_close(normalized, (reloaded - mean) / std)
+        raw = sequence_scores(loaded, batch["input_ids"], batch["attention_mask"])
+        normalized = sequence_scores(loaded, batch["input_ids"], batch["attention_mask"], normalize=True)
+    torch.testing.assert_close(normalized, (raw - mean) / std)
 
 
 def test_margin_key_enters_the_loss(world, tmp_path):
