@@ -32,7 +32,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, MutableMapping, Sequence
 
 import submitit
 
@@ -104,6 +104,30 @@ def _global_rank(env: Mapping[str, str]) -> int:
     return int(env.get("SLURM_PROCID", env.get("RANK", "0")))
 
 
+# The rank variables of another launcher's world: torchrun's, the local launcher's, or those hpc_rlhf's bootstrap
+# exports for torch's env:// rendezvous in any process that ran a mode.
+WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                   "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
+                   "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "HPC_RLHF_LOCAL_LAUNCH", "HPC_RLHF_ERROR_FILE")
+
+
+def forget_the_submitters_world(env: MutableMapping[str, str]) -> list[str]:
+    """Remove from a submitit task's environment the world of the process that submitted it; return what went.
+
+    sbatch gives the job the submitting process's environment, and srun starts the task directly, so any RANK or
+    WORLD_SIZE in it belongs to the submitter (a notebook that ran a mode, a torchrun job that submits the next
+    stage): left there, the bootstrap would take the task for a torchrun rank of that world (it reads them before
+    Slurm's variables). With them go that world's MASTER_ADDR and MASTER_PORT; set in a submitting process that
+    had no world of its own, those are the user's choice of address and port (they override the node list's) and
+    stay."""
+    gone = [name for name in WORLD_VARIABLES if name in env]
+    if "RANK" in gone or "WORLD_SIZE" in gone:
+        gone += [name for name in ("MASTER_ADDR", "MASTER_PORT") if name in env]
+    for name in gone:
+        del env[name]
+    return gone
+
+
 class TrainingTask(submitit.helpers.Checkpointable):
     """Runs `hpc-rlhf MODE ARGS...` on one Slurm task; requeues the job when the mode was preempted."""
 
@@ -113,6 +137,7 @@ class TrainingTask(submitit.helpers.Checkpointable):
         self.max_restarts = max_restarts
 
     def __call__(self) -> dict[str, Any]:
+        forget_the_submitters_world(os.environ)
         code = run_rank([self.mode, *self.args])
         rank = _global_rank(os.environ)
         restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)

@@ -18,8 +18,8 @@ from submitit.slurm.slurm import _make_sbatch_string
 
 from hpc_rlhf import cli
 from hpc_rlhf.launch import slurm
-from hpc_rlhf.launch.slurm import (PREEMPTED_EXIT_CODE, SlurmLaunchError, TrainingTask, requeue_self,
-                                   should_requeue, slurm_parameters, submit, task_args)
+from hpc_rlhf.launch.slurm import (PREEMPTED_EXIT_CODE, SlurmLaunchError, TrainingTask, forget_the_submitters_world,
+                                   requeue_self, should_requeue, slurm_parameters, submit, task_args)
 from hpc_rlhf.trainers.common import Preempted
 
 
@@ -251,6 +251,24 @@ def test_failed_mode_raises_with_its_code_and_success_returns(monkeypatch):
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     assert TrainingTask("dpo", ["--config", "d.yaml"])() == {"rank": 2, "exit_code": 0, "restarts": 0}
     assert calls == [["dpo", "--config", "d.yaml"]]
+
+
+def test_the_task_forgets_the_world_of_the_process_that_submitted_it(monkeypatch):
+    # A job gets the submitting process's environment; there, a mode run in-process had exported its one-rank world.
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="41000",
+                            TORCHELASTIC_USE_AGENT_STORE="True", SLURM_PROCID="1", SLURM_NTASKS="2").items():
+        monkeypatch.setenv(name, value)
+    seen = {}
+    monkeypatch.setattr(cli, "main", lambda argv: seen.update(os.environ) or 0)
+    TrainingTask("sft", [])()
+    gone = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"}
+    assert not gone & set(seen)
+    assert (seen["SLURM_PROCID"], seen["SLURM_NTASKS"]) == ("1", "2")
+
+
+def test_a_master_address_chosen_by_the_submitter_stays():
+    env = {"MASTER_ADDR": "node01-ib", "MASTER_PORT": "29555", "SLURM_PROCID": "0"}
+    assert forget_the_submitters_world(env) == [] and env["MASTER_ADDR"] == "node01-ib"
 
 
 def test_checkpoint_resubmits_the_same_task():

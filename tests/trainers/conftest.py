@@ -21,8 +21,9 @@ QUIET = ["log.progress=false", "log.tensorboard=false"]
 # Calibrating the learning tests over seeds (scripts/calibrate_learning_tests.py runs them this way):
 # HPC_RLHF_TEST_SEED=N trains the shared models (SFT base, the reward model) and every tested run at train.seed=N
 # (and generate.seed=N where a mode samples); HPC_RLHF_TEST_NO_LEARNING=1 trains the tested stage at train.lr=0 (the
-# reward model is the tested stage of its own test), which must make every learning test fail; HPC_RLHF_TEST_FIGURES=FILE appends each learning
-# test's figures to FILE, one JSON object per line. Unset, the suite runs seed 0 and records nothing.
+# reward model is the tested stage of its own test), which must make every learning test fail;
+# HPC_RLHF_TEST_FIGURES=FILE appends each learning test's figures to FILE, one JSON object per line. Unset, the suite
+# runs seed 0 and records nothing.
 TEST_SEED = int(os.environ.get("HPC_RLHF_TEST_SEED", "0"))
 NO_LEARNING = os.environ.get("HPC_RLHF_TEST_NO_LEARNING", "") == "1"
 
