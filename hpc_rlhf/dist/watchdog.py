@@ -58,7 +58,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -68,7 +67,7 @@ from typing import Any, Callable, Sequence
 from hpc_rlhf.dist import liveness
 from hpc_rlhf.dist.liveness import (FAILED, RUNNING, STOPPED, TERMINATED, failure_record, format_failure,
                                     key_prefix, publish)
-from hpc_rlhf.utils import faults
+from hpc_rlhf.utils import console, faults
 
 log = logging.getLogger("hpc_rlhf")
 
@@ -200,7 +199,7 @@ def exit_with_message(message: str, end_pid: int | None = None) -> None:
     end_pid: a frozen peer on this host, killed only now, after the record: the local launcher names the rank
     whose failure it learnt of first, and that is this rank's line, not the death of the peer it killed."""
     try:
-        print(message, file=sys.stderr, flush=True)
+        console.say(message)
         liveness.record_failure(message.removeprefix("hpc_rlhf: "))
         if end_pid is not None:
             try:

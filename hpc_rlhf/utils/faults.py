@@ -28,6 +28,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from hpc_rlhf.utils import console
+
 FAULT_ENV = "HPC_RLHF_FAULT"
 KINDS = ("kill", "raise", "freeze", "nan")
 KEYS = ("kind", "rank", "phase", "step")
@@ -169,8 +171,8 @@ def point(phase: str, step: int, rank: int | None = None) -> None:
         raise InjectedFault(f"injected fault ({FAULT_ENV}: {fault.describe()}) at {where}")
     # Flushed first: a killed or stopped process writes nothing afterwards. The wall-clock time lets a test (or
     # a reader of the log) measure how long the job took to end after the failure.
-    print(f"hpc_rlhf: injected fault ({FAULT_ENV}: {fault.describe()}) at {where} [unix time {time.time():.3f}]",
-          flush=True)
+    console.say(f"hpc_rlhf: injected fault ({FAULT_ENV}: {fault.describe()}) at {where} [unix time "
+                f"{time.time():.3f}]", fd=1)
     os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
 
 

@@ -1,11 +1,14 @@
 """Whole jobs that lose a rank, and non-finite losses.
 
 Lost ranks: a PPO job with every role on ranks of its own (actor, critic, ref, reward, two rollout engines: 6
-ranks), started under torchrun on gloo, loses one rank of each role in turn (kill -9) at a different phase, and
-one rollout rank is frozen (SIGSTOP). The faults come from HPC_RLHF_FAULT, so every run fails at the same point.
-The models are one random-init Llama of ~60K parameters, used as actor and ref and, with a new value head, as
-critic and reward model. The job must end non-zero soon after the failure, and every surviving rank must say
-which rank was lost, its role and its phase.
+ranks) loses one rank of each role in turn (kill -9) at a different phase, and one rollout rank is frozen
+(SIGSTOP). The faults come from HPC_RLHF_FAULT, so every run fails at the same point. Two jobs run under
+torchrun, whose agent hosts the store and SIGTERMs the survivors: rank 0 killed while it checkpoints, and the
+frozen rank, which ignores that SIGTERM. The others run as a user starts them on one machine (`python -m
+hpc_rlhf ppo`: the local launcher forks the ranks, rank 0 forks the store's process), at a third of torchrun's
+CPU time (six fresh interpreters). The models are one random-init Llama of ~60K parameters, used as actor and ref
+and, with a new value head, as critic and reward model. The job must end non-zero soon after the failure, and
+every surviving rank must say which rank was lost, its role and its phase.
 
 Non-finite losses: a GRPO job started the way a user starts it on a laptop (`python -m hpc_rlhf grpo ...`, the
 local launcher starts the 4 ranks).
@@ -44,7 +47,7 @@ END_BOUND_S = HEARTBEAT_TIMEOUT_S + 21
 # Only against a hang of the test itself: start-up of 6 ranks on 2 busy cores, two steps, the failure.
 JOB_LIMIT_S = 400
 PPO_PLACEMENT = "actor=1,critic=1,ref=1,reward=1,rollout=2"
-PPO_PLAN = make_plan(PPO_PLACEMENT, 6, 6)  # torchrun --standalone: one node of 6 ranks
+PPO_PLAN = make_plan(PPO_PLACEMENT, 6, 6)  # one node of 6 ranks
 
 
 @pytest.fixture(scope="module")
@@ -74,17 +77,20 @@ SMALL_RL_STEP = [f"data.train_files=[{TINY_ASSETS}/data/prompts_train.jsonl]", "
                  "critic_train.micro_batch_size=8", "train.max_steps=3", "dist.timeout_s=120"]
 
 
-def ppo_under_torchrun(model: Path, out: Path, fault: str,
-                       *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
-    """A PPO job on 6 ranks under torchrun, checkpointing every step; returns the finished process and the
-    wall-clock time (time.time()) at which the test saw it end."""
+def lost_rank_ppo(launcher: str, model: Path, out: Path, fault: str,
+                  *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
+    """A PPO job on 6 ranks started by `launcher` ("torchrun", or "local": the ranks forked by `python -m hpc_rlhf`
+    itself), checkpointing every step; returns the finished process and the wall-clock time (time.time()) at which
+    the test saw it end."""
     # The causal-LM folder serves as critic and reward model too: each gets a new value head.
     args = [f"output_dir={out}", f"actor.path={model}", f"critic.path={model}", f"reward.models=[{model}]",
             f"placement={PPO_PLACEMENT}", "checkpoint.every_steps=1", *SMALL_RL_STEP, *overrides]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=6",
-           "--max_restarts=0", "-m", "hpc_rlhf", "ppo", *args]
+    start = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=6",
+                          "--max_restarts=0", "-m", "hpc_rlhf"],
+             "local": [sys.executable, "-m", "hpc_rlhf"]}[launcher]
     env = worker_env({FAULT_ENV: fault, HEARTBEAT_TIMEOUT_ENV: str(HEARTBEAT_TIMEOUT_S)})
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=JOB_LIMIT_S)
+    proc = subprocess.run([*start, "ppo", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=JOB_LIMIT_S)
     return proc, time.time()
 
 
@@ -110,40 +116,42 @@ def injected_at(stdout: str) -> tuple[int, str, int, float]:
     return int(rank), phase, int(step), float(when)
 
 
-# (role, index of the rank within the role, phase, step, kind, what the others say). One kill per role, each
-# in another phase; `exchange` is the responses' broadcast after generation, the first exchange of a step.
+# (launcher, role, index of the rank within the role, phase, step, kind, what the others say). One kill per role,
+# each in another phase; `exchange` is the responses' broadcast after generation, the first exchange of a step.
 # Every fault comes after the first collective of all ranks (the exchange of step 1), so that every other rank
 # has finished setting up and survives torchrun's SIGTERM long enough to report (a rank still setting up dies
 # of it at once: see watchdog._note_sigterm). The reward rank, which generates nothing, reaches the exchange of
 # step 1 before the others are set up: its case is at step 2. The last case runs asynchronously
 # (rl.max_staleness=1): the engine dies generating batch 2 while the actor and critic train on batch 1.
 # (Its prefill phase, `rollout_prefill`, comes before the first collective of all ranks: see above.)
+# tests/cluster/test_watchdog_slurm.py has the same job under srun.
 LOSSES = [
-    pytest.param("actor", 0, "checkpoint", 2, "kill", "failed", (), id="kill-actor-checkpoint"),
-    pytest.param("critic", 0, "training", 2, "kill", "failed", (), id="kill-critic-training"),
-    pytest.param("ref", 0, "scoring", 1, "kill", "failed", (), id="kill-ref-scoring"),
-    pytest.param("reward", 0, "exchange", 2, "kill", "failed", (), id="kill-reward-exchange"),
-    pytest.param("rollout", 1, "rollout", 2, "kill", "failed", (), id="kill-rollout-generating"),
-    pytest.param("rollout", 0, "weight_sync", 1, "freeze", "stopped responding", (),
-                 id="freeze-rollout-weight-sync"),
-    pytest.param("rollout", 1, "rollout", 2, "kill", "failed", ("rl.max_staleness=1",),
-                 id="kill-rollout-generating-ahead"),
+    pytest.param("torchrun", "actor", 0, "checkpoint", 2, "kill", "failed", (), id="torchrun-kill-actor-checkpoint"),
+    pytest.param("torchrun", "rollout", 0, "weight_sync", 1, "freeze", "stopped responding", (),
+                 id="torchrun-freeze-rollout-weight-sync"),
+    pytest.param("local", "critic", 0, "training", 2, "kill", "failed", (), id="local-kill-critic-training"),
+    pytest.param("local", "ref", 0, "scoring", 1, "kill", "failed", (), id="local-kill-ref-scoring"),
+    pytest.param("local", "reward", 0, "exchange", 2, "kill", "failed", (), id="local-kill-reward-exchange"),
+    pytest.param("local", "rollout", 1, "rollout", 2, "kill", "failed", (), id="local-kill-rollout-generating"),
+    pytest.param("local", "rollout", 1, "rollout", 2, "kill", "failed", ("rl.max_staleness=1",),
+                 id="local-kill-rollout-generating-ahead"),
 ]
 
 
-@pytest.mark.parametrize("role, index, phase, step, kind, verb, overrides", LOSSES)
-def test_a_lost_rank_ends_the_job_naming_its_rank_role_and_phase(model, tmp_path, role, index, phase, step, kind,
-                                                                 verb, overrides):
+@pytest.mark.parametrize("launcher, role, index, phase, step, kind, verb, overrides", LOSSES)
+def test_a_lost_rank_ends_the_job_naming_its_rank_role_and_phase(model, tmp_path, launcher, role, index, phase, step,
+                                                                 kind, verb, overrides):
     rank = PPO_PLAN.role(role).ranks[index]
     out = tmp_path / "run"
-    proc, ended = ppo_under_torchrun(model, out, f"rank={rank},phase={phase},step={step},kind={kind}", *overrides)
+    proc, ended = lost_rank_ppo(launcher, model, out, f"rank={rank},phase={phase},step={step},kind={kind}",
+                                *overrides)
     assert proc.returncode != 0, proc.stderr[-4000:]
     assert injected_at(proc.stdout)[:3] == (rank, phase, step)
     after = ended - injected_at(proc.stdout)[3]
     assert after < END_BOUND_S, f"the job ended {after:.0f} s after the failure\n{proc.stderr[-4000:]}"
 
-    # Every surviving rank names the lost rank, its role and phase (the store is torchrun's agent's, so it
-    # outlives any rank and every line can say where the lost rank was).
+    # Every surviving rank names the lost rank, its role and phase (the store outlives any rank: torchrun's agent
+    # serves it, or rank 0's store process, so every line can say where the lost rank was).
     lines = watchdog_lines(proc.stderr)
     expected = f"hpc_rlhf: rank {rank} (role {role}) {verb} during {phase}: "
     assert lines and all(line.startswith(expected) and f"[step {step};" in line for line in lines), \
