@@ -22,13 +22,11 @@ def main(argv: list[str]) -> int:
     nproc, script, args = int(argv[0]), str(Path(argv[1]).resolve()), argv[2:]
     import hpc_rlhf  # noqa: F401  (pins the CPU kernels before torch loads, as in every rank)
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer  # noqa: F401
 
-    from hpc_rlhf.engines.deepspeed_compat import import_deepspeed
-    from hpc_rlhf.launch.local import spawn_local
+    from hpc_rlhf.launch.local import import_what_ranks_use, spawn_local
 
     torch.set_num_threads(1)
-    import_deepspeed()
+    import_what_ranks_use()  # what the local launcher imports before it forks the ranks of a mode
 
     def rank_main() -> int:
         # Whole lines per write(2): the ranks share the launcher's pipes, and print() under PYTHONUNBUFFERED
