@@ -31,8 +31,9 @@ assets: venv
 demo: venv
 	$(PY) -m hpc_rlhf demo
 
+# Two pytest processes side by side: the learning and cluster tests, and the rest (scripts/run_suite.py says why).
 test: venv
-	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q --durations=25 tests
+	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) scripts/run_suite.py
 
 test-fast: venv
 	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) -m pytest -q -m "not learning and not cluster" tests

@@ -1,18 +1,20 @@
 """Expensive shared work that starts with the test session and runs while other tests run.
 
-The session's SFT base, the warm-start model, the PPO test's reward model and the local Slurm cluster with its
-jobs take minutes of wall time, most of it in child processes, while most tests leave a core idle. So
-`tests/conftest.py` starts each of them, when a collected test needs it, as soon as collection is done, in a
-thread of this module that waits on the child processes; the fixtures that hand them out wait for the result.
-Tests that need them are ordered last (learning tests, then cluster tests), so by then the work is done or close.
+The session's SFT base, the reward model the PPO tests start from and the local Slurm cluster with its jobs take
+minutes of wall time, most of it in child processes. So `tests/conftest.py` starts each of them, when a collected
+test needs it, as soon as collection is done, in a thread of this module that waits on the child processes; the
+fixtures that hand them out wait for the result. Tests that need them are ordered last (learning tests, then
+cluster tests), and `make test` runs them in a pytest process of their own beside the other tests
+(scripts/run_suite.py).
 
 A job's exception is raised again by `result`, in the fixture that asked, so a failed base fails the tests that
 need it with its own message, as it would have without the head start.
 
 A gate holds a job back until a point of the session: the local cluster's jobs wait at CLUSTER_JOBS_GATE, which
-opens when the first learning test starts (tests/conftest.py). Before that the machine's two cores are busy with
-the other tests and the shared models; from there on the learning tests, most of them one process, leave a core
-idle that the cluster's jobs fill.
+opens when the SFT base is trained (tests/trainers/conftest.py), or when the first cluster test starts if the
+session trains no SFT base. The SFT base and the reward model after it are the longest chain of the session
+(every learning test waits for the first, three for the second); the cluster's jobs, needed only by the last
+tests, would have slowed that chain by their share of the two cores.
 """
 
 from __future__ import annotations

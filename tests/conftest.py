@@ -40,12 +40,12 @@ def pytest_collection_finish(session):
     if "cluster" in needed:
         from tests.cluster.conftest import start_cluster_session
 
-        if not any(item.get_closest_marker("learning") for item in session.items):
+        if not background.started("sft_base"):  # the gate opens when the SFT base is trained (background.py)
             background.open_gate(background.CLUSTER_JOBS_GATE)
         start_cluster_session(factory, needed)
 
 
 def pytest_runtest_setup(item):
-    """The cluster's jobs go in when the first learning (or cluster) test starts (tests/background.py says why)."""
-    if item.get_closest_marker("learning") or item.get_closest_marker("cluster"):
+    """A cluster test needs the cluster's jobs now, whatever else is still training (tests/background.py)."""
+    if item.get_closest_marker("cluster"):
         background.open_gate(background.CLUSTER_JOBS_GATE)

@@ -5,8 +5,8 @@ on Debian) and stops it again at the end (KEEP_LOCAL_SLURM=1 keeps it). Only whe
 tests skipped, with the reason the script gives.
 
 All of it starts in the background as soon as the session has collected a cluster test (tests/conftest.py,
-tests/background.py): the cluster comes up at once, every job is submitted when the learning tests begin (they
-leave a core idle), and the cluster tests, ordered last, find their jobs finished. `tiny_jobs` submits every job
+tests/background.py): the cluster comes up at once, every job is submitted once the SFT base is trained (the
+session's longest chain starts with it), and the cluster tests, ordered last, find their jobs finished. `tiny_jobs` submits every job
 of the cluster tests at once, so that they share the machine's cores instead of waiting for each other: the
 built-in tiny SFT (2 nodes x 2 tasks, the reference), the same job preempted mid-run, the tiny job under `mpirun`
 and under `srun --mpi=pmix` (through launch/mpirun.sh and launch/srun.sh), and a submitit submission (also

@@ -112,6 +112,13 @@ def _train(mode: str, out: Path, *args: str) -> Path:
 
 
 def _sft_base(out: Path) -> Path:
+    try:
+        return _train_sft_base(out)
+    finally:
+        background.open_gate(background.CLUSTER_JOBS_GATE)  # tests/background.py says why
+
+
+def _train_sft_base(out: Path) -> Path:
     if os.environ.get("HPC_RLHF_TEST_SFT_BASE"):
         folder = Path(os.environ["HPC_RLHF_TEST_SFT_BASE"])
         if not (folder / "model.safetensors").is_file():
