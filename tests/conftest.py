@@ -14,18 +14,23 @@ from tests import background  # noqa: E402
 torch.set_num_threads(1)
 
 
-# The shared models that take longest (tests/trainers/conftest.py): the SFT base, and the reward model after it.
-LATE_SHARED_MODELS = {"sft_base", "ppo_reward_model"}
+# The shared models in the order they are ready (tests/trainers/conftest.py): the SFT base, then the reward model
+# trained from it.
+SHARED_MODELS = ("sft_base", "ppo_reward_model")
+
+
+def _waits_for(item) -> int:
+    """How far down the shared models' chain a test waits: 0 for none, 1 for the SFT base, 2 for the reward model."""
+    return max((i + 1 for i, name in enumerate(SHARED_MODELS) if name in item.fixturenames), default=0)
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Tests that wait for work started in the background run last: the learning tests (they need the shared
     models), then the cluster tests (they need the local Slurm's jobs). Among the learning tests, those that need
-    none of the late shared models go first: they run beside the reward model's training instead of after it,
-    where one of the two cores would be idle. Otherwise the collected order stays."""
+    no shared model go first, then those that need the SFT base, then those that need the reward model: none waits
+    for a model while a test that could run is left for later. Otherwise the collected order stays."""
     items.sort(key=lambda item: (item.get_closest_marker("cluster") is not None,
-                                 item.get_closest_marker("learning") is not None,
-                                 bool(LATE_SHARED_MODELS & set(item.fixturenames))))  # a stable sort
+                                 item.get_closest_marker("learning") is not None, _waits_for(item)))  # stable
 
 
 def pytest_collection_finish(session):

@@ -49,16 +49,29 @@ def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
     return proc
 
 
+def _raise_priority(by: int):
+    """A pre-exec hook that lowers the child's niceness by `by`, where this user may (root), and does nothing
+    where it may not: a priority only changes who waits for whom, never a result."""
+    def hook() -> None:
+        try:
+            os.nice(-by)
+        except OSError:
+            pass
+    return hook
+
+
 def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: int = 1,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m hpc_rlhf ARGS` as a user types it (the local launcher starts the ranks the placement needs)."""
+                 env: dict[str, str] | None = None, priority: int = 0) -> subprocess.CompletedProcess:
+    """`python -m hpc_rlhf ARGS` as a user types it (the local launcher starts the ranks the placement needs).
+    `priority` > 0 lowers the job's niceness by that much where allowed (tests/trainers/conftest.py says why)."""
     # The thread count fixes the order of float sums, and the learning tests were measured with theirs (the PPO
     # test's reward model: 0.97 held-out accuracy on 2 threads, 0.80 on 1). Threads spin while they wait
     # (OpenMP's default): on a quiet machine that was measured 1.6x faster than OMP_WAIT_POLICY=PASSIVE (200 SFT
     # base steps: 38 s against 60 s), though beside another busy process it is the slower one by far.
     full_env = worker_env({"OMP_NUM_THREADS": str(threads), **(env or {})})
     proc = subprocess.run([sys.executable, "-m", "hpc_rlhf", *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=_raise_priority(priority) if priority else None)
     if check and proc.returncode != 0:
         raise AssertionError(f"hpc-rlhf {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
                              f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")

@@ -8,7 +8,7 @@ All of it starts in the background as soon as the session has collected a cluste
 tests/background.py): the cluster comes up at once, every job is submitted once the SFT base is trained (the
 session's longest chain starts with it), and the cluster tests, ordered last, find their jobs finished. `tiny_jobs` submits every job
 of the cluster tests at once, so that they share the machine's cores instead of waiting for each other: the
-built-in tiny SFT (2 nodes x 2 tasks, the reference), the same job preempted mid-run, the tiny job under `mpirun`
+built-in tiny SFT (2 nodes x 1 task, the reference), the same job preempted mid-run, the tiny job under `mpirun`
 and under `srun --mpi=pmix` (through launch/mpirun.sh and launch/srun.sh), and a submitit submission (also
 preempted). Background threads send the preemption signals as soon as those jobs have logged a step. `lost_rank_jobs` (PPO jobs that each lose a rank)
 is submitted with them, or alone when only its tests run.
@@ -256,15 +256,16 @@ class LostRankJob:
     kind: str
 
 
-LOST_RANK_PLACEMENT = "actor=1,critic=1,ref=1,reward=1,rollout=2"
+LOST_RANK_PLACEMENT = "actor=1,critic=1,ref+reward=1,rollout=1"  # sbatch/tiny_cpu.sbatch's PPO, 2 nodes x 2 tasks
 # (role, phase, step, kind): what only a Slurm job shows. The actor's rank is rank 0, beside the store's process
 # (hpc_rlhf.dist.store_host, which srun's ranks have and torchrun's do not): killed, the others must still name
-# it with its phase. The reward rank, on the other node, is frozen: found only by its silence, killed by the rank
+# it with its phase. The rollout rank, on the other node, is frozen: found only by its silence, killed by the rank
 # that found it, and srun must then end the step on both nodes. Each role losing a rank in each kind of phase
-# is tests/trainers/test_failures.py's (the same job under torchrun): a job here costs six fresh interpreters.
-# Every fault comes after the first collective of all ranks (the exchange of step 1), so that every rank has set
-# up and can report it (a rank still loading dies of srun's SIGTERM without a word).
-LOST_RANK_CASES = (("reward", "scoring", 1, "freeze"), ("actor", "weight_sync", 1, "kill"))
+# is tests/trainers/test_failures.py's (the same job under torchrun and the local launcher). Every fault comes
+# after the first collective of all ranks (the exchange of step 1), so that every rank has set up and can report
+# it (a rank still loading dies of srun's SIGTERM without a word): the rollout engine generates step 1 before
+# that, so its case is at step 2.
+LOST_RANK_CASES = (("rollout", "rollout", 2, "freeze"), ("actor", "weight_sync", 1, "kill"))
 # These jobs run beside the other jobs of the session on two cores: a healthy rank must never go this long
 # without a heartbeat, and a frozen one is found after it.
 LOST_RANK_HEARTBEAT_S = 20
@@ -276,9 +277,9 @@ SMALL_PPO = ["data.eval_files=[]", "log.eval_every_steps=0", "log.progress=false
 
 
 def _submit_lost_rank_jobs(cluster: LocalCluster | None, root: Path) -> list[LostRankJob]:
-    """The disjoint PPO layout of sbatch/tiny_cpu.sbatch's PPO on 2 nodes x 3 tasks (actor and the rollout
-    engines on node1, critic, ref and reward on node2), every role starting from the built-in tiny model: one job
-    per case of LOST_RANK_CASES (the actor's rank killed, the reward's frozen)."""
+    """sbatch/tiny_cpu.sbatch's PPO on 2 nodes x 2 tasks (actor and critic on node1, ref+reward and the rollout
+    engine on node2), every role starting from the built-in tiny model: one job per case of LOST_RANK_CASES (the
+    actor's rank killed, the rollout engine's frozen)."""
     from hpc_rlhf.config import TINY_ASSETS
     from hpc_rlhf.data.assets import ensure_assets
     from hpc_rlhf.dist.placement import make_plan
@@ -287,12 +288,12 @@ def _submit_lost_rank_jobs(cluster: LocalCluster | None, root: Path) -> list[Los
         return []
     ensure_assets(REPO / TINY_ASSETS)
     model = REPO / TINY_ASSETS / "models" / "llama-tiny"
-    plan = make_plan(LOST_RANK_PLACEMENT, 6, 3)
+    plan = make_plan(LOST_RANK_PLACEMENT, 4, 2)
     jobs = []
     for role, phase, step, kind in LOST_RANK_CASES:
         rank, name = plan.role(role).ranks[-1], f"{kind}_{role}"
         fault = f"rank={rank},phase={phase},step={step},kind={kind}"
-        job_id = cluster.sbatch("--nodes=2", "--ntasks-per-node=3", "--time=15", f"--output={root}/{name}-%j.out",
+        job_id = cluster.sbatch("--nodes=2", "--ntasks-per-node=2", "--time=15", f"--output={root}/{name}-%j.out",
                                 "sbatch/tiny_cpu.sbatch", *SMALL_PPO,
                                 env={"OUT": str(root / name), "ACTOR": str(model), "REWARD": str(model),
                                      "PLACEMENT": LOST_RANK_PLACEMENT, "HPC_RLHF_FAULT": fault,
@@ -318,9 +319,10 @@ def _submit_tiny_jobs(cluster: LocalCluster | None, root: Path) -> TinyJobs | No
     config = write_tiny_config(root / "sft.yaml")
 
     def tiny(name: str) -> Submitted:
+        # One rank on each node (the default PPO job below has two on each): six fewer fresh interpreters.
         out = root / name
-        job_id = cluster.sbatch(f"--output={root}/{name}-%j.out", "sbatch/tiny_cpu.sbatch", f"output_dir={out}",
-                                env={"MODE": "sft", "CONFIG": str(config)})
+        job_id = cluster.sbatch("--ntasks-per-node=1", f"--output={root}/{name}-%j.out", "sbatch/tiny_cpu.sbatch",
+                                f"output_dir={out}", env={"MODE": "sft", "CONFIG": str(config)})
         return Submitted(job_id, out, Path(f"{root}/{name}-{job_id}.out"))
 
     def wrapped(name: str, nodes: int, tasks: int, command: str) -> Submitted:

@@ -1,4 +1,5 @@
-"""`sbatch sbatch/tiny_cpu.sbatch` on the local two-node cluster: 4 ranks on node1 and node2 train and finish."""
+"""`sbatch sbatch/tiny_cpu.sbatch` on the local two-node cluster: the tiny SFT on a rank on node1 and one on node2,
+and the default PPO job on two ranks of each, train and finish."""
 
 import json
 import math
@@ -16,7 +17,7 @@ def test_tiny_job_trains_across_two_nodes_and_writes_metrics_and_final_model(clu
     log = job.log.read_text()
     assert record["JobState"] == "COMPLETED", f"{record}\n{log[-4000:]}"
     assert record["ExitCode"] == "0:0" and record["Restarts"] == "0"
-    assert record["NumNodes"] == "2" and record["NumTasks"] == "4" and record["NodeList"] == "node[1-2]"
+    assert record["NumNodes"] == "2" and record["NumTasks"] == "2" and record["NodeList"] == "node[1-2]"
     assert "the plan fits" in log  # the placement was checked before the ranks started
 
     rows = job.metrics()
@@ -27,7 +28,7 @@ def test_tiny_job_trains_across_two_nodes_and_writes_metrics_and_final_model(clu
     assert "eval_loss" in rows[-1]
 
     state = json.loads((job.output_dir / "checkpoints" / f"step_{STEPS:09d}" / "trainer_state.json").read_text())
-    assert state["world_size"] == 4 and state["step"] == STEPS
+    assert state["world_size"] == 2 and state["step"] == STEPS
     final = job.output_dir / "final"
     assert json.loads((final / "config.json").read_text())["model_type"] == "llama"
     assert (final / "model.safetensors").stat().st_size > 0

@@ -89,7 +89,7 @@ PPO_REWARD_MODEL = ["train.max_steps=1000", "train.batch_size=128", "train.micro
                     "log.every_steps=100", "log.eval_every_steps=500", "checkpoint.resume=false"]
 
 # The shared models train in child processes on one thread each, started with the session (tests/background.py,
-# tests/conftest.py) while other tests run: a seeded run gives the same bits on one thread as on two.
+# tests/conftest.py) while other tests run.
 
 
 def start_shared_models(tmp_path_factory, needed: set[str]) -> None:
@@ -104,10 +104,17 @@ def start_shared_models(tmp_path_factory, needed: set[str]) -> None:
             *learning(*PPO_REWARD_MODEL)))
 
 
+# The SFT base and the reward model after it are the longest chain of the session: every learning test waits for
+# the first and three for the second, while everything else can run in any order. Beside the other tests and the
+# cluster's jobs they got about 0.6 of a core (the reward model: 600 s of wall time for 365 CPU-seconds), and the
+# suite waited for them; a higher priority (where the user may give one: root) keeps them on a core of their own.
+SHARED_MODEL_PRIORITY = 10
+
+
 def _train(mode: str, out: Path, *args: str) -> Path:
     # A generous bound: on a busy machine the SFT base has taken over 15 minutes; a test waiting for it still has
     # its own pytest timeout.
-    hpc_rlhf_cli(mode, f"output_dir={out}", *QUIET, *args, timeout=3600)
+    hpc_rlhf_cli(mode, f"output_dir={out}", *QUIET, *args, timeout=3600, priority=SHARED_MODEL_PRIORITY)
     return out / "final"
 
 
