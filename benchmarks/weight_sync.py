@@ -4,9 +4,11 @@ Three gloo ranks (torchrun, one thread each): rank 0 holds ~40 MB of fp32 weight
 small Llama (hidden 320, 4 layers, vocabulary 8000: 10.1M parameters); ranks 1 and 2 hold a model of the same
 shapes and load what they receive into it. Methods, all over the whole 3-rank group:
 
-  bucketed N MB   hpc_rlhf.dist.weight_sync.send_weights with bucket_mb=N (tensors packed into buffers reused
-                  between syncs, a full bucket sent asynchronously while the next is packed, tensors of a
-                  bucket's size or more sent straight from their storage) and `receive_into` on the receivers,
+  bucketed N MB   hpc_rlhf.dist.weight_sync.send_weights with bucket_mb=N and reuse_layout, as the RL trainer
+                  calls it (tensors packed into buffers reused between syncs, a full bucket sent asynchronously
+                  while the next is packed, tensors of a bucket's size or of 4 MB or more sent straight from
+                  their storage; after the warm-up sync, one header per sync and the payloads alone) and
+                  `receive_into` on the receivers,
                   as the hf engine does: each bucket arrives in a buffer the receiver keeps and its tensors stay
                   there as the receiver's weights, rewritten in place by the next sync (no copy out)
   ..., copied     the same sender; the receivers' load_fn copies every view into its own tensor of that name
@@ -95,7 +97,7 @@ def worker(result_file: Path, buckets: list[float], copied: list[float], repeats
     def bucketed(bucket_mb, kept: bool):
         def run():
             if rank == src:
-                send_weights(iter(weights.items()), src=src, group=None, bucket_mb=bucket_mb)
+                send_weights(iter(weights.items()), src=src, group=None, bucket_mb=bucket_mb, reuse_layout=True)
             elif kept:
                 receive_into(receivers[bucket_mb], src=src, group=None)
             else:

@@ -14,15 +14,23 @@ its own). The last bucket's header says it is the last; only a sync whose last b
 ended sends an end marker, a header with n = 0. Nothing is pickled and a receiver never posts a buffer of the
 wrong size. Receivers rebuild (name, view) pairs and pass each bucket to `load_fn` (a rollout engine's `load_weights`).
 
+The same layout again (`reuse_layout=True`, what the RL trainer passes: it streams the same model every step):
+after a first sync as above, which both sides remember (sender: per group, source and bucket size; receivers:
+per group and source, by the layout's fingerprint), a sync is one header naming that layout, then the payloads
+alone, in the same order: no header, description or end marker per bucket. Every message costs a round of
+wake-ups on every rank besides its bytes (on 2 CPU cores, about as much as copying 3 MB), so this is what lets
+large tensors go straight through uncopied. The sender checks every bucket against the remembered layout and
+raises if the stream differs (the receivers, waiting for the promised payloads, are then ended by the watchdog).
+
 Memory and overlap, on the sender: tensors of one dtype are copied into a bucket buffer of `bucket_mb`; a full
 bucket goes out with an asynchronous broadcast, and while it travels the next module is gathered and packed
 into a second buffer (double buffering). The buffers come from a `BucketPool` kept between syncs (no fresh
 allocation per bucket or per sync): one being filled per dtype plus one in flight, so two for a model of one
-dtype. A tensor at least as large as a bucket goes straight through: broadcast from its own storage, uncopied,
-and waited for before the stream moves on (it may be a ZeRO-3 gathered parameter that is released as soon as
-the stream moves on). So the sender never holds more than the module being streamed plus two buckets (one more
-per further dtype; `SyncStats.peak_buffer_bytes` reports what the pool lent). Receivers receive into two reused
-buffers as well and load one bucket while the next is arriving.
+dtype. A tensor of at least a bucket's size, or of `STRAIGHT_THROUGH_MB`, goes straight through: broadcast
+from its own storage, uncopied, and waited for before the stream moves on (it may be a ZeRO-3 gathered parameter
+that is released as soon as the stream moves on). So the sender never holds more than the module being streamed
+plus two buckets (one more per further dtype; `SyncStats.peak_buffer_bytes` reports what the pool lent).
+Receivers receive into two reused buffers as well and load one bucket while the next is arriving.
 
 Streaming contract: every tensor the iterator yields is copied (or, when it is larger than a bucket, sent) before
 the next one is requested. Names should already be Hugging Face names (`hpc_rlhf.trainers.rl_roles.hf_names`).
@@ -34,18 +42,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import time
 from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.dist.exchange import (HEADER_LEN, MAX_NDIM, ExchangeError, Kind, comm_device, make_header,
-                                    message_tag, read_header)
+from hpc_rlhf.dist.exchange import (DTYPES, HEADER_LEN, MAX_NDIM, ExchangeError, Kind, comm_device,
+                                    make_header, message_tag, read_header)
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], object]
 _META_WIDTH = 2 + MAX_NDIM
 _TAG = message_tag("weights.bucket")
+_LAYOUT_TAG = message_tag("weights.layout")
+# A tensor this large travels alone from its own storage even when it would fit in a bucket: copying it would
+# cost more than its message (CPU, 3 gloo ranks: ~1.5 ms per 4 MB copied on the sender; benchmarks/README.md).
+STRAIGHT_THROUGH_MB = 4.0
 
 
 @dataclasses.dataclass
@@ -157,9 +170,9 @@ class BucketPool:
 class Bucketer:
     """Packs a stream of named tensors into per-dtype buckets of about `bucket_bytes` on `device`.
 
-    `add` returns the buckets that became ready (full, or a single tensor larger than a bucket); `flush`
-    returns the partly filled rest. Tensors are copied on arrival, except one larger than a bucket, which is
-    handed back at once as its own bucket; either way the caller may free a tensor once the bucket(s) `add`
+    `add` returns the buckets that became ready (full, or a single tensor of a bucket's size or of
+    STRAIGHT_THROUGH_MB); `flush` returns the partly filled rest. Tensors are copied on arrival, except such a
+    large one, which is handed back at once as its own bucket; either way the caller may free a tensor once the bucket(s) `add`
     returned have been used. Without a `pool` every bucket gets a fresh buffer; with one, buffers come from the
     pool and a bucket's `storage` must be given back to it (`pool.release`) once the bucket has been used.
     """
@@ -170,6 +183,7 @@ class Bucketer:
         if pool is not None and pool.bucket_bytes != bucket_bytes:
             raise ValueError(f"the pool's buffers hold {pool.bucket_bytes} bytes, not {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
+        self.straight_through_bytes = min(bucket_bytes, int(STRAIGHT_THROUGH_MB * 2**20))
         self.device = device
         self.pool = pool
         self.open: dict[torch.dtype, tuple[torch.Tensor, Bucket, int]] = {}  # dtype -> (buffer, bucket, fill)
@@ -181,9 +195,9 @@ class Bucketer:
             raise ExchangeError(f"weight sync: '{name}' has {tensor.dim()} dimensions, more than {MAX_NDIM}")
         tensor = tensor.detach()
         ready = []
-        if tensor.numel() * tensor.element_size() >= self.bucket_bytes:
-            # Larger than a bucket: it travels alone and uncopied (when contiguous and already on the device),
-            # which is safe because the bucket is used before the caller's iterator moves on.
+        if tensor.numel() * tensor.element_size() >= self.straight_through_bytes:
+            # A bucket's size or STRAIGHT_THROUGH_MB: it travels alone and uncopied (when contiguous and already
+            # on the device), which is safe because the bucket is used before the caller's iterator moves on.
             flat = tensor.reshape(-1).to(self.device)
             return [Bucket(flat, [name], [tuple(tensor.shape)], [0])]
         capacity = self.bucket_bytes // tensor.element_size()
@@ -228,6 +242,10 @@ def _bucket_bytes(bucket_mb: float) -> int:
 # Buffers kept between syncs: one pool per (device, bucket size) on a sender, two receive buffers per device.
 _POOLS: dict[tuple[torch.device, int], BucketPool] = {}
 _RECEIVE_BUFFERS: dict[torch.device, list[torch.Tensor]] = {}
+# Layouts of earlier syncs (reuse_layout): the sender's by (group, src, bucket bytes), the receivers' by
+# (group, src) and fingerprint. The group object itself is the key: a world set up again gets new groups.
+_SENT_LAYOUTS: dict[tuple, list[tuple]] = {}
+_RECEIVED_LAYOUTS: dict[tuple, dict[int, list[tuple]]] = {}
 
 
 def bucket_pool(bucket_mb: float, device: torch.device) -> BucketPool:
@@ -244,6 +262,8 @@ def release_buffers() -> None:
         pool.clear()
     _POOLS.clear()
     _RECEIVE_BUFFERS.clear()
+    _SENT_LAYOUTS.clear()
+    _RECEIVED_LAYOUTS.clear()
 
 
 def _count(stats: SyncStats, bucket: Bucket) -> None:
@@ -291,25 +311,58 @@ def _payload(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
     return _as_bytes(bucket.flat), description
 
 
+# A message's layout: (dtype, data bytes, names, shapes, offsets); both sides build it the same way.
+def _spec(bucket: Bucket) -> tuple:
+    return (str(bucket.flat.dtype), bucket.nbytes, tuple(bucket.names), tuple(bucket.shapes), tuple(bucket.offsets))
+
+
+def _fingerprint(layout: list[tuple]) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(layout).encode("utf-8"), digest_size=7).digest(), "little")
+
+
+def _group_key(group: dist.ProcessGroup | None) -> object:
+    return group if group is not None else dist.group.WORLD
+
+
+def _differs(expected: tuple | None, got: tuple, index: int) -> ExchangeError:
+    said = "nothing more" if expected is None else f"{list(expected[2])[:3]} ({expected[0]}, {expected[1]} bytes)"
+    return ExchangeError(f"weight sync: message {index} of this sync holds {list(got[2])[:3]} ({got[0]}, {got[1]} "
+                         f"bytes) where the layout of the first sync had {said}; reuse_layout needs the same "
+                         "tensors in the same order at every sync")
+
+
 def send_weights(named_params: Iterable[tuple[str, torch.Tensor]], src: int,
-                 group: dist.ProcessGroup | None, bucket_mb: float = 256.0) -> SyncStats:
-    """Run on global rank `src` (the actor's leader) while every other rank of `group` runs receive_weights."""
+                 group: dist.ProcessGroup | None, bucket_mb: float = 256.0, reuse_layout: bool = False) -> SyncStats:
+    """Run on global rank `src` (the actor's leader) while every other rank of `group` runs receive_weights.
+
+    reuse_layout: the stream has the same names, shapes and dtypes as at this sender's first such sync on this
+    group with this bucket size, so the payloads go without their headers (see the module docstring)."""
     if dist.get_rank() != src:
         raise ExchangeError(f"send_weights runs on the source rank {src}, not on rank {dist.get_rank()}")
     start, stats = time.perf_counter(), SyncStats()
     device = comm_device(group)
     pool = bucket_pool(bucket_mb, device)
     pool.peak_lent_bytes = pool.lent * pool.buffer_bytes
+    key = (_group_key(group), src, pool.bucket_bytes)
+    known = _SENT_LAYOUTS.get(key) if reuse_layout else None
+    layout: list[tuple] = []
 
     def send(tensor: torch.Tensor) -> object:
         return dist.broadcast(tensor.to(device), src, group=group, async_op=True)
 
     def post(bucket: Bucket, last: bool) -> None:
-        payload, description = _payload(bucket)
-        works = [send(_header(bucket, pool.bucket_bytes, description is None, last))]
-        if description is not None:
-            works.append(send(description))
-        works.append(send(payload))
+        spec = _spec(bucket)
+        if known is None:
+            payload, description = _payload(bucket)
+            works = [send(_header(bucket, pool.bucket_bytes, description is None, last))]
+            if description is not None:
+                works.append(send(description))
+            works.append(send(payload))
+        else:
+            if len(layout) >= len(known) or known[len(layout)] != spec:
+                raise _differs(known[len(layout)] if len(layout) < len(known) else None, spec, len(layout))
+            works = [send(_as_bytes(bucket.flat))]
+        layout.append(spec)
         if bucket.storage is None:  # straight through from the caller's tensor: done before it moves on
             for work in works:
                 work.wait()
@@ -318,6 +371,8 @@ def send_weights(named_params: Iterable[tuple[str, torch.Tensor]], src: int,
         _count(stats, bucket)
 
     try:
+        if known is not None:
+            send(make_header(Kind.TENSOR, _LAYOUT_TAG, torch.uint8, (_fingerprint(known), len(known))))
         bucketer = Bucketer(pool.bucket_bytes, device, pool)
         for name, tensor in named_params:
             for bucket in bucketer.add(name, tensor):
@@ -325,10 +380,15 @@ def send_weights(named_params: Iterable[tuple[str, torch.Tensor]], src: int,
         rest = bucketer.flush()  # the partly filled buckets: the last one says so, and no end marker is needed
         for i, bucket in enumerate(rest):
             post(bucket, last=i == len(rest) - 1)
-        if not rest:
+        if known is None and not rest:
             send(_header(None, pool.bucket_bytes, True)).wait()
+        if known is not None and len(layout) != len(known):
+            raise ExchangeError(f"weight sync: this sync had {len(layout)} messages where the layout of the first "
+                                f"sync had {len(known)}; reuse_layout needs the same tensors at every sync")
     finally:
         pool.drain()
+    if reuse_layout and known is None:
+        _SENT_LAYOUTS[key] = layout
     stats.peak_buffer_bytes = pool.peak_lent_bytes
     stats.seconds = time.perf_counter() - start
     return stats
@@ -347,16 +407,6 @@ def _receive_buffer(device: torch.device, slot: int, nbytes: int, bucket_bytes: 
     return buffers[slot][:nbytes]
 
 
-def _bucket_from(raw: torch.Tensor, description: torch.Tensor, dtype: torch.dtype, count: int, names_len: int,
-                 nbytes: int, what: str) -> Bucket:
-    rows = description[:count * _META_WIDTH].view(count, _META_WIDTH).tolist()
-    names = bytes(description[count * _META_WIDTH:].view(torch.uint8)[:names_len].numpy()).decode("utf-8")
-    names = names.split("\n")
-    if len(names) != count:
-        raise ExchangeError(f"{what}: a bucket lists {count} tensors but {len(names)} names")
-    return Bucket(raw[:nbytes].view(dtype), names, [tuple(r[2:2 + r[1]]) for r in rows], [r[0] for r in rows])
-
-
 def _kept_buffer(keep: list[torch.Tensor], index: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """Bucket `index`'s buffer in `keep`, the same memory at every sync unless it is too small (then a new one:
     views still pointing into the old one keep it alive until they are replaced)."""
@@ -365,6 +415,17 @@ def _kept_buffer(keep: list[torch.Tensor], index: int, nbytes: int, device: torc
     if keep[index].numel() < nbytes or keep[index].device != device:
         keep[index] = torch.empty(nbytes, dtype=torch.uint8, device=device)
     return keep[index][:nbytes]
+
+
+@dataclasses.dataclass
+class _Incoming:
+    """A message a receiver is about to take: its size and, once known, its layout (`spec`, see _spec); the
+    layout of a bucket whose description travels inline is read from the message after it arrives."""
+    nbytes: int  # the data
+    size: int  # the whole message: the data and an inline description
+    bucket_bytes: int  # the sender's bucket size: a message of at least that is one tensor sent straight through
+    spec: tuple | None = None
+    inline: tuple = ()  # (dtype name, count, names length) while spec is None
 
 
 def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn,
@@ -381,40 +442,91 @@ def receive_weights(src: int, group: dist.ProcessGroup | None, load_fn: LoadFn,
     start, stats = time.perf_counter(), SyncStats()
     device = comm_device(group)
     what = "weight sync"
-    pending: tuple | None = None  # received, not yet loaded: loaded while the next bucket arrives
-    slot = 0
-    while True:
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
-        dist.broadcast(header, src, group=group)
-        dtype, (count, names_len, nbytes, bucket_bytes, inline, last) = read_header(header.cpu(), Kind.TENSOR, _TAG,
-                                                                                    what)
-        if count == 0:
-            break
-        words = count * _META_WIDTH + _align(names_len) // 8
-        description = None
-        if not inline:
-            description = torch.empty(words, dtype=torch.int64, device=device)
-            dist.broadcast(description, src, group=group)
-        size = _align(nbytes) + 8 * words if inline else nbytes
-        raw = (_kept_buffer(keep, stats.buckets, size, device) if keep is not None
-               else _receive_buffer(device, slot, size, bucket_bytes))
-        work = dist.broadcast(raw, src, group=group, async_op=True)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+    dist.broadcast(header, src, group=group)
+    header = header.cpu()
+    layouts = _RECEIVED_LAYOUTS.setdefault((_group_key(group), src), {})
+    reused = int(header[2]) == _LAYOUT_TAG
+    if reused:  # the sender's reuse_layout: the payloads of a layout received before, nothing else
+        _, (fingerprint, count) = read_header(header, Kind.TENSOR, _LAYOUT_TAG, what)
+        if fingerprint not in layouts or len(layouts[fingerprint][1]) != count:
+            raise ExchangeError(f"{what}: the sender reuses the layout of an earlier sync that this rank did not "
+                                "receive (a receiver that joined later, or buffers released on one side only)")
+        bucket_bytes, specs = layouts[fingerprint]
+        messages = (_Incoming(spec[1], spec[1], bucket_bytes, spec) for spec in specs)
+    else:
+        messages = _described_messages(header, src, group, device, what)
+    layout: list[tuple] = []
+    posted = {}
+    if reused and keep is not None:  # every message has a buffer of its own: all receives posted at once
+        messages = list(messages)
+        for index, message in enumerate(messages):
+            raw = _kept_buffer(keep, index, message.size, device)
+            posted[index] = (raw, dist.broadcast(raw, src, group=group, async_op=True))
+    pending: Bucket | None = None  # received, not yet loaded: loaded while the next bucket arrives
+    for index, message in enumerate(messages):
+        if index in posted:
+            raw, work = posted.pop(index)
+        else:
+            raw = (_kept_buffer(keep, index, message.size, device) if keep is not None
+                   else _receive_buffer(device, index % 2, message.size, message.bucket_bytes))
+            work = dist.broadcast(raw, src, group=group, async_op=True)
         if pending is not None:
-            load_fn(_bucket_from(*pending).views())
+            load_fn(pending.views())
         work.wait()
-        if inline:
-            description = raw[_align(nbytes):size].view(torch.int64)
-        pending = (raw, description.cpu(), dtype, count, names_len, nbytes, what)
-        stats.tensors += count
+        spec = message.spec
+        if spec is None:  # the description came inline, after the data
+            spec = _described_spec(raw[_align(message.nbytes):message.size].view(torch.int64).cpu(),
+                                   message.inline, message.nbytes, what)
+        layout.append(spec)
+        dtype_name, nbytes, names, shapes, offsets = spec
+        pending = Bucket(raw[:nbytes].view(_DTYPES_BY_NAME[dtype_name]), list(names), list(shapes), list(offsets))
+        stats.tensors += len(names)
         stats.bytes += nbytes
         stats.buckets += 1
-        slot = 1 - slot
-        if last:
-            break
     if pending is not None:
-        load_fn(_bucket_from(*pending).views())
+        load_fn(pending.views())
+    if not reused:
+        layouts[_fingerprint(layout)] = (message.bucket_bytes if layout else 0, layout)
+        while len(layouts) > 4:  # a sender that changed its bucket size or model a few times: keep the latest
+            layouts.pop(next(iter(layouts)))
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+_DTYPES_BY_NAME = {str(dtype): dtype for dtype in DTYPES}
+
+
+def _described_messages(header: torch.Tensor, src: int, group, device, what: str) -> Iterator[_Incoming]:
+    """The messages of a sync in the full protocol, each announced by its header (`header`: the first one)."""
+    while True:
+        dtype, (count, names_len, nbytes, bucket_bytes, inline, last) = read_header(header, Kind.TENSOR, _TAG, what)
+        if count == 0:
+            return
+        words = count * _META_WIDTH + _align(names_len) // 8
+        if inline:
+            yield _Incoming(nbytes, _align(nbytes) + 8 * words, bucket_bytes, inline=(str(dtype), count, names_len))
+        else:
+            description = torch.empty(words, dtype=torch.int64, device=device)
+            dist.broadcast(description, src, group=group)
+            spec = _described_spec(description.cpu(), (str(dtype), count, names_len), nbytes, what)
+            yield _Incoming(nbytes, nbytes, bucket_bytes, spec)
+        if last:
+            return
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+        dist.broadcast(header, src, group=group)
+        header = header.cpu()
+
+
+def _described_spec(description: torch.Tensor, inline: tuple, nbytes: int, what: str) -> tuple:
+    """A message's layout (see _spec) from its description (_description's words)."""
+    dtype_name, count, names_len = inline
+    rows = description[:count * _META_WIDTH].view(count, _META_WIDTH).tolist()
+    names = bytes(description[count * _META_WIDTH:].view(torch.uint8)[:names_len].numpy()).decode("utf-8")
+    names = names.split("\n")
+    if len(names) != count:
+        raise ExchangeError(f"{what}: a bucket lists {count} tensors but {len(names)} names")
+    return (dtype_name, nbytes, tuple(names), tuple(tuple(r[2:2 + r[1]]) for r in rows), tuple(r[0] for r in rows))
 
 
 def receive_into(engine, src: int, group: dist.ProcessGroup | None) -> SyncStats:

@@ -460,7 +460,7 @@ class RLRecipe:
             weights = hf_names(self.actor.full_state())
             if dist.get_rank() == src:
                 stats = weight_sync.send_weights(weights, src=src, group=groups.weight_sync_group(),
-                                                 bucket_mb=self.cfg.rollout.weight_sync_bucket_mb)
+                                                 bucket_mb=self.cfg.rollout.weight_sync_bucket_mb, reuse_layout=True)
                 sent = stats.bytes / 2**20
             else:
                 for _ in weights:

@@ -166,6 +166,7 @@ def _sync(rank: int):
     sync_ranks, leader = [0, 2, 3], 0  # rank 1 plays a role outside the weight-sync group
     sync_group = dist.new_group(sync_ranks)
     other_group = dist.new_group([1])
+    leader_alone = dist.new_group([leader])
     extra = {"extra.big_fp32": torch.randn(40, 50, generator=torch.Generator().manual_seed(1)),
              "extra.bf16": torch.randn(7, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16),
              "extra.scalar": torch.tensor(3.5, dtype=torch.float64), "extra.int16": torch.arange(-5, 5).to(torch.int16)}
@@ -241,6 +242,50 @@ def _sync(rank: int):
                 pointers = now
             with pytest.raises(ExchangeError, match="1 parameters of the rollout engine were not in this sync"):
                 weight_sync.receive_into(engine, leader, sync_group)
+
+    # reuse_layout (what the RL trainer passes): a first sync as above, then one header and the payloads alone;
+    # the same weights bit for bit, on a receiver that keeps the buckets (rank 2) and on one that copies (rank 3).
+    if rank in sync_ranks:
+        size = bucket_mb
+        if rank == leader:
+            sent: list[int] = []
+            real_broadcast = dist.broadcast
+
+            def counted(*args, **kwargs):
+                sent.append(1)
+                return real_broadcast(*args, **kwargs)
+
+            messages = []
+            dist.broadcast = counted
+            try:
+                for seed in (30, 31, 32):
+                    sent.clear()
+                    stats = send_weights(named_stream(mixed_module(seed), release=True), leader, sync_group,
+                                         bucket_mb=size, reuse_layout=True)
+                    messages.append((len(sent), stats.buckets))
+            finally:
+                dist.broadcast = real_broadcast
+            (first, buckets), second, third = messages
+            assert buckets > 3 and first >= 2 * buckets and second == third == (buckets + 1, buckets), messages
+            # A stream that is not the one promised is refused (here alone in a group: no receiver waits for it).
+            send_weights(named_stream(mixed_module(0)), leader, leader_alone, bucket_mb=size, reuse_layout=True)
+            changed = list(named_stream(mixed_module(0)))
+            changed[1] = (changed[1][0], changed[1][1][:1])
+            with pytest.raises(ExchangeError, match="reuse_layout needs the same tensors in the same order"):
+                send_weights(iter(changed), leader, leader_alone, bucket_mb=size, reuse_layout=True)
+        else:
+            engine = KeepingEngine(mixed_module(rank)) if rank == 2 else None
+            for seed in (30, 31, 32):
+                expected = dict(mixed_module(seed).named_parameters())
+                if engine is not None:
+                    weight_sync.receive_into(engine, leader, sync_group)
+                    got = dict(engine.model.named_parameters())
+                else:
+                    got = {}
+                    receive_weights(leader, sync_group, lambda views: got.update((n, t.clone()) for n, t in views))
+                assert set(got) == set(expected)
+                for name, tensor in expected.items():
+                    assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (seed, name)
 
     # A sync whose stream ends with a tensor sent straight through has no partly filled bucket to mark as the
     # last: it ends with an end marker.
