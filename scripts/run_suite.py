@@ -11,7 +11,9 @@ start as soon as the SFT base is there and run beside the other tests.
 
 Each lane's lines are printed as they come, prefixed with the lane's name; its pytest summary comes last. The exit
 status is the worse of the two (a lane that collects nothing, because the arguments deselect all of it, counts as
-passed).
+passed). A process a test left running still holds its lane's output when pytest has exited: the suite waits
+OUTPUT_GRACE_S for it, then names it (pid and command line) and ends without it (a fresh-clone run once waited
+a minute after its last lane's summary).
 """
 
 from __future__ import annotations
@@ -27,12 +29,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LANES = {"shared": ["-m", "learning or cluster"], "rest": ["-m", "not learning and not cluster"]}
 NO_TESTS_COLLECTED = 5  # pytest's exit code
+OUTPUT_GRACE_S = 10.0
+
+
+def _holders(pipe_fd: int) -> list[str]:
+    """'pid: command line' of every other process with this pipe open (for the write end, as a lane's children
+    inherit it)."""
+    wanted = f"pipe:[{os.fstat(pipe_fd).st_ino}]"
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == wanted for fd in os.listdir(f"/proc/{pid}/fd")):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{pid}: {command[:200]}")
+        except OSError:
+            continue
+    return found
 
 
 def _pipe(name: str, stream, log: Path, lock: threading.Lock) -> None:
     with open(log, "w") as out:
         for line in stream:
             out.write(line)
+            out.flush()  # read back for the summary even when a process left behind keeps the stream open
             with lock:
                 sys.stdout.write(f"[{name}] {line}")
                 sys.stdout.flush()
@@ -50,12 +72,16 @@ def main(argv: list[str]) -> int:
                *argv, "tests"]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        thread = threading.Thread(target=_pipe, args=(name, proc.stdout, root / f"{name}.log", lock))
+        thread = threading.Thread(target=_pipe, args=(name, proc.stdout, root / f"{name}.log", lock), daemon=True)
         thread.start()
         procs[name], threads = proc, [*threads, thread]
     codes = {name: proc.wait() for name, proc in procs.items()}
-    for thread in threads:
-        thread.join()
+    for (name, proc), thread in zip(procs.items(), threads):
+        thread.join(OUTPUT_GRACE_S)
+        if thread.is_alive():
+            left = _holders(proc.stdout.fileno())
+            print(f"lane {name}: pytest has exited, but {len(left)} processes still hold its output (left running "
+                  f"by a test; not waited for):", *left, sep="\n  ")
     elapsed = time.monotonic() - start
     for name, code in codes.items():
         summary = (root / f"{name}.log").read_text().rstrip().splitlines()[-1:] or ["(no output)"]
