@@ -2,18 +2,18 @@
 
     python scripts/run_suite.py [PYTEST ARGS...]        # e.g. -x, -k name; given to both lanes
 
-Lane `shared`: the tests that need the work a session shares, the learning tests (the SFT base and the reward
-model, trained in the background: tests/trainers/conftest.py) and the cluster tests (the local Slurm cluster and
-its jobs: tests/cluster/conftest.py). Lane `rest`: every other test. One pytest process runs the tests one after
-the other, so the learning tests (most of them one process on one core) waited behind the others and then ran
-alone: the last third of a suite on two cores had a core idle about half the time. In two lanes the learning tests
-start as soon as the SFT base is there and run beside the other tests.
+Lane `learning`: the learning tests, which wait for the shared models (the SFT base and the reward model after
+it, trained in the background: tests/trainers/conftest.py) and then run one after the other, mostly one process
+on one core each. Lane `rest`: every other test, the cluster tests last (they wait for the local Slurm's jobs,
+which go in when the learning lane's SFT base is trained: a gate shared through a folder, tests/background.py).
+In one pytest process the learning tests waited behind the others and then ran alone, a core idle about half of
+the last third of the suite; with the cluster tests in the learning lane, that lane ended two minutes after the
+other one (15m39s against 13m38s in a fresh clone).
 
 Each lane's lines are printed as they come, prefixed with the lane's name; its pytest summary comes last. The exit
 status is the worse of the two (a lane that collects nothing, because the arguments deselect all of it, counts as
-passed). A process a test left running still holds its lane's output when pytest has exited: the suite waits
-OUTPUT_GRACE_S for it, then names it (pid and command line) and ends without it (a fresh-clone run once waited
-a minute after its last lane's summary).
+passed). A process a test left running would hold its lane's output open after pytest has exited: the suite waits
+OUTPUT_GRACE_S for the output to end, then names such processes (pid and command line) and ends without them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LANES = {"shared": ["-m", "learning or cluster"], "rest": ["-m", "not learning and not cluster"]}
+LANES = {"learning": ["-m", "learning"], "rest": ["-m", "not learning"]}
 NO_TESTS_COLLECTED = 5  # pytest's exit code
 OUTPUT_GRACE_S = 10.0
 
@@ -66,12 +66,13 @@ def main(argv: list[str]) -> int:
     start = time.monotonic()
     lock = threading.Lock()
     root = Path(tempfile.mkdtemp(prefix="hpc_rlhf_suite_"))
+    (root / "gates").mkdir()
     procs, threads = {}, []
     for name, selection in LANES.items():
         cmd = [sys.executable, "-m", "pytest", "-q", "--durations=15", f"--basetemp={root / name}", *selection,
                *argv, "tests"]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", HPC_RLHF_TEST_GATES=str(root / "gates")))
         thread = threading.Thread(target=_pipe, args=(name, proc.stdout, root / f"{name}.log", lock), daemon=True)
         thread.start()
         procs[name], threads = proc, [*threads, thread]
@@ -86,7 +87,8 @@ def main(argv: list[str]) -> int:
     for name, code in codes.items():
         summary = (root / f"{name}.log").read_text().rstrip().splitlines()[-1:] or ["(no output)"]
         print(f"lane {name}: exit {code}: {summary[0]}")
-    print(f"suite: {elapsed / 60:.0f}m{elapsed % 60:02.0f}s in two lanes (logs in {root})")
+    minutes, seconds = divmod(round(elapsed), 60)
+    print(f"suite: {minutes}m{seconds:02d}s in two lanes (logs in {root})")
     worst = max((0 if code == NO_TESTS_COLLECTED else code) for code in codes.values())
     return worst
 

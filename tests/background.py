@@ -4,7 +4,7 @@ The session's SFT base, the reward model the PPO tests start from and the local 
 minutes of wall time, most of it in child processes. So `tests/conftest.py` starts each of them, when a collected
 test needs it, as soon as collection is done, in a thread of this module that waits on the child processes; the
 fixtures that hand them out wait for the result. Tests that need them are ordered last (learning tests, then
-cluster tests), and `make test` runs them in a pytest process of their own beside the other tests
+cluster tests), and `make test` runs the learning tests in a pytest process of their own beside the other tests
 (scripts/run_suite.py).
 
 A job's exception is raised again by `result`, in the fixture that asked, so a failed base fails the tests that
@@ -15,15 +15,23 @@ opens when the SFT base is trained (tests/trainers/conftest.py), or when the fir
 session trains no SFT base. The SFT base and the reward model after it are the longest chain of the session
 (every learning test waits for the first, three for the second); the cluster's jobs, needed only by the last
 tests, would have slowed that chain by their share of the two cores.
+
+Gates reach across pytest processes when HPC_RLHF_TEST_GATES names a folder (scripts/run_suite.py sets it for
+both lanes): opening a gate also writes a file of its name there, and a process waiting at the gate goes on when
+the file appears. So the lane that runs the cluster tests lets the cluster's jobs go when the other lane's SFT
+base is trained.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, Callable
 
 CLUSTER_JOBS_GATE = "cluster-jobs"
+GATES_FOLDER = os.environ.get("HPC_RLHF_TEST_GATES") or None
 
 _JOBS: dict[str, Future] = {}
 _GATES: dict[str, threading.Event] = {}
@@ -65,11 +73,21 @@ def _gate(name: str) -> threading.Event:
         return _GATES.setdefault(name, threading.Event())
 
 
+def gates_shared_with_other_processes() -> bool:
+    return GATES_FOLDER is not None
+
+
 def open_gate(name: str) -> None:
-    """Let every job waiting at gate `name` go on (opening it twice is harmless)."""
+    """Let every job waiting at gate `name` go on, in this process and (HPC_RLHF_TEST_GATES) in the others
+    (opening it twice is harmless)."""
+    if GATES_FOLDER is not None:
+        Path(GATES_FOLDER, name).touch()
     _gate(name).set()
 
 
 def wait_at_gate(name: str) -> None:
     """Block until gate `name` is open: a job that should not start before some point of the session."""
-    _gate(name).wait()
+    gate = _gate(name)
+    while not gate.wait(timeout=None if GATES_FOLDER is None else 1.0):
+        if Path(GATES_FOLDER, name).exists():
+            gate.set()

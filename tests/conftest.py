@@ -45,7 +45,9 @@ def pytest_collection_finish(session):
     if "cluster" in needed:
         from tests.cluster.conftest import start_cluster_session
 
-        if not background.started("sft_base"):  # the gate opens when the SFT base is trained (background.py)
+        # The gate opens when the SFT base is trained (background.py): in this process, or in the other lane of
+        # scripts/run_suite.py. With neither, the first cluster test opens it (pytest_runtest_setup).
+        if not background.started("sft_base") and not background.gates_shared_with_other_processes():
             background.open_gate(background.CLUSTER_JOBS_GATE)
         start_cluster_session(factory, needed)
 
