@@ -2,13 +2,14 @@
 
     python scripts/run_suite.py [PYTEST ARGS...]        # e.g. -x, -k name; given to both lanes
 
-Lane `learning`: the learning tests, which wait for the shared models (the SFT base and the reward model after
-it, trained in the background: tests/trainers/conftest.py) and then run one after the other, mostly one process
-on one core each. Lane `rest`: every other test, the cluster tests last (they wait for the local Slurm's jobs,
-which go in when the learning lane's SFT base is trained: a gate shared through a folder, tests/background.py).
-In one pytest process the learning tests waited behind the others and then ran alone, a core idle about half of
-the last third of the suite; with the cluster tests in the learning lane, that lane ended two minutes after the
-other one (15m39s against 13m38s in a fresh clone).
+Lane `learning`: the tests that wait for the shared models (the SFT base and the reward model after it, trained
+in the background: tests/trainers/conftest.py), that is the learning tests but one, which then run one after the
+other, mostly one process on one core each. Lane `rest`: every other test, the SFT learning test (it trains from
+a random model) and the cluster tests last (they wait for the local Slurm's jobs, which go in when the learning
+lane's SFT base is trained: a gate shared through a folder, tests/background.py). In one pytest process the
+learning tests waited behind the others and then ran alone, a core idle about half of the last third of the
+suite. The learning lane is the longer one (fresh clones: 15m39s against 13m38s with the cluster tests in it,
+15m24s against 13m52s without), so what needs no shared model runs in the other.
 
 Each lane's lines are printed as they come, prefixed with the lane's name; its pytest summary comes last. The exit
 status is the worse of the two (a lane that collects nothing, because the arguments deselect all of it, counts as
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LANES = {"learning": ["-m", "learning"], "rest": ["-m", "not learning"]}
+LANES = {"learning": ["-m", "shared_models"], "rest": ["-m", "not shared_models"]}
 NO_TESTS_COLLECTED = 5  # pytest's exit code
 OUTPUT_GRACE_S = 10.0
 

@@ -7,6 +7,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import hpc_rlhf  # noqa: E402,F401  (pins the CPU kernels before torch loads: utils/cpu_kernels.py)
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests import background  # noqa: E402
@@ -24,11 +25,17 @@ def _waits_for(item) -> int:
     return max((i + 1 for i, name in enumerate(SHARED_MODELS) if name in item.fixturenames), default=0)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the shared_models marker is set here
 def pytest_collection_modifyitems(session, config, items):
     """Tests that wait for work started in the background run last: the learning tests (they need the shared
     models), then the cluster tests (they need the local Slurm's jobs). Among the learning tests, those that need
     no shared model go first, then those that need the SFT base, then those that need the reward model: none waits
-    for a model while a test that could run is left for later. Otherwise the collected order stays."""
+    for a model while a test that could run is left for later. Otherwise the collected order stays.
+
+    A test that waits for a shared model is marked `shared_models` (scripts/run_suite.py gives those a lane)."""
+    for item in items:
+        if _waits_for(item):
+            item.add_marker(pytest.mark.shared_models)
     items.sort(key=lambda item: (item.get_closest_marker("cluster") is not None,
                                  item.get_closest_marker("learning") is not None, _waits_for(item)))  # stable
 
