@@ -31,7 +31,7 @@ assets: venv
 demo: venv
 	$(PY) -m hpc_rlhf demo
 
-# Two pytest processes side by side: the learning and cluster tests, and the rest (scripts/run_suite.py says why).
+# Two pytest processes side by side: the tests that wait for the shared models, and the rest (scripts/run_suite.py).
 test: venv
 	OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu $(PY) scripts/run_suite.py
 

@@ -4,8 +4,8 @@ The session's SFT base, the reward model the PPO tests start from and the local 
 minutes of wall time, most of it in child processes. So `tests/conftest.py` starts each of them, when a collected
 test needs it, as soon as collection is done, in a thread of this module that waits on the child processes; the
 fixtures that hand them out wait for the result. Tests that need them are ordered last (learning tests, then
-cluster tests), and `make test` runs the learning tests in a pytest process of their own beside the other tests
-(scripts/run_suite.py).
+cluster tests), and `make test` runs the tests that wait for a shared model in a pytest process of their own
+beside the other tests (scripts/run_suite.py).
 
 A job's exception is raised again by `result`, in the fixture that asked, so a failed base fails the tests that
 need it with its own message, as it would have without the head start.

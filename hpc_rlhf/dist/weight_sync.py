@@ -18,7 +18,7 @@ The same layout again (`reuse_layout=True`, what the RL trainer passes: it strea
 after a first sync as above, which both sides remember (sender: per group, source and bucket size; receivers:
 per group and source, by the layout's fingerprint), a sync is one header naming that layout, then the payloads
 alone, in the same order: no header, description or end marker per bucket. Every message costs a round of
-wake-ups on every rank besides its bytes (on 2 CPU cores, about as much as copying 3 MB), so this is what lets
+wake-ups on every rank besides its bytes (on 2 CPU cores, roughly what copying 4 MB costs), so this is what lets
 large tensors go straight through uncopied. The sender checks every bucket against the remembered layout and
 raises if the stream differs (the receivers, waiting for the promised payloads, are then ended by the watchdog).
 
@@ -56,8 +56,9 @@ LoadFn = Callable[[list[tuple[str, torch.Tensor]]], object]
 _META_WIDTH = 2 + MAX_NDIM
 _TAG = message_tag("weights.bucket")
 _LAYOUT_TAG = message_tag("weights.layout")
-# A tensor this large travels alone from its own storage even when it would fit in a bucket: copying it would
-# cost more than its message (CPU, 3 gloo ranks: ~1.5 ms per 4 MB copied on the sender; benchmarks/README.md).
+# A tensor this large travels alone from its own storage even when it would fit in a bucket: copying it costs
+# about what its own message does (CPU, 3 gloo ranks: 6.7 ms to copy 40 MB on the sender, ~0.7 ms a message;
+# benchmarks/README.md).
 STRAIGHT_THROUGH_MB = 4.0
 
 
@@ -172,8 +173,8 @@ class Bucketer:
 
     `add` returns the buckets that became ready (full, or a single tensor of a bucket's size or of
     STRAIGHT_THROUGH_MB); `flush` returns the partly filled rest. Tensors are copied on arrival, except such a
-    large one, which is handed back at once as its own bucket; either way the caller may free a tensor once the bucket(s) `add`
-    returned have been used. Without a `pool` every bucket gets a fresh buffer; with one, buffers come from the
+    large one, which is handed back at once as its own bucket; either way the caller may free a tensor once the
+    bucket(s) `add` returned have been used. Without a `pool` every bucket gets a fresh buffer; with one, buffers come from the
     pool and a bucket's `storage` must be given back to it (`pool.release`) once the bucket has been used.
     """
 

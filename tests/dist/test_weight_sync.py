@@ -114,6 +114,20 @@ def test_a_tensor_larger_than_a_bucket_goes_straight_through_uncopied():
     assert bucket.storage is None and bucket.flat.data_ptr() == big.data_ptr() and pool.allocated == 0
 
 
+def test_a_tensor_of_straight_through_size_goes_alone_even_when_a_bucket_holds_it():
+    from hpc_rlhf.dist.weight_sync import STRAIGHT_THROUGH_MB
+
+    size = int(STRAIGHT_THROUGH_MB * 2**20)
+    bucketer = Bucketer(4 * size, torch.device("cpu"))  # a bucket that would hold four of them
+    large = torch.zeros(size // 4, dtype=torch.float32)
+    small = torch.zeros(size // 4 - 1, dtype=torch.float32)
+    (bucket,) = bucketer.add("large", large)
+    assert bucket.names == ["large"] and bucket.flat.data_ptr() == large.data_ptr()  # uncopied
+    assert bucketer.add("small", small) == []  # packed, waiting for the rest of its bucket
+    (rest,) = bucketer.flush()
+    assert rest.names == ["small"] and rest.flat.data_ptr() != small.data_ptr()
+
+
 def test_local_load_borrows_at_most_two_buckets(tmp_path):
     from hpc_rlhf.dist import weight_sync
 

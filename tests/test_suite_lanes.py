@@ -1,0 +1,79 @@
+"""The suite's own machinery (scripts/run_suite.py, tests/background.py, tests/conftest.py): the two lanes get
+every test once, gates reach the other lane's process, and a process a test leaves behind is named."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import background
+from tests import conftest as suite_conftest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_run_suite():
+    spec = importlib.util.spec_from_file_location("run_suite", REPO / "scripts" / "run_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeItem:
+    def __init__(self, *fixtures: str, marks: tuple[str, ...] = ()):
+        self.fixturenames = list(fixtures)
+        self.marks = set(marks)
+
+    def add_marker(self, mark):
+        self.marks.add(mark.name)
+
+    def get_closest_marker(self, name):
+        return name if name in self.marks else None
+
+
+def test_tests_that_wait_for_a_shared_model_are_marked_for_their_lane_and_ordered_by_what_they_wait_for():
+    plain, cluster = FakeItem("tmp_path"), FakeItem("cluster", marks=("cluster",))
+    from_random = FakeItem("world", marks=("learning",))
+    on_base, on_reward = FakeItem("sft_base", marks=("learning",)), FakeItem("sft_base", "ppo_reward_model",
+                                                                             marks=("learning",))
+    items = [cluster, on_reward, on_base, from_random, plain]
+    suite_conftest.pytest_collection_modifyitems(None, None, items)
+    assert items == [plain, from_random, on_base, on_reward, cluster]
+    assert [("shared_models" in i.marks) for i in items] == [False, False, True, True, False]
+    assert load_run_suite().LANES == {"learning": ["-m", "shared_models"], "rest": ["-m", "not shared_models"]}
+
+
+def test_a_gate_opened_in_another_process_opens_here_through_the_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(background, "GATES_FOLDER", str(tmp_path))
+    monkeypatch.setattr(background, "_GATES", {})
+    passed = threading.Event()
+    waiter = threading.Thread(target=lambda: (background.wait_at_gate("g"), passed.set()), daemon=True)
+    waiter.start()
+    assert not passed.wait(1.5)  # closed: no file yet
+    subprocess.run([sys.executable, "-c", f"import pathlib; pathlib.Path({str(tmp_path / 'g')!r}).touch()"],
+                   check=True)  # the other lane opens it
+    assert passed.wait(5)
+    background.open_gate("h")  # and what this process opens, the others see
+    assert (tmp_path / "h").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_process_left_holding_a_lanes_output_is_named():
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=subprocess.PIPE)
+    try:
+        time.sleep(0.2)
+        named = load_run_suite()._holders(holder.stdout.fileno())
+        assert any(line.startswith(f"{holder.pid}: ") and "time.sleep(30)" in line for line in named), named
+        assert not any(line.startswith(f"{os.getpid()}: ") for line in named)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
