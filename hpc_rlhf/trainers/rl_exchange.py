@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from hpc_rlhf.dist import exchange, groups
 
+DIRECT_MAX_BYTES = 1 << 20  # up to this size a message goes to each consumer directly (see _post)
+
 
 def share_known(messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequence[int] | None]],
                 dtype: torch.dtype = torch.float32) -> dict[str, list[torch.Tensor] | None]:
@@ -58,17 +60,11 @@ def share_known(messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequ
                                              f"expect {list(lengths)}")
             parts += [v.reshape(-1).to(dtype) for v in values]
         flats.append(torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=dtype, device=device))
+    order = {key: i for i, key in enumerate(messages)}  # the same on every rank: the bundles' tags
     works = []
     for ((src, ranks), keys), flat in zip(bundles.items(), flats):
-        if not flat.numel():
-            continue
-        if len(ranks) == 2:
-            other = ranks[1] if ranks[0] == me else ranks[0]
-            works.append(dist.isend(flat, other) if me == src else dist.irecv(flat, src))
-        else:
-            works.append(dist.broadcast(flat, src, group=groups.route_group(keys[0]), async_op=True))
-    for work in works:
-        work.wait()
+        works += _post(flat, groups.route(keys[0]), tag=order[keys[0]])
+    _wait(works)
     for keys, flat in zip(bundles.values(), flats):
         sizes = [sum(messages[key][1]) for key in keys]
         for key, part in zip(keys, torch.split(flat.cpu(), sizes)):
@@ -76,21 +72,28 @@ def share_known(messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequ
     return out
 
 
-def _post(flat: torch.Tensor, key: str) -> object | None:
-    """Start moving `flat` along route `key` (this rank is on it): a work to wait for, None if nothing travels."""
-    path, me = groups.route(key), dist.get_rank()
+def _post(flat: torch.Tensor, path: groups.Route, tag: int) -> list:
+    """Start moving `flat` along `path` (this rank is on it): the works to wait for, none if nothing travels.
+
+    A small message on gloo goes from its sender to each consumer directly. gloo runs a broadcast on the group's
+    worker thread, along a binomial tree (a consumer can get the message through another consumer), so each
+    message waits for one or two more threads to be scheduled; where roles share cores that is what a message of
+    a few kilobytes costs. Large messages, and any message on NCCL, take the group's broadcast."""
+    me = dist.get_rank()
     if len(path.ranks) == 1 or not flat.numel():
-        return None
-    if len(path.ranks) == 2:
-        other = path.ranks[1] if path.ranks[0] == me else path.ranks[0]
-        return dist.isend(flat, other) if me == path.src else dist.irecv(flat, path.src)
-    return dist.broadcast(flat, path.src, group=groups.route_group(key), async_op=True)
+        return []
+    direct = len(path.ranks) == 2 or (flat.device.type == "cpu"
+                                      and flat.numel() * flat.element_size() <= DIRECT_MAX_BYTES)
+    if not direct:
+        return [dist.broadcast(flat, path.src, group=groups.route_group(path.key), async_op=True)]
+    if me == path.src:
+        return [dist.isend(flat, other, tag=tag) for other in path.consumers]
+    return [dist.irecv(flat, path.src, tag=tag)]
 
 
 def _wait(works) -> None:
     for work in works:
-        if work is not None:
-            work.wait()
+        work.wait()
 
 
 def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[torch.Tensor] | None, kind: str,
@@ -137,7 +140,7 @@ def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[to
                 logp_bits = exchange.pack_ragged(mine_logps, torch.float32)[0].view(torch.int32)
                 words[e][count + room:count + room + total] = logp_bits
         words[e] = words[e].to(device)
-        works.append(_post(words[e], key))
+        works += _post(words[e], groups.route(key), tag=e)
     _wait(works)
     for e, flat in words.items():
         count, room = counts[e], counts[e] * max_len

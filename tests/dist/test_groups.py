@@ -143,42 +143,45 @@ if __name__ == "__main__":
         assert groups.route_group("scores/actor") is groups.route_group("scores/critic")
     assert "point to point" in raises(PlacementError, groups.route_group, "eval/0")
 
-    # A step's scores in one round (trainers.rl_exchange.share_known): per-token results of actor and ref from
-    # rank 0 (one message: same sender, same ranks), the critic's from rank 3, reward and rule scores from rank 2,
-    # each on exactly the ranks of its route. Every rank rebuilds what each sender sends from a seed.
-    from hpc_rlhf.trainers.rl_exchange import share_known
+    # Both ways a message travels: each consumer directly from its sender (small messages on gloo), and the route
+    # group's broadcast (large ones; DIRECT_MAX_BYTES = 0 sends everything that way).
+    from hpc_rlhf.trainers import rl_exchange
+    from hpc_rlhf.trainers.rl_exchange import share_known, share_responses
 
-    lengths = {"scores/actor": [3, 0, 2], "scores/critic": [3, 0, 2], "scores/ref": [3, 0, 2],
-               "scores/reward": [1, 1, 1], "scores/rules": [1, 1, 1]}
+    for direct_max in (rl_exchange.DIRECT_MAX_BYTES, 0):
+        rl_exchange.DIRECT_MAX_BYTES = direct_max
+        # A step's scores in one round (share_known): per-token results of actor and ref from rank 0 (one message:
+        # same sender, same ranks), the critic's from rank 3, reward and rule scores from rank 2, each on exactly
+        # the ranks of its route. Every rank rebuilds what each sender sends from a seed.
+        lengths = {"scores/actor": [3, 0, 2], "scores/critic": [3, 0, 2], "scores/ref": [3, 0, 2],
+                   "scores/reward": [1, 1, 1], "scores/rules": [1, 1, 1]}
 
-    def sent(key):
-        g = torch.Generator().manual_seed(len(key) * 31 + sum(map(ord, key)))
-        return [torch.randn(n, generator=g) for n in lengths[key]]
+        def sent(key):
+            g = torch.Generator().manual_seed(len(key) * 31 + sum(map(ord, key)))
+            return [torch.randn(n, generator=g) for n in lengths[key]]
 
-    routes = {key: groups.route(key) for key in lengths}
-    messages = {key: (sent(key) if rank == routes[key].src else None, lengths[key] if rank in routes[key].ranks
-                      else None) for key in lengths}
-    got = share_known(messages)
-    for key, route in routes.items():
-        if rank in route.ranks:
-            assert [torch.equal(a, b) for a, b in zip(got[key], sent(key))] == [True] * 3, (key, got[key])
+        routes = {key: groups.route(key) for key in lengths}
+        messages = {key: (sent(key) if rank == routes[key].src else None, lengths[key] if rank in routes[key].ranks
+                          else None) for key in lengths}
+        got = share_known(messages)
+        for key, route in routes.items():
+            if rank in route.ranks:
+                assert [torch.equal(a, b) for a, b in zip(got[key], sent(key))] == [True] * 3, (key, got[key])
+            else:
+                assert got[key] is None, (key, rank)
+
+        # A batch's responses with their sampling log-probs (share_responses), from engine 0's first rank (4) to
+        # the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5.
+        g = torch.Generator().manual_seed(5)
+        want = [torch.randint(0, 2**31 - 1, (n,), generator=g) for n in (4, 0, 7, 1)]
+        want_logps = [-torch.rand(len(t), generator=g) * 9 for t in want]
+        got, got_logps = share_responses(want if rank == 4 else None, want_logps if rank == 4 else None, "responses",
+                                         counts=[4], max_len=7, with_logprobs=True)
+        if rank <= 4:
+            assert all(torch.equal(a, b) for a, b in zip(got[0], want)) and len(got[0]) == 4, got
+            assert all(torch.equal(a, b) for a, b in zip(got_logps[0], want_logps)), got_logps
         else:
-            assert got[key] is None, (key, rank)
-
-    # A batch's responses with their sampling log-probs (trainers.rl_exchange.share_responses), from engine 0's
-    # first rank (4) to the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5.
-    from hpc_rlhf.trainers.rl_exchange import share_responses
-
-    g = torch.Generator().manual_seed(5)
-    want = [torch.randint(0, 2**31 - 1, (n,), generator=g) for n in (4, 0, 7, 1)]
-    want_logps = [-torch.rand(len(t), generator=g) * 9 for t in want]
-    got, got_logps = share_responses(want if rank == 4 else None, want_logps if rank == 4 else None, "responses",
-                                     counts=[4], max_len=7, with_logprobs=True)
-    if rank <= 4:
-        assert all(torch.equal(a, b) for a, b in zip(got[0], want)) and len(got[0]) == 4, got
-        assert all(torch.equal(a, b) for a, b in zip(got_logps[0], want_logps)), got_logps
-    else:
-        assert got == [None] and got_logps == [None]
+            assert got == [None] and got_logps == [None]
 
     # Different collectives at the same time on different groups must not pair up across groups:
     # actor all_reduces 50 times while the reward rank all_gathers alone;
