@@ -309,6 +309,32 @@ def test_shared_memory_transport_moves_buckets_bit_for_bit_and_grows():
         sender.close()
 
 
+def test_the_sleeping_worker_looks_at_its_queue_without_a_notification(tmp_path):
+    """On CPU vLLM's worker sleeps between orders instead of spinning, and it must not rely on the wake-up alone: the
+    engine core's notifications can be lost (with the old wait, PPO on two vLLM engines stalled 5 s, vLLM's own
+    recheck interval, in a step out of five), so every wait looks at the queue again within NOTIFY_RECHECK_MS."""
+    import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.platforms import current_platform
+
+    from hpc_rlhf.engines.rollout import vllm_worker
+
+    if not current_platform.is_cpu():
+        pytest.skip("the worker sleeps between orders only on vLLM's CPU platform")
+    context = zmq.Context()
+    reader = shm_broadcast.SpinCondition(True, context, f"ipc://{tmp_path}/notify")
+    timeouts = []
+    reader.poller = SimpleNamespace(poll=lambda timeout=None: timeouts.append(timeout) or [])
+    try:
+        assert reader.busy_loop_s == 0  # no spinning after a read
+        reader.wait()  # the engine core's reads wait without a deadline
+        reader.wait(timeout_ms=60_000)
+        reader.wait(timeout_ms=3)
+        assert timeouts == [vllm_worker.NOTIFY_RECHECK_MS, vllm_worker.NOTIFY_RECHECK_MS, 3]
+    finally:
+        context.destroy(linger=0)
+
+
 def fake_rebuild(*args):
     """Stands for torch's rebuild_cuda_tensor (module level, so the handle pickles)."""
     fake_rebuild.devices.append(args[6])
