@@ -53,7 +53,8 @@ def pytest_collection_finish(session):
         from tests.cluster.conftest import start_cluster_session
 
         # The gate opens when the SFT base is trained (background.py): in this process, or in the other lane of
-        # scripts/run_suite.py. With neither, the first cluster test opens it (pytest_runtest_setup).
+        # scripts/run_suite.py. With neither, it opens now; with the other lane but no SFT base trained there (its
+        # tests deselected), the first cluster test opens it (pytest_runtest_setup).
         if not background.started("sft_base") and not background.gates_shared_with_other_processes():
             background.open_gate(background.CLUSTER_JOBS_GATE)
         start_cluster_session(factory, needed)

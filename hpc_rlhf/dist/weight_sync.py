@@ -174,8 +174,9 @@ class Bucketer:
     `add` returns the buckets that became ready (full, or a single tensor of a bucket's size or of
     STRAIGHT_THROUGH_MB); `flush` returns the partly filled rest. Tensors are copied on arrival, except such a
     large one, which is handed back at once as its own bucket; either way the caller may free a tensor once the
-    bucket(s) `add` returned have been used. Without a `pool` every bucket gets a fresh buffer; with one, buffers come from the
-    pool and a bucket's `storage` must be given back to it (`pool.release`) once the bucket has been used.
+    bucket(s) `add` returned have been used. Without a `pool` every bucket gets a fresh buffer; with one, buffers
+    come from the pool and a bucket's `storage` must be given back to it (`pool.release`) once the bucket has been
+    used.
     """
 
     def __init__(self, bucket_bytes: int, device: torch.device, pool: BucketPool | None = None):

@@ -1,8 +1,9 @@
 """Experience messages of the RL step, each to the ranks that consume it (DESIGN §4.3).
 
 A message kind has a route (`hpc_rlhf.dist.groups.route`): its sender and its consumers, a pure function of the
-placement. A message travels nowhere when its sender is its only consumer, point to point to a single consumer,
-by broadcast over the route's group otherwise; ranks outside the route take no part and get None.
+placement. A message travels nowhere when its sender is its only consumer, point to point to a single consumer
+(and on gloo, to each consumer when it is at most DIRECT_MAX_BYTES: `_post` says why), by broadcast over the
+route's group otherwise; ranks outside the route take no part and get None.
 
 On a machine where roles share cores, a message costs a rank far more in latency (its partner must be scheduled)
 than in bytes, so the messages of one phase travel together, all in flight before any is waited for:
@@ -30,8 +31,8 @@ def share_known(messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequ
     to its values on the ranks of its route, None elsewhere. Every rank passes the same keys in the same order.
 
     Messages whose routes have the same sender and ranks travel as one flat message, and every message is in
-    flight before any is waited for (point to point for two ranks, an asynchronous broadcast over the route's
-    group otherwise): a rank that consumes several messages waits for the slowest, not for their sum."""
+    flight before any is waited for (`_post`): a rank that consumes several messages waits for the slowest, not
+    for their sum."""
     me = dist.get_rank()
     out: dict[str, list[torch.Tensor] | None] = {key: None for key in messages}
     bundles: dict[tuple[int, tuple[int, ...]], list[str]] = {}
@@ -140,7 +141,7 @@ def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[to
                 logp_bits = exchange.pack_ragged(mine_logps, torch.float32)[0].view(torch.int32)
                 words[e][count + room:count + room + total] = logp_bits
         words[e] = words[e].to(device)
-        works += _post(words[e], groups.route(key), tag=e)
+        works += _post(words[e], path, tag=e)
     _wait(works)
     for e, flat in words.items():
         count, room = counts[e], counts[e] * max_len

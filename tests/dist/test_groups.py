@@ -148,8 +148,16 @@ if __name__ == "__main__":
     from hpc_rlhf.trainers import rl_exchange
     from hpc_rlhf.trainers.rl_exchange import share_known, share_responses
 
+    real_broadcast, broadcasts = dist.broadcast, []
+
+    def counted_broadcast(*args, **kwargs):
+        broadcasts.append(args)
+        return real_broadcast(*args, **kwargs)
+
+    dist.broadcast = counted_broadcast
     for direct_max in (rl_exchange.DIRECT_MAX_BYTES, 0):
         rl_exchange.DIRECT_MAX_BYTES = direct_max
+        broadcasts.clear()
         # A step's scores in one round (share_known): per-token results of actor and ref from rank 0 (one message:
         # same sender, same ranks), the critic's from rank 3, reward and rule scores from rank 2, each on exactly
         # the ranks of its route. Every rank rebuilds what each sender sends from a seed.
@@ -182,6 +190,9 @@ if __name__ == "__main__":
             assert all(torch.equal(a, b) for a, b in zip(got_logps[0], want_logps)), got_logps
         else:
             assert got == [None] and got_logps == [None]
+        # Direct: no broadcast at all. Broadcast: every rank on a route of three ranks or more (0-4) takes part.
+        assert bool(broadcasts) == (not direct_max and rank <= 4), (direct_max, len(broadcasts))
+    dist.broadcast = real_broadcast
 
     # Different collectives at the same time on different groups must not pair up across groups:
     # actor all_reduces 50 times while the reward rank all_gathers alone;
