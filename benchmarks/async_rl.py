@@ -10,8 +10,8 @@ metrics.jsonl rows: with K >= 1 that is the pipeline's period); ratios are media
 against K = 0 of the same round, which saw about the same load.
 
 Idle share: on every rank the calls that wait for other ranks are timed (the experience messages
-`rl_exchange.share_responses` and `share_known`, the gathers inside a scoring role `exchange.gather_ragged`, the
-weight sync `weight_sync.send_weights`/`receive_weights`, the step's small agreements `_any_rank`, the critic's
+`messages.share_responses` and `share_known`, the gathers inside a scoring role `exchange.gather_ragged`, the
+weight sync `weight_sync.send_weights`/`receive_weights`, the step's one agreement `any_rank`, the critic's
 figures, the stop-signal check); a rank's idle share of a step is the time inside them over the step's time on that
 rank, its work the rest. Those calls include their transfers, which are small here (benchmarks/rl_phases.py
 measures them apart). The instrumentation costs two clock reads per call: the count of calls and their measured
@@ -57,7 +57,8 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
     import torch.distributed as dist
 
     from hpc_rlhf.dist import exchange, groups, weight_sync
-    from hpc_rlhf.trainers import common, ppo, rl_exchange
+    from hpc_rlhf.rl import messages
+    from hpc_rlhf.trainers import run as run_setup
 
     waiting = {"s": 0.0, "cpu": 0.0, "calls": 0}
     steps: list[dict] = []
@@ -74,14 +75,13 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
         return call
 
     # every module looks these up when it calls them, so wrapping the module attribute reaches every caller
-    rl_exchange.share_responses = timed(rl_exchange.share_responses)
-    rl_exchange.share_known = timed(rl_exchange.share_known)
+    messages.share_responses = timed(messages.share_responses)
+    messages.share_known = timed(messages.share_known)
     exchange.gather_ragged = timed(exchange.gather_ragged)
     weight_sync.send_weights = timed(weight_sync.send_weights)
     weight_sync.receive_weights = timed(weight_sync.receive_weights)
-    ppo._any_rank = timed(ppo._any_rank)
-    ppo.RLRecipe._critic_figures_to_logger = timed(ppo.RLRecipe._critic_figures_to_logger)
-    common.StopSignal.requested = timed(common.StopSignal.requested)
+    run_setup.any_rank = timed(run_setup.any_rank)  # the step's one agreement (skipped step, stop signal)
+    messages.critic_figures_to_logger = timed(messages.critic_figures_to_logger)
     benchlib.on_each_rl_step(lambda: steps.append({"end": time.perf_counter(), "end_cpu": time.process_time(),
                                                    **waiting}))
 

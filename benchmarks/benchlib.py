@@ -113,7 +113,7 @@ def on_each_rl_step(record) -> None:
 def run_ppo_then(write, ppo_args: list[str]) -> int:
     """Run the PPO mode through the CLI on this rank, then `write()` this rank's figures."""
     from hpc_rlhf import cli
-    from hpc_rlhf.trainers import ppo
+    from hpc_rlhf.rl import ppo
 
     run_ppo = ppo.run
 

@@ -65,7 +65,8 @@ def worker(out: Path, args: list[str]) -> int:
 
     from hpc_rlhf import cli
     from hpc_rlhf.dist import watchdog
-    from hpc_rlhf.trainers import ppo
+    from hpc_rlhf.rl import step as rl_step
+    from hpc_rlhf.rl import sync as rl_sync
 
     page = os.sysconf("SC_PAGE_SIZE")
     state = {"baseline": None, "window": False, "peak": 0, "phases": {}, "gathered": 0, "role": None}
@@ -98,13 +99,13 @@ def worker(out: Path, args: list[str]) -> int:
         return sum(p.ds_numel * p.element_size() for m in actor_modules for p in m.parameters()
                    if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE)
 
-    build = ppo.build_causal_lm
+    build = rl_step.build_causal_lm
 
     def build_actor(cfg, *a, **kw):  # the actor (trained): the rank's own baseline before its model exists
         state["baseline"], state["role"] = rss(), "actor"
         return build(cfg, *a, **kw)
 
-    ppo.build_causal_lm = build_actor
+    rl_step.build_causal_lm = build_actor
     set_step = watchdog.set_step
 
     def start_window(step: int) -> None:  # the recipe announces step 1: the window opens
@@ -112,7 +113,7 @@ def worker(out: Path, args: list[str]) -> int:
         set_step(step)
 
     watchdog.set_step = start_window
-    sync = ppo.RLRecipe._sync_weights
+    sync = rl_sync.WeightSync.sync
 
     def sync_then_close(self):
         if self.actor is not None and not actor_modules:
@@ -122,15 +123,15 @@ def worker(out: Path, args: list[str]) -> int:
         state["window"] = False
         return result
 
-    ppo.RLRecipe._sync_weights = sync_then_close
-    score = ppo.RLRecipe._score
+    rl_sync.WeightSync.sync = sync_then_close
+    score = rl_step.RLRecipe._score
 
     def score_and_watch(self, *a, **kw):  # from scoring on, DeepSpeed's status of the actor's parameters
         if self.actor is not None and not actor_modules:
             actor_modules.append(self.actor.module)
         return score(self, *a, **kw)
 
-    ppo.RLRecipe._score = score_and_watch
+    rl_step.RLRecipe._score = score_and_watch
     code = cli.main(args)
     rank = os.environ["RANK"]
     (out / f"rank{rank}.json").write_text(json.dumps({

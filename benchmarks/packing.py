@@ -72,7 +72,8 @@ def efficiency_table(datasets: list[str], max_lens: list[int], batch_size: int, 
 def sft_recipe(dataset: str, packing: bool, model_dir: Path, work: Path, max_len: int, batch: int,
                total_steps: int, rows: int, on_step_end):
     """The set-up SFT recipe and the real tokens of each of its optimizer steps (its own pure data order)."""
-    from hpc_rlhf.trainers import common, sft
+    from hpc_rlhf.trainers import sft
+    from hpc_rlhf.data import order
 
     file, chat = DATASETS[dataset]
     overrides = benchlib.quiet_run_overrides(work, total_steps) + [
@@ -82,7 +83,7 @@ def sft_recipe(dataset: str, packing: bool, model_dir: Path, work: Path, max_len
         f"data.packing={str(packing).lower()}", f"train.batch_size={batch}", f"train.micro_batch_size={batch}"]
     recipe = benchlib.prepare_recipe(sft.SFTRecipe, sft.Config, overrides, on_step_end)
     examples, seed = recipe.train_examples, recipe.cfg.train.seed
-    tokens = [sum(len(examples[i]["input_ids"]) for i in common.step_indices(len(examples), batch, step, seed))
+    tokens = [sum(len(examples[i]["input_ids"]) for i in order.step_indices(len(examples), batch, step, seed))
               for step in range(total_steps)]
     return recipe, tokens
 

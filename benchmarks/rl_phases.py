@@ -6,8 +6,8 @@ time_step (as seen by rank 0, the actor's leader). The models are RANDOM-INIT fo
 config, 1M parameters; the critic and reward model are the same body with a new scalar head): the timing does
 not depend on what the weights have learnt, so no SFT or RM run is needed first.
 
-Data movement: every experience call the recipe makes (`rl_exchange.share_responses`: the engines' responses and
-sampling log-probs; `rl_exchange.share_known`: a step's scores; the gathers inside a scoring role,
+Data movement: every experience call the recipe makes (`messages.share_responses`: the engines' responses and
+sampling log-probs; `messages.share_known`: a step's scores; the gathers inside a scoring role,
 `exchange.gather_ragged`; each message along its route, by broadcast over the route's group or point to point)
 is timed on every rank, with
 no synchronisation added: each rank reads the machine's monotonic clock (CLOCK_MONOTONIC, one clock for all
@@ -48,7 +48,7 @@ def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
     import torch.distributed as dist
 
     from hpc_rlhf.dist import exchange, groups
-    from hpc_rlhf.trainers import rl_exchange
+    from hpc_rlhf.rl import messages
 
     calls: list[list] = []  # [kind, step, partners, arrived, entered, left]
     step = [0]
@@ -77,17 +77,17 @@ def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
         return call
 
     def on_routes(keys, me=None) -> set[int]:
-        return {r for key in keys for r in groups.route(key).ranks if me is None or me in groups.route(key).ranks}
+        return {r for key in keys for r in messages.route(key).ranks if me is None or me in messages.route(key).ranks}
 
     def engine_routes(args):
         return [f"{args[2]}/{e}" for e in range(len(args[3]))]
 
-    rl_exchange.share_responses = timed(
-        rl_exchange.share_responses, lambda *a, **kw: f"share_responses {a[2]}",
+    messages.share_responses = timed(
+        messages.share_responses, lambda *a, **kw: f"share_responses {a[2]}",
         lambda *a, **kw: on_routes(engine_routes(a), dist.get_rank()), lambda *a, **kw: on_routes(engine_routes(a)))
-    rl_exchange.share_known = timed(rl_exchange.share_known, "share_known",
-                                    lambda messages, **kw: on_routes(messages, dist.get_rank()),
-                                    lambda messages, **kw: on_routes(messages))
+    messages.share_known = timed(messages.share_known, "share_known",
+                                 lambda sent, **kw: on_routes(sent, dist.get_rank()),
+                                 lambda sent, **kw: on_routes(sent))
     group_ranks = lambda seqs, dst, group=None, **kw: exchange.group_ranks(group)  # noqa: E731
     exchange.gather_ragged = timed(exchange.gather_ragged, lambda *a, **kw: f"gather {kw.get('tag')}", group_ranks,
                                    group_ranks)

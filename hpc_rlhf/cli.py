@@ -1,6 +1,6 @@
 """`hpc-rlhf <mode> ...` (also `python -m hpc_rlhf <mode> ...`).
 
-Training modes live in `hpc_rlhf/trainers/<mode>.py`; each defines a `Config` dataclass and `run(cfg)`.
+Training modes live in `hpc_rlhf/trainers/<mode>.py` (the RL modes in `hpc_rlhf/rl/`); each defines a `Config` dataclass and `run(cfg)`.
 Other commands (plan, assets, demo, ...) define `main(argv) -> int`. Those modules are imported by name only when
 their command runs (importlib), so `hpc-rlhf plan` on a login node imports neither torch nor transformers. What
 this module imports itself (the config loader, the local launcher) imports no torch.
@@ -22,8 +22,8 @@ TRAINING_MODES = {
     "rm": "hpc_rlhf.trainers.rm",
     "dpo": "hpc_rlhf.trainers.dpo",
     "kto": "hpc_rlhf.trainers.kto",
-    "ppo": "hpc_rlhf.trainers.ppo",
-    "grpo": "hpc_rlhf.trainers.grpo",
+    "ppo": "hpc_rlhf.rl.ppo",
+    "grpo": "hpc_rlhf.rl.grpo",
     "generate": "hpc_rlhf.trainers.generate",
     "rs": "hpc_rlhf.trainers.rejection",
     "csft": "hpc_rlhf.trainers.conditional",

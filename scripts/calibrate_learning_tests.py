@@ -4,7 +4,7 @@ print what each one measured: the figures behind every threshold, seed by seed, 
     python scripts/calibrate_learning_tests.py --seeds 0 1 2 3 4 --control --out runs/calibration
     python scripts/calibrate_learning_tests.py --report runs/calibration     # the table again, nothing run
 
-Each seed is one pytest session with HPC_RLHF_TEST_SEED=N (tests/trainers/conftest.py): the shared models (SFT
+Each seed is one pytest session with HPC_RLHF_TEST_SEED=N (tests/recipes.py): the shared models (SFT
 base, the reward model the PPO tests start from) and every tested run are trained at that seed, as a fresh CI session
 would at seed 0. The control session (HPC_RLHF_TEST_NO_LEARNING=1, seed 0) trains each tested stage at lr 0:
 every learning test must fail there, or its threshold does not tell a run that learned from one that did not.
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", action="store_true", help="also the lr-0 session (seed 0)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "calibration")
     parser.add_argument("--report", type=Path, help="print the table of an earlier run and stop")
-    parser.add_argument("--base-pattern", help="reuse SFT bases trained earlier with tests/trainers/conftest.py's "
+    parser.add_argument("--base-pattern", help="reuse SFT bases trained earlier with tests/recipes.py's "
                                                "SFT_BASE at each seed, e.g. runs/bases/seed{seed}/final")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k grpo)")
     args = parser.parse_args(argv)

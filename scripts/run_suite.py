@@ -3,7 +3,7 @@
     python scripts/run_suite.py [PYTEST ARGS...]        # e.g. -x, -k name; given to both lanes
 
 Lane `learning`: the tests that wait for the shared models (the SFT base and the reward model after it, trained
-in the background: tests/trainers/conftest.py), that is the learning tests but one, which then run one after the
+in the background: tests/recipes.py), that is the learning tests but one, which then run one after the
 other, mostly one process on one core each. Lane `rest`: every other test, the SFT learning test (it trains from
 a random model) and the cluster tests last (they wait for the local Slurm's jobs, which go in when the learning
 lane's SFT base is trained: a gate shared through a folder, tests/background.py). In one pytest process the

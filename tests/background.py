@@ -11,7 +11,7 @@ A job's exception is raised again by `result`, in the fixture that asked, so a f
 need it with its own message, as it would have without the head start.
 
 A gate holds a job back until a point of the session: the local cluster's jobs wait at CLUSTER_JOBS_GATE, which
-opens when the SFT base is trained (tests/trainers/conftest.py), or when the first cluster test starts if the
+opens when the SFT base is trained (tests/recipes.py), or when the first cluster test starts if the
 session trains no SFT base. The SFT base and the reward model after it are the longest chain of the session
 (every learning test waits for the first, three for the second); the cluster's jobs, needed only by the last
 tests, would have slowed that chain by their share of the two cores.

@@ -11,11 +11,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests import background  # noqa: E402
+from tests.recipes import ppo_reward_model, sft_base, world  # noqa: E402,F401  (fixtures of every test folder)
 
 torch.set_num_threads(1)
 
 
-# The shared models in the order they are ready (tests/trainers/conftest.py): the SFT base, then the reward model
+# The shared models in the order they are ready (tests/recipes.py): the SFT base, then the reward model
 # trained from it.
 SHARED_MODELS = ("sft_base", "ppo_reward_model")
 
@@ -46,7 +47,7 @@ def pytest_collection_finish(session):
         return
     needed = {name for item in session.items for name in item.fixturenames}
     factory = session.config._tmp_path_factory  # what the tmp_path_factory fixture hands out
-    from tests.trainers.conftest import start_shared_models
+    from tests.recipes import start_shared_models
 
     start_shared_models(factory, needed)
     if "cluster" in needed:

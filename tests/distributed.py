@@ -63,7 +63,7 @@ def _raise_priority(by: int):
 def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: int = 1,
                  env: dict[str, str] | None = None, priority: int = 0) -> subprocess.CompletedProcess:
     """`python -m hpc_rlhf ARGS` as a user types it (the local launcher starts the ranks the placement needs).
-    `priority` > 0 lowers the job's niceness by that much where allowed (tests/trainers/conftest.py says why)."""
+    `priority` > 0 lowers the job's niceness by that much where allowed (tests/recipes.py says why)."""
     # The thread count fixes the order of float sums, and the learning tests were measured with theirs (the PPO
     # test's reward model: 0.97 held-out accuracy on 2 threads, 0.80 on 1). Threads spin while they wait
     # (OpenMP's default): on a quiet machine that was measured 1.6x faster than OMP_WAIT_POLICY=PASSIVE (200 SFT

@@ -14,7 +14,8 @@ The layering, lowest first; an area may import itself and the areas listed for i
     data                         config, models, utils
     engines                      config, models, dist, algorithms, utils
     rewards                      data, config, utils
-    trainers                     everything above (never launch/ or the entry points)
+    trainers                     everything above (the one-model recipes and what every recipe shares)
+    rl                           everything above, trainers/ included (the RL recipe; trainers never import it)
     launch, cli, __main__, chat, demo   the entry points: anything
 
 Within dist/, the modules a process joins the world with sit below those that run on the world:
@@ -42,6 +43,7 @@ LOWER = {
     "engines": {"config", "models", "dist", "algorithms", "utils"},
     "rewards": {"data", "config", "utils"},
     "trainers": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards"},
+    "rl": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "trainers"},
 }
 # The package root (hpc_rlhf/__init__.py) pins the CPU kernels before torch loads, and nothing more.
 ROOT_MAY_IMPORT = {"hpc_rlhf.utils.cpu_kernels"}
@@ -148,8 +150,8 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_is_read_from_every_module():
     assert len(MODULES) > 50 and "hpc_rlhf.dist.watchdog" in MODULES
     edges = {(i.source, i.target) for i in IMPORTS}
-    assert ("hpc_rlhf.trainers.ppo", "hpc_rlhf.dist.groups") in edges  # `from hpc_rlhf.dist import groups`
-    assert ("hpc_rlhf.trainers.ppo", "hpc_rlhf.config") in edges      # `from hpc_rlhf.config import ...`
+    assert ("hpc_rlhf.rl.step", "hpc_rlhf.dist.groups") in edges  # `from hpc_rlhf.dist import groups`
+    assert ("hpc_rlhf.rl.step", "hpc_rlhf.config") in edges      # `from hpc_rlhf.config import ...`
 
 
 def test_find_cycle_finds_one_and_only_one_that_exists():

@@ -1,20 +1,24 @@
-"""Moving experience between role groups as tensors: ragged sequences, batches, gathers (DESIGN §4, §9).
+"""Moving tensors between ranks: headed gathers of ragged sequences, known-size messages, and the headers that keep
+a disagreement from aborting a process (DESIGN §9). It moves bytes; which message goes to whom is the caller's
+(the RL recipe's route table, hpc_rlhf/rl/messages.py).
 
-Every message starts with a fixed-size int64 header (HEADER_LEN values: magic, message kind, tag, dtype code,
-ndim, shape). A collective whose dtype or size differs between sender and receiver aborts the receiving
-process, so nothing of variable size or dtype is received before a header has described it; a header that
-is not what the receiver expects (another kind of message, another tag, a different key list) raises
-`ExchangeError` on the receiver instead. A sender whose own input is wrong sends a FAILED header in place of
-its message, so its receivers raise too instead of waiting. In gathers every rank sees every header, so a
-disagreement raises on all ranks alike and nobody is left waiting. No message is pickled.
+Two kinds of message, by what the receiver knows in advance:
+- known size: both sides derive the dtype and size from state they share (the RL step's responses, padded to a
+  size every rank knows, and its scores, whose lengths follow from the responses), so one message carries the
+  values and nothing else: `post` (one sender, any consumers; point to point or a broadcast over the group the
+  caller gives), `send_known`/`recv_known` for two ranks. A collective whose dtype or size differs between sender
+  and receiver aborts the receiving process, so the sender checks what it sends against the size both sides
+  expect, and raises before sending when they differ.
+- headed: `gather_ragged` (a role's per-sample results to its leader: every rank's count and total differ) first
+  all-gathers a fixed-size int64 header (HEADER_LEN values: magic, message kind, tag, dtype code, ndim, shape) from
+  every rank, so every rank can size its buffers and every rank sees a disagreement (another message, another tag,
+  another dtype) and raises alike; a rank whose own input is wrong sends a FAILED header so that its peers raise
+  too instead of waiting. The weight sync (weight_sync.py) speaks the same headers. No message is pickled.
 
-Ranks: `src`/`dst` are global ranks (as in torch.distributed); results of gathers are listed in group-rank
-order. Tensors travel on the group's device: the current CUDA device for NCCL groups, the CPU otherwise.
-A ragged list is packed as one flat tensor plus an int64 lengths tensor (`pack_ragged`), which travel as one
-payload after the header, so a batch of sequences costs two messages whatever its size. A tensor whose dtype
-and size both sides derive from state they share (`broadcast_known`, `send_known`) travels as one message
-without a header: on a CPU cluster and for the small experience tensors of an RL step, messages cost latency
-rather than bandwidth.
+Ranks: `src`/`dst` are global ranks (as in torch.distributed); results of gathers are listed in group-rank order.
+Tensors travel on the group's device: the current CUDA device for NCCL groups, the CPU otherwise. A ragged list is
+packed as one flat tensor plus an int64 lengths tensor (`pack_ragged`). dtypes that gloo does not carry travel as
+their bytes, bit-exact.
 """
 
 from __future__ import annotations
@@ -44,9 +48,8 @@ _NO_DTYPE = -1  # a gather participant with nothing to send, whose dtype is ther
 
 
 class Kind(enum.IntEnum):
+    """What a header announces; the values are codes on the wire (2 and 3 were ragged lists and dict batches)."""
     TENSOR = 1
-    RAGGED = 2
-    BATCH = 3
     GATHER = 4
     FAILED = 5  # sent in place of a header by a rank whose own input was wrong, so its peers raise too
 
@@ -134,14 +137,6 @@ def _failed_header() -> torch.Tensor:
     return make_header(Kind.FAILED, 0, None, ())
 
 
-def _announce(header: torch.Tensor | None, src: int, group, device) -> torch.Tensor:
-    """Broadcast the source's header; a source that failed to build one (None) sends FAILED instead, so the
-    receivers raise rather than wait for a message that will never come."""
-    out = (header if header is not None else _failed_header()).to(device)
-    dist.broadcast(out, src, group=group)
-    return out
-
-
 def _to_wire(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     flat = t.detach().reshape(-1).to(device).contiguous()
     return flat if flat.dtype in _NATIVE else flat.view(torch.uint8)
@@ -155,13 +150,6 @@ def _wire_buffer(dtype: torch.dtype, numel: int, device: torch.device) -> torch.
 
 def _from_wire(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     return (buf if buf.dtype == dtype else buf.view(dtype)).reshape(shape)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # ------------------------------------------------------------------------------------------------- ragged
@@ -181,31 +169,6 @@ def pack_ragged(seqs: Sequence[torch.Tensor], dtype: torch.dtype | None = None) 
     return torch.cat([s.detach() for s in seqs]), lengths
 
 
-def _lengths_bytes(count: int) -> int:
-    return (count * 8 + 15) // 16 * 16  # so the values behind the lengths are aligned for any dtype
-
-
-def _ragged_payload_bytes(dtype: torch.dtype, count: int, total: int) -> int:
-    return _lengths_bytes(count) + total * torch.empty((), dtype=dtype).element_size()
-
-
-def _ragged_payload(flat: torch.Tensor, lengths: torch.Tensor, device) -> torch.Tensor:
-    """The lengths and the values of a ragged list as one uint8 message (bit for bit, any dtype)."""
-    payload = torch.zeros(_ragged_payload_bytes(flat.dtype, len(lengths), flat.numel()), dtype=torch.uint8,
-                          device=device)
-    head = _lengths_bytes(len(lengths))
-    payload[:len(lengths) * 8] = lengths.to(device).view(torch.uint8)
-    if flat.numel():
-        payload[head:] = flat.detach().reshape(-1).to(device).contiguous().view(torch.uint8)
-    return payload
-
-
-def _unpack_payload(payload: torch.Tensor, dtype: torch.dtype, count: int, total: int) -> list[torch.Tensor]:
-    lengths = payload[:count * 8].view(torch.int64).cpu()
-    values = payload[_lengths_bytes(count):].view(dtype) if total else torch.empty(0, dtype=dtype)
-    return unpack_ragged(values, lengths)
-
-
 def unpack_ragged(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
     """Inverse of pack_ragged. The pieces are views of `flat`."""
     sizes = [int(n) for n in lengths.tolist()]
@@ -215,164 +178,10 @@ def unpack_ragged(flat: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tenso
     return list(torch.split(flat.reshape(-1), sizes)) if sizes else []
 
 
-# --------------------------------------------------------------------------------------------- broadcasts
-def broadcast_tensor(t: torch.Tensor | None, src: int, group: dist.ProcessGroup | None = None,
-                     tag: str = "tensor") -> torch.Tensor:
-    """`t` from global rank `src` to every rank of `group` (any dtype in DTYPES, any shape up to MAX_NDIM).
-
-    Receivers pass None (their argument is ignored) and get a new tensor on the group's device; `src` gets
-    `t` back. `tag` names the message: a receiver expecting another tag raises ExchangeError.
-    """
-    what = f"broadcast_tensor('{tag}')"
-    _check_member(group, src, what)
-    device = comm_device(group)
-    if dist.get_rank() == src:
-        header, error = None, None
-        try:
-            if not isinstance(t, torch.Tensor):
-                raise ExchangeError(f"{what}: the source rank {src} must pass a tensor, got {type(t).__name__}")
-            header = make_header(Kind.TENSOR, message_tag(tag), t.dtype, t.shape)
-        except ExchangeError as exc:
-            error = exc
-        _announce(header, src, group, device)
-        if error is not None:
-            raise error
-        if t.numel():
-            dist.broadcast(_to_wire(t, device), src, group=group)
-        return t
-    header = _announce(torch.zeros(HEADER_LEN, dtype=torch.int64), src, group, device)
-    dtype, shape = read_header(header.cpu(), Kind.TENSOR, message_tag(tag), what)
-    buf = _wire_buffer(dtype, _numel(shape), device)
-    if buf.numel():
-        dist.broadcast(buf, src, group=group)
-    return _from_wire(buf, dtype, shape)
+# ------------------------------------------------------------------------------------------------ messages
+DIRECT_MAX_BYTES = 1 << 20  # on gloo, a message up to this size goes to each consumer directly (see `post`)
 
 
-def broadcast_ragged(seqs: Sequence[torch.Tensor] | None, src: int, group: dist.ProcessGroup | None = None,
-                     tag: str = "ragged", dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """A list of 1-D tensors of any lengths (empty list and empty tensors included) from `src` to the group."""
-    what = f"broadcast_ragged('{tag}')"
-    _check_member(group, src, what)
-    device = comm_device(group)
-    if dist.get_rank() == src:
-        header, error = None, None
-        try:
-            if seqs is None:
-                raise ExchangeError(f"{what}: the source rank {src} must pass a list of tensors, got None")
-            flat, lengths = pack_ragged(list(seqs), dtype)
-            header = make_header(Kind.RAGGED, message_tag(tag), flat.dtype, (len(lengths), flat.numel()))
-        except ExchangeError as exc:
-            error = exc
-        _announce(header, src, group, device)
-        if error is not None:
-            raise error
-        if len(lengths):
-            dist.broadcast(_ragged_payload(flat, lengths, device), src, group=group)
-        return list(seqs)
-    header = _announce(torch.zeros(HEADER_LEN, dtype=torch.int64), src, group, device)
-    dtype, (count, total) = read_header(header.cpu(), Kind.RAGGED, message_tag(tag), what)
-    payload = torch.empty(_ragged_payload_bytes(dtype, count, total), dtype=torch.uint8, device=device)
-    if count:
-        dist.broadcast(payload, src, group=group)
-    return _unpack_payload(payload, dtype, count, total)
-
-
-def broadcast_batch(batch: dict[str, torch.Tensor] | None, src: int, group: dist.ProcessGroup | None,
-                    keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """A dict of tensors whose key list both sides know from code; one header row per tensor.
-
-    The key list itself is checked first (its count and a checksum of the names, in a fixed-size header),
-    so a receiver whose code expects other keys raises before any payload arrives, naming the keys that
-    differ. (The sender cannot know; if it has non-empty payloads left it waits for them to be taken until the
-    group's timeout.)
-    """
-    keys = list(keys)
-    what = f"broadcast_batch(keys={keys})"
-    _check_member(group, src, what)
-    device = comm_device(group)
-    is_src = dist.get_rank() == src
-    list_tag = message_tag("\0".join(keys))
-    if is_src:
-        header, error = None, None
-        try:
-            if batch is None or set(batch) != set(keys):
-                got = sorted(batch) if batch is not None else None
-                raise ExchangeError(f"{what}: the source rank {src} must pass a dict with exactly these keys, "
-                                    f"got {got}")
-            rows = torch.stack([make_header(Kind.TENSOR, message_tag(k), batch[k].dtype, batch[k].shape)
-                                for k in keys])
-            header = make_header(Kind.BATCH, list_tag, None, (len(keys),))
-        except ExchangeError as exc:
-            error = exc
-        _announce(header, src, group, device)
-        if error is not None:
-            raise error
-    else:
-        rows = torch.zeros(len(keys), HEADER_LEN, dtype=torch.int64)
-        header = _announce(torch.zeros(HEADER_LEN, dtype=torch.int64), src, group, device).cpu()
-        _, (count,) = read_header(header, Kind.BATCH, int(header[2]), what)
-        if count != len(keys):
-            raise ExchangeError(f"{what}: the sender sends {count} tensors, this receiver expects {len(keys)}")
-    rows = rows.to(device)
-    # Equal counts: the rows have the same size on both sides, so take them before judging the key names;
-    # the sender then only has payloads left to send, and none when its tensors are empty.
-    dist.broadcast(rows, src, group=group)
-    if not is_src and int(header[2]) != list_tag:
-        sent = rows.cpu()[:, 2].tolist()
-        wrong = [f"'{k}' (position {i})" for i, k in enumerate(keys) if message_tag(k) != sent[i]]
-        raise ExchangeError(f"{what}: the sender's keys differ from this receiver's at {', '.join(wrong)}")
-    if is_src:
-        for k in keys:
-            if batch[k].numel():
-                dist.broadcast(_to_wire(batch[k], device), src, group=group)
-        return dict(batch)
-    received = {}
-    rows = rows.cpu()
-    for k, row in zip(keys, rows):
-        dtype, shape = read_header(row, Kind.TENSOR, message_tag(k), f"{what}, key '{k}'")
-        buf = _wire_buffer(dtype, _numel(shape), device)
-        if buf.numel():
-            dist.broadcast(buf, src, group=group)
-        received[k] = _from_wire(buf, dtype, shape)
-    return received
-
-
-# ------------------------------------------------------------------------------------------ point to point
-def send_ragged(seqs: Sequence[torch.Tensor], dst: int, tag: str = "ragged",
-                dtype: torch.dtype | None = None) -> None:
-    """A list of 1-D tensors from this rank to global rank `dst`, which calls `recv_ragged` (no group needed:
-    for a message with one consumer, a point-to-point send instead of a broadcast over a two-rank group)."""
-    what = f"send_ragged('{tag}')"
-    device = comm_device()
-    header, error = None, None
-    try:
-        if seqs is None:
-            raise ExchangeError(f"the sending rank {dist.get_rank()} must pass a list of tensors, got None")
-        flat, lengths = pack_ragged(list(seqs), dtype)
-        header = make_header(Kind.RAGGED, message_tag(tag), flat.dtype, (len(lengths), flat.numel()))
-    except ExchangeError as exc:
-        error = exc
-    dist.send((header if header is not None else _failed_header()).to(device), dst)
-    if error is not None:
-        raise ExchangeError(f"{what}: {error}") from None
-    if len(lengths):
-        dist.send(_ragged_payload(flat, lengths, device), dst)
-
-
-def recv_ragged(src: int, tag: str = "ragged") -> list[torch.Tensor]:
-    """What global rank `src` sends with `send_ragged` (same tag)."""
-    what = f"recv_ragged('{tag}')"
-    device = comm_device()
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.recv(header, src)
-    dtype, (count, total) = read_header(header.cpu(), Kind.RAGGED, message_tag(tag), what)
-    payload = torch.empty(_ragged_payload_bytes(dtype, count, total), dtype=torch.uint8, device=device)
-    if count:
-        dist.recv(payload, src)
-    return [t.cpu() for t in _unpack_payload(payload, dtype, count, total)]
-
-
-# ------------------------------------------------------------------------------------- known-size messages
 def _check_known(t, numel: int, dtype: torch.dtype, what: str) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != numel:
         got = f"{t.dtype} x {t.numel()}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -380,36 +189,53 @@ def _check_known(t, numel: int, dtype: torch.dtype, what: str) -> None:
                             "(sizes derived from shared state disagree: a bug, not bad input)")
 
 
-def broadcast_known(t: torch.Tensor | None, src: int, group: dist.ProcessGroup | None, numel: int,
-                    dtype: torch.dtype, tag: str = "known") -> torch.Tensor:
-    """A 1-D tensor of `numel` values of `dtype`, which every rank of the group knows from state they share
-    (DESIGN §9: the header's alternative): one message, no header. The source checks its tensor first and
-    raises without sending when it differs; the watchdog then ends the job (its receivers would wait)."""
-    what = f"broadcast_known('{tag}')"
-    _check_member(group, src, what)
-    device = comm_device(group)
-    if dist.get_rank() == src:
-        _check_known(t, numel, dtype, what)
-        if numel:
-            dist.broadcast(_to_wire(t, device), src, group=group)
-        return t.reshape(-1)
-    buf = _wire_buffer(dtype, numel, device)
-    if numel:
-        dist.broadcast(buf, src, group=group)
-    return _from_wire(buf, dtype, (numel,))
+def goes_direct(nbytes: int, consumers: int, device: torch.device) -> bool:
+    """Whether `post` sends a message of `nbytes` to `consumers` ranks point to point rather than by a collective:
+    a single consumer always; several on gloo (a CPU tensor) up to DIRECT_MAX_BYTES."""
+    return consumers == 1 or (device.type == "cpu" and nbytes <= DIRECT_MAX_BYTES)
 
 
-def send_known(t: torch.Tensor, dst: int, numel: int, dtype: torch.dtype, tag: str = "known") -> None:
-    """Point-to-point `broadcast_known`: `dst` calls `recv_known` with the same size and dtype."""
-    _check_known(t, numel, dtype, f"send_known('{tag}')")
-    if numel:
-        dist.send(_to_wire(t, comm_device()), dst)
+def post(buffer: torch.Tensor, src: int, consumers: Sequence[int], group: dist.ProcessGroup | None = None,
+         tag: int = 0) -> list:
+    """Start moving `buffer` (1-D, on this rank's communication device) from global rank `src` to the global ranks
+    `consumers`; this rank is `src` or one of them. Returns the works to wait for (`wait`), none if nothing travels.
+
+    The message's size and dtype are known to both sides from state they share (DESIGN §9: the alternative to a
+    header), so a consumer passes a buffer of the same size and dtype, which it finds filled after the wait. It
+    travels point to point to a single consumer, and on gloo to each consumer when it is at most DIRECT_MAX_BYTES:
+    gloo runs a broadcast on the group's worker thread, along a binomial tree (a consumer can get the message
+    through another consumer), so each message waits for one or two more threads to be scheduled; where ranks share
+    cores that is what a message of a few kilobytes costs. Otherwise it is a broadcast over `group`, whose ranks
+    must be exactly `src` and `consumers` (the caller's route table gives it). `tag` tells apart the messages of
+    one round that travel between the same two ranks; every rank passes the same one for the same message."""
+    me, consumers = dist.get_rank(), [r for r in consumers if r != src]
+    if not consumers or not buffer.numel():
+        return []
+    if me != src and me not in consumers:
+        raise ExchangeError(f"post from rank {src}: rank {me} is neither the sender nor a consumer ({consumers})")
+    if not goes_direct(buffer.numel() * buffer.element_size(), len(consumers), buffer.device):
+        if group is None:
+            raise ExchangeError(f"post from rank {src} to {len(consumers)} ranks needs the group of those ranks")
+        return [dist.broadcast(buffer, src, group=group, async_op=True)]
+    if me == src:
+        return [dist.isend(buffer, other, tag=tag) for other in consumers]
+    return [dist.irecv(buffer, src, tag=tag)]
+
+
+def wait(works: Iterable) -> None:
+    for work in works:
+        work.wait()
+
+
+def send_known(t: torch.Tensor, dst: int, numel: int, dtype: torch.dtype) -> None:
+    """`t` (`numel` values of `dtype`, known to both sides) to global rank `dst`, which calls `recv_known`."""
+    _check_known(t, numel, dtype, f"send_known to rank {dst}")
+    wait(post(_to_wire(t, comm_device()), dist.get_rank(), [dst]))
 
 
 def recv_known(src: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     buf = _wire_buffer(dtype, numel, comm_device())
-    if numel:
-        dist.recv(buf, src)
+    wait(post(buf, src, [dist.get_rank()]))
     return _from_wire(buf, dtype, (numel,)).cpu()
 
 
@@ -480,24 +306,6 @@ def gather_ragged(seqs: Sequence[torch.Tensor], dst: int, group: dist.ProcessGro
         dist.gather(mine, flat_bufs if is_dst else None, dst=dst, group=group)
     if not is_dst:
         return None
-    return _split_by_rank(length_bufs, flat_bufs, counts, totals, agreed)
-
-
-def all_gather_ragged(seqs: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None,
-                      tag: str = "all_gather", dtype: torch.dtype | None = None) -> list[list[torch.Tensor]]:
-    """Every rank's list of 1-D tensors to every rank: one list per group rank, in group-rank order."""
-    what = f"all_gather_ragged('{tag}')"
-    _check_member(group, None, what)
-    device = comm_device(group)
-    flat, lengths, agreed, counts, totals = _ragged_headers(seqs, tag, dtype, group, device, what)
-    size = dist.get_world_size(group)
-    max_count, max_total = max(counts), max(totals)
-    length_bufs = [torch.zeros(max_count, dtype=torch.int64, device=device) for _ in range(size)]
-    flat_bufs = [_wire_buffer(agreed, max_total, device) for _ in range(size)] if max_total else [None] * size
-    if max_count:
-        dist.all_gather(length_bufs, _padded(lengths, max_count, device), group=group)
-    if max_total:
-        dist.all_gather(flat_bufs, _padded(_to_wire(flat, device), flat_bufs[0].numel(), device), group=group)
     return _split_by_rank(length_bufs, flat_bufs, counts, totals, agreed)
 
 

@@ -1,7 +1,7 @@
 """The process groups of a placement, created once and held here (the only module that creates groups).
 
-`initialize(plan)` must be called by every rank of an initialised torch.distributed world, with the same
-plan (a pure function of the placement, so every rank has it). It creates, in this order on every rank,
+`initialize(plan, message_groups)` must be called by every rank of an initialised torch.distributed world, with the
+same arguments (pure functions of the placement, so every rank has them). It creates, in this order on every rank,
 because `new_group` must be entered by every rank of the world in the same order or the next one hangs:
 
 1. one group per model role, in plan order (actor, critic, ref, reward, reward2, ...): the data-parallel group
@@ -11,18 +11,12 @@ because `new_group` must be entered by every rank of the world in the same order
 2. the weight-sync group: the actor leader plus every rollout rank. The leader gathers the trained weights
    and broadcasts them over it. With the hybrid engine (`rollout@actor`) the rollout ranks are the actor's
    own ranks, so the group has the same members as the actor group (a separate handle);
-3. one group per set of ranks that an experience message goes to (`route`), for sets of three ranks or more,
-   in sorted order of their rank lists; a set with the same ranks as another shares its group. Messages to
-   one other rank go point to point, and a message whose only consumer is its sender does not travel.
+3. one group per set of ranks in `message_groups` (name -> ranks), in sorted order of their rank lists; names
+   with the same ranks share one group. What the names mean, and which message travels over which group, is
+   the caller's: for the RL step, hpc_rlhf/rl/messages.py (its route table).
 
-Routes (DESIGN §4.3: to the ranks that need them). Rank 0, the actor's leader, logs the step's figures:
-- `responses/E`: engine E's responses and their sampling log-probs, from its first rank to every scoring rank
-  (actor, critic, ref, reward models; the rule rewards run on one of them) and rank 0. The log-probs are for the
-  trained roles; they ride in the same message (trainers/rl_exchange.py says why);
-- `scores/ROLE` (actor, critic, ref, reward, reward2, ..., and `rules` for the rule/remote rewards): that
-  role's per-sample results, from its leader (the rule rewards' rank for `rules`) to the trained roles and
-  rank 0;
-- `eval/E`: engine E's greedy responses of an evaluation, to rank 0 only (the one rank that decodes them).
+Every group carries a `group_desc` (`role/actor`, `weight_sync`, the message group's name), so that NCCL's and
+torch's own messages about a group say which one it is.
 
 DeepSpeed's model-parallel group (a single rank) is created by the rank alone, with local synchronization,
 in `engines.deepspeed_compat.singleton_group`, so no per-rank groups are made here.
@@ -33,31 +27,15 @@ raises `NotInGroupError` instead of handing out a handle that would do nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
+from typing import Mapping, Sequence
 
 import torch.distributed as dist
 
 from hpc_rlhf.dist.placement import Plan, PlacementError, format_ranks, role_kind
 
-LOGGING_RANK = 0  # the actor's leader (placement puts the actor first), which logs the step's figures
-
-
 class NotInGroupError(RuntimeError):
     """This rank asked for a group (or a position in a group) it is not a member of."""
-
-
-@dataclass(frozen=True)
-class Route:
-    """Who sends one kind of experience message (`src`) and every rank that takes part (`ranks`: the sender and
-    its consumers, sorted)."""
-    key: str
-    src: int
-    ranks: tuple[int, ...]
-
-    @property
-    def consumers(self) -> tuple[int, ...]:
-        return tuple(r for r in self.ranks if r != self.src)
 
 
 _PLAN: Plan | None = None
@@ -65,48 +43,21 @@ _RANK: int = -1
 _ROLE_GROUPS: dict[str, dist.ProcessGroup | None] = {}
 _WEIGHT_SYNC_GROUP: dist.ProcessGroup | None = None
 _WEIGHT_SYNC_RANKS: tuple[int, ...] = ()
-_ROUTES: dict[str, Route] = {}
-_ROUTE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+_MESSAGE_RANKS: dict[str, tuple[int, ...]] = {}
+_MESSAGE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
 
-def _new_group(ranks, timeout) -> dist.ProcessGroup | None:
+def _new_group(ranks, timeout, desc: str) -> dist.ProcessGroup | None:
     """Every rank calls this for every group; non-members get None instead of torch's sentinel."""
-    group = dist.new_group(ranks=sorted(ranks), timeout=timeout)
+    group = dist.new_group(ranks=sorted(ranks), timeout=timeout, group_desc=desc)
     return None if group == dist.GroupMember.NON_GROUP_MEMBER else group
 
 
-def rule_reward_rank(plan: Plan) -> int:
-    """Where the rule and remote rewards run: the first reward model's leader, else the actor's leader."""
-    rewards = [name for name in plan.roles if role_kind(name) == "reward"]
-    return plan.role(rewards[0] if rewards else "actor").leader
-
-
-def routes_of(plan: Plan) -> dict[str, Route]:
-    """Every route of `plan` (see the module docstring). Pure: every rank computes the same."""
-    def ranks_of(kinds) -> set[int]:
-        return {r for name, role in plan.roles.items() if role.kind in kinds for r in role.ranks}
-
-    trained = ranks_of(("actor", "critic")) | {LOGGING_RANK}
-    scorers = ranks_of(("actor", "critic", "ref", "reward")) | {LOGGING_RANK}
-    routes: dict[str, Route] = {}
-
-    def add(key: str, src: int, consumers: set[int]) -> None:
-        routes[key] = Route(key, src, tuple(sorted(consumers | {src})))
-
-    if plan.has("rollout"):
-        for index, engine in enumerate(plan.role("rollout").engines):
-            add(f"responses/{index}", engine[0], scorers)
-            add(f"eval/{index}", engine[0], {LOGGING_RANK})
-    for name, role in plan.roles.items():
-        if role.kind != "rollout":
-            add(f"scores/{name}", role.leader, trained)
-    add("scores/rules", rule_reward_rank(plan), trained)
-    return routes
-
-
-def initialize(plan: Plan, timeout_s: float | None = None) -> None:
-    """Create and hold every group of `plan`. Call on every rank, with the same plan, once."""
-    global _PLAN, _RANK, _ROLE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _ROUTES, _ROUTE_GROUPS
+def initialize(plan: Plan, message_groups: Mapping[str, Sequence[int]] | None = None,
+               timeout_s: float | None = None) -> None:
+    """Create and hold every group of `plan`, and one per rank set of `message_groups` (name -> ranks). Call on
+    every rank, with the same arguments, once."""
+    global _PLAN, _RANK, _ROLE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _MESSAGE_RANKS, _MESSAGE_GROUPS
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("hpc_rlhf.dist.groups.initialize needs an initialised torch.distributed world "
                            "(hpc_rlhf.dist.bootstrap, or dist.init_process_group)")
@@ -117,20 +68,26 @@ def initialize(plan: Plan, timeout_s: float | None = None) -> None:
         raise PlacementError(f"the plan is for {plan.world_size} ranks but the world has {world}\n"
                              f"{plan.format_table()}")
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-    role_groups = {name: _new_group(role.ranks, timeout) for name, role in plan.roles.items()
+    message_ranks = {name: tuple(sorted(set(ranks))) for name, ranks in (message_groups or {}).items()}
+    for name, ranks in message_ranks.items():
+        outside = [r for r in ranks if not 0 <= r < world]
+        if outside:
+            raise PlacementError(f"message group '{name}' names ranks {outside} outside the world of {world}")
+    role_groups = {name: _new_group(role.ranks, timeout, f"role/{name}") for name, role in plan.roles.items()
                    if role.kind != "rollout"}
     sync_group, sync_ranks = None, ()
     if plan.has("rollout"):
         sync_ranks = tuple(sorted({plan.role("actor").leader} | set(plan.role("rollout").ranks)))
-        sync_group = _new_group(sync_ranks, timeout)
-    routes = routes_of(plan)
-    route_groups = {ranks: _new_group(ranks, timeout)
-                    for ranks in sorted({route.ranks for route in routes.values() if len(route.ranks) > 2})}
+        sync_group = _new_group(sync_ranks, timeout, "weight_sync")
+    names_of: dict[tuple[int, ...], list[str]] = {}
+    for name, ranks in message_ranks.items():
+        names_of.setdefault(ranks, []).append(name)
+    message_group_handles = {ranks: _new_group(ranks, timeout, ",".join(names_of[ranks])) for ranks in sorted(names_of)}
 
     _PLAN, _RANK = plan, dist.get_rank()
     _ROLE_GROUPS = role_groups
     _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS = sync_group, sync_ranks
-    _ROUTES, _ROUTE_GROUPS = routes, route_groups
+    _MESSAGE_RANKS, _MESSAGE_GROUPS = message_ranks, message_group_handles
 
 
 def is_initialized() -> bool:
@@ -139,8 +96,8 @@ def is_initialized() -> bool:
 
 def destroy() -> None:
     """Destroy the groups this rank holds and forget the plan (a later `initialize` starts afresh)."""
-    global _PLAN, _RANK, _ROLE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _ROUTES, _ROUTE_GROUPS
-    held = list(_ROLE_GROUPS.values()) + [_WEIGHT_SYNC_GROUP] + list(_ROUTE_GROUPS.values())
+    global _PLAN, _RANK, _ROLE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _MESSAGE_RANKS, _MESSAGE_GROUPS
+    held = list(_ROLE_GROUPS.values()) + [_WEIGHT_SYNC_GROUP] + list(_MESSAGE_GROUPS.values())
     if dist.is_initialized():
         for group in held:
             if group is not None:
@@ -148,7 +105,7 @@ def destroy() -> None:
     _PLAN, _RANK = None, -1
     _ROLE_GROUPS = {}
     _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS = None, ()
-    _ROUTES, _ROUTE_GROUPS = {}, {}
+    _MESSAGE_RANKS, _MESSAGE_GROUPS = {}, {}
 
 
 def _state() -> Plan:
@@ -239,21 +196,28 @@ def weight_sync_group() -> dist.ProcessGroup:
     return _WEIGHT_SYNC_GROUP
 
 
-def route(key: str) -> Route:
-    """The route of experience message `key` (public knowledge: any rank may ask)."""
+def message_group(name: str) -> dist.ProcessGroup:
+    """The group created for message group `name` (see `initialize`); only its ranks may ask."""
     _state()
-    if key not in _ROUTES:
-        raise KeyError(f"no route '{key}' in this placement; routes: {', '.join(_ROUTES)}")
-    return _ROUTES[key]
-
-
-def route_group(key: str) -> dist.ProcessGroup:
-    """The group that carries route `key` (routes of three ranks or more); only its ranks may ask."""
-    path = route(key)
-    if len(path.ranks) <= 2:
-        raise PlacementError(f"route '{key}' (ranks {format_ranks(path.ranks)}) travels point to point or not "
-                             "at all: it has no group")
-    group = _ROUTE_GROUPS[path.ranks]
+    if name not in _MESSAGE_RANKS:
+        raise KeyError(f"no message group '{name}'; groups: {', '.join(_MESSAGE_RANKS) or 'none'}")
+    ranks = _MESSAGE_RANKS[name]
+    group = _MESSAGE_GROUPS[ranks]
     if group is None:
-        raise _not_member(f"the group of route '{key}'", path.ranks)
+        raise _not_member(f"message group '{name}'", ranks)
     return group
+
+
+def held_groups() -> list[tuple[str, tuple[int, ...]]]:
+    """(description, ranks) of every group this rank belongs to (WORLD aside): what it holds a communicator for on
+    a GPU cluster."""
+    plan_ = _state()
+    held = [(f"role/{name}", plan_.role(name).ranks) for name, group in _ROLE_GROUPS.items() if group is not None]
+    if _WEIGHT_SYNC_GROUP is not None:
+        held.append(("weight_sync", _WEIGHT_SYNC_RANKS))
+    names_of: dict[tuple[int, ...], list[str]] = {}
+    for name, ranks in _MESSAGE_RANKS.items():
+        names_of.setdefault(ranks, []).append(name)
+    held += [(",".join(names_of[ranks]), ranks) for ranks, group in sorted(_MESSAGE_GROUPS.items())
+             if group is not None]
+    return held

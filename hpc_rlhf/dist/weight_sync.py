@@ -33,7 +33,8 @@ plus two buckets (one more per further dtype; `SyncStats.peak_buffer_bytes` repo
 Receivers receive into two reused buffers as well and load one bucket while the next is arriving.
 
 Streaming contract: every tensor the iterator yields is copied (or, when it is larger than a bucket, sent) before
-the next one is requested. Names should already be Hugging Face names (`hpc_rlhf.trainers.rl_roles.hf_names`).
+the next one is requested. Names should already be Hugging Face names
+(`hpc_rlhf.engines.rollout.base.hf_named_tensors`).
 
 Hybrid placement (rollout on the actor's own ranks) uses `load_local_weights`: the same buckets, no broadcast.
 """

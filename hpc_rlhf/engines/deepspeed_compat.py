@@ -22,6 +22,8 @@ A ZeRO-3 module also runs outside the engine's calls: the RL step scores with th
 and the hybrid engine generates with it. Its first hook (DeepSpeed's start-of-forward hook) validates the
 parameter trace with the WORLD broadcasts above, so `keep_module_in_group(module, group)` enters the same
 block around every forward of the module itself, from forward hooks placed before and after DeepSpeed's own.
+That is the one mechanism for forwards: every ZeRO-3 model (trained, or frozen as a reference or reward model)
+gets it when its engine is built, so no caller of a forward needs a `with` block of its own.
 It patches deepspeed for the block only (nothing is edited on disk): group-less deepspeed.comm barrier calls
 go to the role group (all_reduce and broadcast too, as a safety net should tag validation be turned back on or
 a similar call appear), and the trace check is swapped in every module that imported it. When a newer

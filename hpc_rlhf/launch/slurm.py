@@ -38,7 +38,7 @@ import submitit
 
 from hpc_rlhf import cli
 
-PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.common.Preempted.EXIT_CODE (not imported: that pulls in torch)
+PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.checkpointing.Preempted.EXIT_CODE (not imported: that pulls in torch)
 STOP_SIGNAL = "USR1"  # what the trainers' StopSignal handles (besides SIGTERM)
 # Slurm needs this much time after the stop signal for the last step, the checkpoint and the exit.
 MIN_SECONDS_AFTER_SIGNAL = 60

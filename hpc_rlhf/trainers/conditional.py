@@ -31,7 +31,8 @@ from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.data.synthetic import exact_match
 from hpc_rlhf.data.templates import encode
 from hpc_rlhf.models.builders import load_tokenizer
-from hpc_rlhf.trainers import common, sft
+from hpc_rlhf.trainers import sft
+from hpc_rlhf.trainers import run as run_setup
 from hpc_rlhf.trainers.evaluation import generation_accuracy, load_eval_prompts
 from hpc_rlhf.trainers.generate import (GenerateSection, ScoreSection, Scorer, _prompt_data, load_policy,
                                         load_prompt_rows)
@@ -104,7 +105,7 @@ def _write_jsonl(rows: Sequence[dict], path: Path) -> None:
     tmp.replace(path)
 
 
-def score_existing(cfg: Config, run: common.Run) -> list[dict]:
+def score_existing(cfg: Config, run: run_setup.Run) -> list[dict]:
     """Rows of `csft.response_files` as scored records (every rank scores all of them: rule rewards are cheap;
     reward models over a large file are better run once with `hpc-rlhf generate`-style sharding)."""
     data = cfg.data
@@ -143,8 +144,8 @@ def bucket_accuracies(model_dir: Path, cfg: Config, rows: Sequence[dict], device
 
 def run(cfg: Config) -> dict[str, Any]:
     cfg.csft.validate()
-    run_ = common.start_run(cfg, "csft")
-    common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.eval.prompt_files)
+    run_ = run_setup.start_run(cfg, "csft")
+    run_setup.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.eval.prompt_files)
     ask = cfg.csft.highest if cfg.csft.ask_bucket is None else cfg.csft.ask_bucket
     out = run_.output_dir
     logger = open_round_logger(run_)

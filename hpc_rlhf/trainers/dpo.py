@@ -25,7 +25,8 @@ from hpc_rlhf.config import (CheckpointSection, ConfigError, DistSection, LogSec
 from hpc_rlhf.data.examples import pair_collate
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
-from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers import loop
+from hpc_rlhf.trainers import run as run_setup
 from hpc_rlhf.trainers.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.trainers.reference import (MEAN, SUM, Reference, ReferenceSection, balanced_chunks, response_logps)
 from hpc_rlhf.trainers.rm import PreferenceDataSection, load_preference_examples
@@ -76,10 +77,10 @@ class DPORecipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.run = run = common.start_run(cfg, "dpo")
-        common.ensure_tiny_assets_if_used(cfg.model.path, cfg.ref.path, cfg.data.train_files, cfg.data.eval_files,
+        self.run = run = run_setup.start_run(cfg, "dpo")
+        run_setup.ensure_tiny_assets_if_used(cfg.model.path, cfg.ref.path, cfg.data.train_files, cfg.data.eval_files,
                                           cfg.eval.prompt_files)
-        common.check_batch_sizes(cfg.train, run.world_size)
+        run_setup.check_batch_sizes(cfg.train, run.world_size)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.train_examples = load_preference_examples(cfg.data.train_files, cfg.data, self.tokenizer,
                                                        "data.train_files", cfg.data.max_train_rows)
@@ -91,7 +92,7 @@ class DPORecipe:
         self.reference = Reference(cfg.ref, cfg.model, cfg.train, self.tokenizer.pad_token_id, run.device)
         self.reference.prepare({"train": [pair_sequences(ex) for ex in self.train_examples],
                                 "eval": [pair_sequences(ex) for ex in self.eval_examples]})
-        self.bad_steps, self.stop = common.start_training(run, {"model": self.engine})
+        self.bad_steps, self.stop = loop.start_training(run, {"model": self.engine})
 
     def _collate(self, pairs) -> dict[str, torch.Tensor]:
         batch = pair_collate(pairs, self.tokenizer.pad_token_id)
@@ -129,25 +130,25 @@ class DPORecipe:
                     margin = (figures["chosen_reward"] - figures["rejected_reward"]).double().cpu()
                     totals += torch.tensor([float((margin > 0).sum()), float(margin.sum()),
                                             figures["loss"].item() * len(chunk), len(chunk)], dtype=torch.float64)
-            correct, margin_sum, loss_sum, count = common.reduce_sum(totals.tolist())
+            correct, margin_sum, loss_sum, count = run_setup.reduce_sum(totals.tolist())
             out.update(eval_accuracy=correct / count, eval_margin=margin_sum / count, eval_loss=loss_sum / count)
         if self.eval_prompts:
             out["eval_exact_match"] = generation_exact_match(self.engine, self.tokenizer, self.eval_prompts, self.cfg)
         self.engine.train()
         return out
 
-    def _micro_batch(self, rows: list[int]) -> common.MicroBatch:
+    def _micro_batch(self, rows: list[int]) -> loop.MicroBatch:
         figures = self._pair_loss("train", rows, self.train_examples)
         chosen, rejected = figures["chosen_reward"], figures["rejected_reward"]
-        return common.MicroBatch(figures["loss"], int(figures["tokens"]), {
+        return loop.MicroBatch(figures["loss"], int(figures["tokens"]), {
             "accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean(),
             "chosen_reward": chosen.mean(), "rejected_reward": rejected.mean()})
 
     def train(self) -> dict[str, float]:
-        last_eval = common.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
-                                           micro_batch_loss=self._micro_batch, window=common.MeanWindow(),
+        last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
+                                           micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
                                            evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
-        common.finish_training(self.run, self.engine, self.tokenizer)
+        loop.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 
 

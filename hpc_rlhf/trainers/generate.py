@@ -37,7 +37,7 @@ from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores
 from hpc_rlhf.rewards import call_reward_function, load_reward_function
-from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers import run as run_setup
 
 log = logging.getLogger("hpc_rlhf")
 
@@ -278,8 +278,8 @@ def load_policy(model_cfg: ModelSection, device: torch.device):
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    run_ = common.start_run(cfg, "generate")
-    common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files)
+    run_ = run_setup.start_run(cfg, "generate")
+    run_setup.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files)
     model, tokenizer = load_policy(cfg.model, run_.device)
     rows = load_prompt_rows(cfg.data)
     scorer = Scorer(cfg.score, cfg.model, run_.device) if cfg.score.enabled else None

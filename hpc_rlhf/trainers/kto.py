@@ -31,7 +31,8 @@ from hpc_rlhf.data.examples import kto_example, pad_collate
 from hpc_rlhf.data.loading import DataError, load_rows
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
-from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers import loop
+from hpc_rlhf.trainers import run as run_setup
 from hpc_rlhf.trainers.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.trainers.reference import SUM, Reference, ReferenceSection, balanced_chunks, response_logps
 from hpc_rlhf.trainers.sft import GenerationEvalSection
@@ -101,7 +102,7 @@ def mismatched_example(prompt_from: dict, completion_from: dict, max_len: int) -
 
 class KTOWindow:
     """KTO's figures over a logging window, from sums and counts rather than means: a micro-batch may hold no
-    desirable (or no undesirable) row. Non-finite losses are left out of the mean loss, as in common.MeanWindow."""
+    desirable (or no undesirable) row. Non-finite losses are left out of the mean loss, as in loop.MeanWindow."""
 
     def __init__(self) -> None:
         # loss sum, finite losses, kl sum, micro-batches, desirable reward sum, desirable rows, undesirable
@@ -117,7 +118,7 @@ class KTOWindow:
                                    float((~good).sum())], dtype=torch.float64)
 
     def summary(self) -> dict[str, float]:
-        loss, finite_losses, kl, micro_batches, good_sum, good_count, bad_sum, bad_count = common.reduce_sum(
+        loss, finite_losses, kl, micro_batches, good_sum, good_count, bad_sum, bad_count = run_setup.reduce_sum(
             self.sums.tolist())
         self.sums.zero_()
         return {"loss": loss / finite_losses if finite_losses else float("nan"), "kl": kl / micro_batches,
@@ -130,10 +131,10 @@ class KTORecipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.run = run = common.start_run(cfg, "kto")
-        common.ensure_tiny_assets_if_used(cfg.model.path, cfg.ref.path, cfg.data.train_files, cfg.data.eval_files,
+        self.run = run = run_setup.start_run(cfg, "kto")
+        run_setup.ensure_tiny_assets_if_used(cfg.model.path, cfg.ref.path, cfg.data.train_files, cfg.data.eval_files,
                                           cfg.eval.prompt_files)
-        common.check_batch_sizes(cfg.train, run.world_size)
+        run_setup.check_batch_sizes(cfg.train, run.world_size)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.train_examples = load_kto_examples(cfg.data.train_files, cfg.data, self.tokenizer, "data.train_files",
                                                 cfg.data.max_train_rows)
@@ -150,7 +151,7 @@ class KTORecipe:
         self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
         self.reference = Reference(cfg.ref, cfg.model, cfg.train, self.tokenizer.pad_token_id, run.device)
         self.reference.prepare({"train": self.train_sequences, "eval": [[ex] for ex in self.eval_examples]})
-        self.bad_steps, self.stop = common.start_training(run, {"model": self.engine})
+        self.bad_steps, self.stop = loop.start_training(run, {"model": self.engine})
 
     def _collate(self, sequences) -> dict[str, torch.Tensor]:
         batch = pad_collate([{"input_ids": s["input_ids"], "labels": s["labels"]} for s in sequences],
@@ -162,7 +163,7 @@ class KTORecipe:
                              use_cache=False).logits
         return response_logps(logits, batch["labels"][rows])[:, SUM]
 
-    def _micro_batch(self, micro: list[int]) -> common.MicroBatch:
+    def _micro_batch(self, micro: list[int]) -> loop.MicroBatch:
         """Loss and figures of one micro-batch: B matched rows (with gradients) and their B mismatched pairs
         (for z0, without), collated together so that the reference sees one slot-major batch."""
         kto = self.cfg.kto
@@ -179,7 +180,7 @@ class KTORecipe:
         desirable = torch.tensor([self.train_examples[i]["label"] for i in micro], device=policy.device)
         loss, rewards = kto_loss(policy, reference[:b], desirable, kl[0], beta=kto.beta,
                                  desirable_weight=kto.desirable_weight, undesirable_weight=kto.undesirable_weight)
-        return common.MicroBatch(loss, int(batch["attention_mask"][:b].sum()),
+        return loop.MicroBatch(loss, int(batch["attention_mask"][:b].sum()),
                                  {"kl": kl[0], "rewards": rewards, "desirable": desirable})
 
     @torch.no_grad()
@@ -198,7 +199,7 @@ class KTORecipe:
                     good = torch.tensor([self.eval_examples[i]["label"] for i in chunk], device=rewards.device)
                     totals += torch.tensor([float(rewards[good].sum()), float(good.sum()),
                                             float(rewards[~good].sum()), float((~good).sum())], dtype=torch.float64)
-            good_sum, good_count, bad_sum, bad_count = common.reduce_sum(totals.tolist())
+            good_sum, good_count, bad_sum, bad_count = run_setup.reduce_sum(totals.tolist())
             good_mean = good_sum / max(good_count, 1)
             bad_mean = bad_sum / max(bad_count, 1)
             out.update(eval_desirable_reward=good_mean, eval_undesirable_reward=bad_mean,
@@ -209,10 +210,10 @@ class KTORecipe:
         return out
 
     def train(self) -> dict[str, float]:
-        last_eval = common.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
+        last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                            micro_batch_loss=self._micro_batch, window=KTOWindow(),
                                            evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
-        common.finish_training(self.run, self.engine, self.tokenizer)
+        loop.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 
 

@@ -118,14 +118,15 @@ class FrozenModel:
                                                             mpu=deepspeed_compat.RoleMpu(self.group),
                                                             dist_init_required=False)
             self.engine.eval()
+            # its forwards, through the engine or by a caller of `model`, keep DeepSpeed's collectives in the group
+            deepspeed_compat.keep_module_in_group(self.engine.module, self.group)
             self.model = self.engine
         else:
             self.model = model if quantized else model.to(device=device, dtype=self.dtype)
 
     @torch.no_grad()
     def __call__(self, **batch):
-        with deepspeed_compat.keep_collectives_in_group(self.group):
-            return self.model(**batch)
+        return self.model(**batch)
 
     @property
     def config(self):

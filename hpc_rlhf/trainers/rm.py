@@ -28,7 +28,8 @@ from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import load_tokenizer
 from hpc_rlhf.models.lora import unwrap_model, value_head_name
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores, set_reward_normalization
-from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers import loop
+from hpc_rlhf.trainers import run as run_setup
 from hpc_rlhf.trainers.reference import balanced_chunks
 
 
@@ -107,9 +108,9 @@ class RewardModelRecipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.run = run = common.start_run(cfg, "rm")
-        common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.data.eval_files)
-        common.check_batch_sizes(cfg.train, run.world_size)
+        self.run = run = run_setup.start_run(cfg, "rm")
+        run_setup.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.data.eval_files)
+        run_setup.check_batch_sizes(cfg.train, run.world_size)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         margin_key = cfg.rm.margin_key
         self.train_examples = load_preference_examples(cfg.data.train_files, cfg.data, self.tokenizer,
@@ -119,7 +120,7 @@ class RewardModelRecipe:
                               if cfg.data.eval_files else [])
         self.engine = TrainEngine(build_value_model(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
         self.scorer = EngineScorer(self.engine)
-        self.bad_steps, self.stop = common.start_training(run, {"model": self.engine})
+        self.bad_steps, self.stop = loop.start_training(run, {"model": self.engine})
 
     def _pair_scores(self, pairs) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(chosen scores, rejected scores, collated batch) of B pairs, in one forward pass over 2B rows."""
@@ -162,7 +163,7 @@ class RewardModelRecipe:
         else:
             margins = torch.zeros_like(difference)
         losses = -torch.nn.functional.logsigmoid(difference - margins)
-        correct, total_margin, total_loss, count = common.reduce_sum(
+        correct, total_margin, total_loss, count = run_setup.reduce_sum(
             [float((difference > 0).sum()), float(difference.sum()), float(losses.sum()), len(difference)])
         return {"eval_accuracy": correct / count, "eval_margin": total_margin / count, "eval_loss": total_loss / count}
 
@@ -172,16 +173,16 @@ class RewardModelRecipe:
         examples = self.eval_examples or self.train_examples[:self.cfg.data.max_eval_rows or 256]
         self.engine.eval()
         chosen, rejected = self._held_out_scores(examples)
-        mean, std = common.mean_and_std(torch.cat([chosen, rejected]))
+        mean, std = run_setup.mean_and_std(torch.cat([chosen, rejected]))
         return mean, max(std, 1e-6)
 
-    def _micro_batch(self, rows: list[int]) -> common.MicroBatch:
+    def _micro_batch(self, rows: list[int]) -> loop.MicroBatch:
         loss, accuracy, margin, tokens = self._loss([self.train_examples[i] for i in rows])
-        return common.MicroBatch(loss, tokens, {"accuracy": accuracy, "margin": margin})
+        return loop.MicroBatch(loss, tokens, {"accuracy": accuracy, "margin": margin})
 
     def train(self) -> dict[str, float]:
-        last_eval = common.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
-                                           micro_batch_loss=self._micro_batch, window=common.MeanWindow(),
+        last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
+                                           micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
                                            evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
         with watchdog.phase("eval"):
             mean, std = self.normalization_constants()
@@ -189,7 +190,7 @@ class RewardModelRecipe:
         last_eval.update(reward_mean=mean, reward_std=std)
         # Under ZeRO-3 the engine gathers the sharded weights for the leader (save_hf / the LoRA path), and the
         # config written with them carries the normalisation constants.
-        common.finish_training(self.run, self.engine, self.tokenizer)
+        loop.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 
 

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 import torch.distributed as dist
 
 from hpc_rlhf.config import ConfigError
-from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers import run as run_setup
 from hpc_rlhf.trainers.generate import Scorer, generate_to_file, load_policy, load_prompt_rows, read_jsonl
 from hpc_rlhf.utils.metrics import MetricsLogger
 
@@ -51,36 +51,36 @@ def write_rounds_done(output_dir: Path, completed: int) -> None:
     tmp.replace(output_dir / ROUNDS_FILE)
 
 
-def round_dir(run: common.Run, r: int) -> Path:
+def round_dir(run: run_setup.Run, r: int) -> Path:
     """The folder of round r (counted from 1)."""
     return run.output_dir / f"round_{r}"
 
 
-def open_round_logger(run: common.Run) -> MetricsLogger:
+def open_round_logger(run: run_setup.Run) -> MetricsLogger:
     """metrics.jsonl of a round-based mode: one row per round, no TensorBoard (the inner runs write theirs)."""
     return MetricsLogger(run.output_dir, enabled=run.is_main, tensorboard=False, progress=False,
                          initial_step=run.start_step, desc=run.mode)
 
 
-def start_rounds(cfg, mode: str) -> tuple[common.Run, list[dict], int, MetricsLogger]:
+def start_rounds(cfg, mode: str) -> tuple[run_setup.Run, list[dict], int, MetricsLogger]:
     """First steps of a round-based mode: the run; every prompt of data.train_files (each round takes its block of
     them, see round_prompts); the number of rounds already finished, from rounds.json (run.start_step is set to
     it); and the per-round logger."""
-    run = common.start_run(cfg, mode)
-    common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.eval.prompt_files)
+    run = run_setup.start_run(cfg, mode)
+    run_setup.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.eval.prompt_files)
     prompts = load_prompt_rows(dataclasses.replace(cfg.data, max_train_rows=None))
     done = read_rounds_done(run.output_dir)
     run.start_step = done
     return run, prompts, done, open_round_logger(run)
 
 
-def remaining_rounds(run: common.Run, done: int, total: int) -> Iterator[tuple[int, Path]]:
+def remaining_rounds(run: run_setup.Run, done: int, total: int) -> Iterator[tuple[int, Path]]:
     """(r, folder of round r) of every round after the `done` finished ones, up to `total`; r counted from 1."""
     for r in range(done + 1, total + 1):
         yield r, round_dir(run, r)
 
 
-def sample_round(cfg, run: common.Run, model_path: str, rows: Sequence[dict], round_dir: Path,
+def sample_round(cfg, run: run_setup.Run, model_path: str, rows: Sequence[dict], round_dir: Path,
                  prompt_fn=None) -> list[dict] | None:
     """Generate and score `rows` with the model at `model_path` into round_dir; every rank gets the records
     (None when a per-job chunk limit stopped generation early). `prompt_fn(row) -> row` may rewrite prompts."""
@@ -95,7 +95,7 @@ def sample_round(cfg, run: common.Run, model_path: str, rows: Sequence[dict], ro
     return read_jsonl(round_dir / "generations.jsonl") if out["complete"] else None
 
 
-def finish_round(run: common.Run, logger: MetricsLogger, r: int, figures: dict) -> None:
+def finish_round(run: run_setup.Run, logger: MetricsLogger, r: int, figures: dict) -> None:
     """Round r's row in metrics.jsonl, then rounds.json counts the round as finished (rank 0); all ranks wait."""
     logger.log(r, figures)
     if run.is_main:

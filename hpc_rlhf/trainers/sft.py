@@ -21,7 +21,8 @@ from hpc_rlhf.data.packing import pack_examples, packed_collate, packed_model_kw
 from hpc_rlhf.dist.exchange import comm_device
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
-from hpc_rlhf.trainers import common
+from hpc_rlhf.trainers import loop
+from hpc_rlhf.trainers import run as run_setup
 from hpc_rlhf.trainers.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.trainers.reference import balanced_chunks
 
@@ -84,11 +85,11 @@ class SFTRecipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.run = run = common.start_run(cfg, "sft")
-        common.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.data.eval_files,
+        self.run = run = run_setup.start_run(cfg, "sft")
+        run_setup.ensure_tiny_assets_if_used(cfg.model.path, cfg.data.train_files, cfg.data.eval_files,
                                           cfg.eval.prompt_files)
-        common.check_batch_sizes(cfg.train, run.world_size)
-        common.check_fits_model(cfg.data.max_len, cfg.model.path, "data.max_len")  # input validation up front
+        run_setup.check_batch_sizes(cfg.train, run.world_size)
+        run_setup.check_fits_model(cfg.data.max_len, cfg.model.path, "data.max_len")  # input validation up front
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.train_examples = load_sft_examples(cfg.data.train_files, cfg, self.tokenizer, "data.train_files",
                                                 cfg.data.max_train_rows)
@@ -98,7 +99,7 @@ class SFTRecipe:
             self.train_examples = pack_examples(self.train_examples, cfg.data.max_len)
         self.eval_prompts = load_eval_prompts(cfg)
         self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
-        self.bad_steps, self.stop = common.start_training(run, {"model": self.engine})
+        self.bad_steps, self.stop = loop.start_training(run, {"model": self.engine})
 
     def _forward_loss(self, batch_examples) -> tuple[torch.Tensor, int, int]:
         """Mean next-token loss of a micro-batch, its number of label tokens, its number of real tokens."""
@@ -137,21 +138,21 @@ class SFTRecipe:
         self.engine.train()
         return out
 
-    def _micro_batch(self, rows: list[int]) -> common.MicroBatch:
+    def _micro_batch(self, rows: list[int]) -> loop.MicroBatch:
         loss, loss_tokens, tokens = self._forward_loss([self.train_examples[i] for i in rows])
-        return common.MicroBatch(loss, tokens, loss_tokens=loss_tokens)
+        return loop.MicroBatch(loss, tokens, loss_tokens=loss_tokens)
 
     def _loss_tokens(self, rows: list[int]) -> int:
         """Label tokens the loss of these rows is a mean over (what _forward_loss counts, without a forward)."""
         return sum(int((torch.as_tensor(self.train_examples[i]["labels"])[1:] != -100).sum()) for i in rows)
 
     def train(self) -> dict[str, float]:
-        # The loss is a mean over every response token of the optimizer step (common.train_one_model).
-        last_eval = common.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
-                                           micro_batch_loss=self._micro_batch, window=common.MeanWindow(),
+        # The loss is a mean over every response token of the optimizer step (loop.train_one_model).
+        last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
+                                           micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
                                            evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
                                            loss_tokens_of=self._loss_tokens)
-        common.finish_training(self.run, self.engine, self.tokenizer)
+        loop.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 
 

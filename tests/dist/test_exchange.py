@@ -1,4 +1,4 @@
-"""Exchange of ragged sequences, tensors and batches over gloo groups; the header checks that prevent aborts.
+"""Exchange of ragged sequences and known-size messages over gloo groups; the header checks that prevent aborts.
 
 Distributed cases run under torchrun (tests/distributed.py); their worker code is at the bottom of this file.
 Every rank rebuilds the data any rank sends from a seed, so it can check what it received bit for bit.
@@ -73,8 +73,8 @@ def test_headers_round_trip_and_report_what_differs():
     header = make_header(Kind.TENSOR, message_tag("logprobs"), torch.bfloat16, (3, 0, 7))
     assert header.shape == (HEADER_LEN,) and header.dtype == torch.int64
     assert read_header(header, Kind.TENSOR, message_tag("logprobs"), "t") == (torch.bfloat16, (3, 0, 7))
-    with pytest.raises(ExchangeError, match="expected a RAGGED message but the sender sent a TENSOR message"):
-        read_header(header, Kind.RAGGED, message_tag("logprobs"), "t")
+    with pytest.raises(ExchangeError, match="expected a GATHER message but the sender sent a TENSOR message"):
+        read_header(header, Kind.GATHER, message_tag("logprobs"), "t")
     with pytest.raises(ExchangeError, match="tag"):
         read_header(header, Kind.TENSOR, message_tag("values"), "t")
     with pytest.raises(ExchangeError, match="not a message header"):
@@ -112,39 +112,6 @@ def _roundtrip(rank: int, world: int):
     members = [0, 2, 3]
     sub = dist.new_group(members)  # every rank calls new_group, members or not
 
-    # broadcast_ragged over the world, several dtypes, including empty sequences and an empty list
-    for i, dtype in enumerate(DTYPES):
-        sent = make_seqs(100 + i, dtype)
-        got = ex.broadcast_ragged(sent if rank == 1 else None, src=1, group=None, tag=f"seqs{i}")
-        assert_same_seqs(got, sent)
-    assert ex.broadcast_ragged([] if rank == 1 else None, src=1, dtype=torch.float32) == []
-
-    # broadcast_tensor in a subgroup whose source is not group rank 0
-    tensors = [torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(5)), torch.tensor(7),
-               torch.zeros(0, 5), torch.arange(11, dtype=torch.int32).to(torch.uint16),
-               torch.randn(6, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).reshape(2, 3).t()]
-    if rank in members:
-        for t in tensors:
-            got = ex.broadcast_tensor(t if rank == 3 else None, src=3, group=sub)
-            assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
-    else:
-        try:
-            ex.broadcast_tensor(tensors[0], src=3, group=sub)
-            raise AssertionError("a non-member was allowed to take part")
-        except ex.ExchangeError as exc:
-            assert "rank 1 is not a member of the group (ranks [0, 2, 3])" in str(exc)
-
-    # broadcast_batch: key list known on both sides
-    g = torch.Generator().manual_seed(9)
-    batch = {"tokens": torch.randint(0, 100, (8, 5), generator=g), "logprobs": -torch.rand(8, 5, generator=g),
-             "mask": torch.rand(8, 5, generator=g) > 0.5, "rewards": torch.randn(8, generator=g).to(torch.bfloat16),
-             "nothing": torch.zeros(0, dtype=torch.float64)}
-    keys = ["tokens", "logprobs", "mask", "rewards", "nothing"]
-    got = ex.broadcast_batch(batch if rank == 0 else None, src=0, group=None, keys=keys)
-    assert list(got) == keys
-    for k in keys:
-        assert got[k].dtype == batch[k].dtype and torch.equal(got[k], batch[k]), k
-
     # gather_ragged: rank r sends r sequences (rank 0 none) to global rank 2
     mine = make_seqs(200 + rank, torch.float32, count=rank)
     gathered = ex.gather_ragged(mine, dst=2, group=None, tag="scores")
@@ -156,49 +123,49 @@ def _roundtrip(rank: int, world: int):
     else:
         assert gathered is None
 
-    # all_gather_ragged in the subgroup, bf16, listed in group-rank order (global ranks 0, 2, 3)
     if rank in members:
-        everything = ex.all_gather_ragged(make_seqs(300 + rank, torch.bfloat16), group=sub, tag="all")
-        for group_rank, global_rank in enumerate(members):
-            assert_same_seqs(everything[group_rank], make_seqs(300 + global_rank, torch.bfloat16))
-        # gather to a destination that is group rank 1 of the subgroup, all ranks sending empty lists but one
-        seqs = make_seqs(400, torch.int64) if rank == 3 else []
+        # gather in the subgroup, bf16 (carried as bytes), to a destination that is group rank 1, all ranks
+        # sending empty lists but one
+        seqs = make_seqs(400, torch.bfloat16) if rank == 3 else []
         got = ex.gather_ragged(seqs, dst=2, group=sub, tag="sparse")
         if rank == 2:
             assert got[0] == [] and got[1] == []
-            assert_same_seqs(got[2], make_seqs(400, torch.int64))
+            assert_same_seqs(got[2], make_seqs(400, torch.bfloat16))
+    else:
+        try:
+            ex.gather_ragged([], dst=2, group=sub)
+            raise AssertionError("a non-member was allowed to take part")
+        except ex.ExchangeError as exc:
+            assert "rank 1 is not a member of the group (ranks [0, 2, 3])" in str(exc)
 
-    # point to point, no group: rank 3 -> rank 1 (bf16, empty sequences included), then 1 -> 3 an empty list,
-    # while ranks 0 and 2 take no part
-    if rank == 3:
-        ex.send_ragged(make_seqs(500, torch.bfloat16), dst=1, tag="p2p")
-        assert ex.recv_ragged(1, tag="p2p-back") == []
-    elif rank == 1:
-        assert_same_seqs(ex.recv_ragged(3, tag="p2p"), make_seqs(500, torch.bfloat16))
-        ex.send_ragged([], dst=3, tag="p2p-back", dtype=torch.int64)
+    # post, both ways: rank 3 -> ranks 0 and 2 of the subgroup, directly (small, gloo) and by the group's broadcast
+    # (DIRECT_MAX_BYTES = 0); a single consumer always point to point; nothing travels to the sender alone.
+    sent = torch.arange(12, dtype=torch.int32) * (rank + 1 if rank == 3 else 0)
+    want = torch.arange(12, dtype=torch.int32) * 4
+    for direct_max in (ex.DIRECT_MAX_BYTES, 0):
+        ex.DIRECT_MAX_BYTES, real = direct_max, ex.DIRECT_MAX_BYTES
+        if rank in members:
+            buf = sent.clone() if rank == 3 else torch.zeros(12, dtype=torch.int32)
+            ex.wait(ex.post(buf, src=3, consumers=[0, 2], group=sub, tag=5))
+            assert torch.equal(buf, want), (direct_max, buf)
+        ex.DIRECT_MAX_BYTES = real
+    assert ex.post(torch.ones(3), src=rank, consumers=[rank]) == []
+    if rank == 1:
+        try:
+            ex.post(torch.ones(3), src=0, consumers=[2, 3], group=None)
+            raise AssertionError("a rank outside the message took part")
+        except ex.ExchangeError as exc:
+            assert "rank 1 is neither the sender nor a consumer" in str(exc)
 
-    # known sizes (derived from shared state): one message, no header; in the subgroup and point to point
+    # known sizes, point to point: uint16 and bf16 travel as their bytes, bit for bit
     known = torch.arange(12, dtype=torch.float32)
-    if rank in members:
-        got = ex.broadcast_known(known if rank == 2 else None, src=2, group=sub, numel=12, dtype=torch.float32)
-        assert torch.equal(got, known)
-        assert ex.broadcast_known(torch.zeros(0) if rank == 0 else None, src=0, group=sub, numel=0,
-                                  dtype=torch.float32).numel() == 0
     if rank == 0:
         ex.send_known(known.to(torch.bfloat16), dst=1, numel=12, dtype=torch.bfloat16)
+        ex.send_known(torch.arange(7, dtype=torch.int32).to(torch.uint16), dst=1, numel=7, dtype=torch.uint16)
     elif rank == 1:
         assert torch.equal(ex.recv_known(0, numel=12, dtype=torch.bfloat16), known.to(torch.bfloat16))
-
-    # time a 0.47 MB experience batch sent as one ragged message (for the report; not asserted)
-    import time
-    responses = [torch.arange(920) for _ in range(64)]
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(5):
-        ex.broadcast_ragged(responses if rank == 0 else None, src=0, tag="timing")
-    if rank == 0:
-        print(f"TIMING broadcast_ragged of 64 x 920 int64 (0.47 MB) to {world - 1} ranks: "
-              f"{(time.perf_counter() - start) / 5 * 1e3:.2f} ms")
+        assert torch.equal(ex.recv_known(0, numel=7, dtype=torch.uint16),
+                           torch.arange(7, dtype=torch.int32).to(torch.uint16))
     print(f"OK roundtrip rank {rank}", flush=True)
 
 
@@ -213,68 +180,30 @@ def _errors(rank: int, world: int):
             return
         raise AssertionError(f"no ExchangeError containing {text!r}")
 
-    # Mismatched messages whose payload is empty: the receivers raise, and the ranks stay in step.
-    if rank == 0:
-        ex.broadcast_tensor(torch.zeros(0), src=0, tag="values")
-    else:
-        expect_error(lambda: ex.broadcast_tensor(None, src=0, tag="returns"), "tag")
-
-    if rank == 0:
-        ex.broadcast_ragged([], src=0, tag="responses")
-    else:
-        expect_error(lambda: ex.broadcast_tensor(None, src=0, tag="responses"),
-                     "expected a TENSOR message but the sender sent a RAGGED message")
-
-    if rank == 0:
-        ex.broadcast_batch({"tokens": torch.zeros(0), "values": torch.zeros(0)}, src=0, group=None,
-                           keys=["tokens", "values"])
-    else:
-        expect_error(lambda: ex.broadcast_batch(None, src=0, group=None, keys=["tokens", "returns"]),
-                     "keys differ from this receiver's at 'returns' (position 1)")
-
     # Disagreeing dtypes in a gather: every rank sees every header, so all of them raise.
     dtype = torch.int64 if rank == 1 else torch.float32
     expect_error(lambda: ex.gather_ragged(make_seqs(rank, dtype, count=2), dst=0, tag="x"),
                  "ranks send different dtypes (group rank 0: torch.float32, group rank 1: torch.int64")
-    expect_error(lambda: ex.all_gather_ragged([torch.zeros(2)] if rank else [torch.zeros(2, dtype=torch.int8)]),
-                 "ranks send different dtypes")
-
-    # A source whose own input is wrong tells its receivers, which raise instead of waiting.
-    if rank == 1:
-        expect_error(lambda: ex.broadcast_ragged([torch.zeros(2), torch.zeros(2, dtype=torch.int64)], src=1),
-                     "sequence 1 is torch.int64 but sequence 0 is torch.float32")
-    else:
-        expect_error(lambda: ex.broadcast_ragged(None, src=1), "the sending rank could not build its message")
-    if rank == 0:
-        expect_error(lambda: ex.broadcast_batch({"tokens": torch.zeros(1)}, src=0, group=None,
-                                                keys=["tokens", "values"]), "exactly these keys, got ['tokens']")
-    else:
-        expect_error(lambda: ex.broadcast_batch(None, src=0, group=None, keys=["tokens", "values"]),
-                     "could not build its message")
-    # ... and in a gather, one rank's bad input makes every rank raise.
+    # ... another message than the receivers expect (another tag) raises on every rank alike ...
+    expect_error(lambda: ex.gather_ragged([torch.zeros(2)], dst=0, tag="values" if rank == 2 else "returns"),
+                 "tag")
+    # ... and one rank's bad input makes every rank raise.
     mine = [torch.zeros(2, 2)] if rank == 2 else [torch.zeros(2)]
     expect_error(lambda: ex.gather_ragged(mine, dst=0), "must be a 1-D tensor" if rank == 2 else
                  "header of group rank 2: the sending rank could not build its message")
 
-    # Point to point: a receiver expecting another message raises (an empty message: the ranks stay in step); a
-    # sender with bad input makes its receiver raise too.
-    if rank == 0:
-        ex.send_ragged([], dst=1, tag="scores", dtype=torch.float32)
-        expect_error(lambda: ex.send_ragged(None, dst=1, tag="scores"), "must pass a list of tensors")
-    elif rank == 1:
-        expect_error(lambda: ex.recv_ragged(0, tag="values"), "tag")
-        expect_error(lambda: ex.recv_ragged(0, tag="scores"), "the sending rank could not build its message")
-
     # A known-size message whose sender holds something else raises on the sender before anything is sent.
     if rank == 0:
-        expect_error(lambda: ex.broadcast_known(torch.zeros(3), src=0, group=None, numel=4, dtype=torch.float32),
-                     "torch.float32 x 3, but the receivers expect torch.float32 x 4")
         expect_error(lambda: ex.send_known(torch.zeros(4, dtype=torch.int64), dst=1, numel=4, dtype=torch.float32),
-                     "torch.int64 x 4")
+                     "the sender's tensor is torch.int64 x 4, but the receivers expect torch.float32 x 4")
+        expect_error(lambda: ex.send_known(torch.zeros(3), dst=1, numel=4, dtype=torch.float32),
+                     "torch.float32 x 3")
 
-    # ... and the group still works afterwards.
+    # ... and the world still works afterwards.
     sent = make_seqs(42, torch.float32)
-    assert_same_seqs(ex.broadcast_ragged(sent if rank == 2 else None, src=2), sent)
+    got = ex.gather_ragged(sent if rank == 2 else [], dst=2, tag="after")
+    if rank == 2:
+        assert_same_seqs(got[2], sent)
     print(f"OK errors rank {rank}", flush=True)
 
 

@@ -20,21 +20,6 @@ def test_plans_used_by_the_distributed_case():
     assert hybrid.role("rollout").engines == ((0, 1), (2, 3))
 
 
-def test_routes_go_to_the_ranks_that_consume_them():
-    """Responses (with their log-probs) to every scoring rank, scores to the trained roles (rank 0 logs), evaluation
-    responses to rank 0 alone; pure, so every rank computes the same."""
-    routes = {key: (r.src, r.ranks) for key, r in groups.routes_of(make_plan(*COLOCATED)).items()}
-    assert routes == {
-        "responses/0": (4, (0, 1, 2, 3, 4)), "eval/0": (4, (0, 4)),
-        "scores/actor": (0, (0, 1, 3)), "scores/critic": (3, (0, 1, 3)), "scores/ref": (0, (0, 1, 3)),
-        "scores/reward": (2, (0, 1, 2, 3)), "scores/rules": (2, (0, 1, 2, 3))}
-    grpo = groups.routes_of(make_plan("actor=1,ref=1,rollout=2", 4, 4))
-    assert grpo["responses/1"].ranks == (0, 1, 3)
-    assert grpo["scores/actor"].ranks == (0,) and grpo["scores/rules"].src == 0  # no reward model: the actor
-    hybrid = groups.routes_of(make_plan("actor+ref=1,rollout@actor", 1, 1))
-    assert {r.ranks for r in hybrid.values()} == {(0,)}  # one rank: nothing travels
-
-
 def test_queries_before_initialize_fail_clearly():
     assert not groups.is_initialized()
     with pytest.raises(RuntimeError, match="not initialised: call hpc_rlhf.dist.groups.initialize"):
@@ -75,7 +60,11 @@ if __name__ == "__main__":
 
     # ------------------------------------------------------------------ colocated layout, 2 nodes of 3
     plan = make_plan(*COLOCATED)
-    groups.initialize(plan, timeout_s=60)
+    # Message groups are named rank sets; names with the same ranks share one group, a rank outside the world is
+    # refused before any group exists.
+    message_groups = {"wide": (0, 1, 2, 3, 4), "pair": (0, 3), "pair-again": (3, 0), "three": (0, 1, 3)}
+    assert "names ranks [6]" in raises(PlacementError, groups.initialize, plan, {"bad": (0, 6)})
+    groups.initialize(plan, message_groups, timeout_s=60)
     assert groups.is_initialized() and groups.plan() is plan
     assert "already initialised" in raises(RuntimeError, groups.initialize, plan)
     expected_roles = {0: ["actor", "ref"], 1: ["actor", "ref"], 2: ["reward"], 3: ["critic"],
@@ -131,68 +120,25 @@ if __name__ == "__main__":
         raises(NotInGroupError, groups.weight_sync_group)
         raises(NotInGroupError, groups.rollout_engine_of_rank)
 
-    # Route groups: the engine's responses reach the scoring ranks 0-4 and not rank 5; routes with the same
-    # ranks share one group; a two-rank route has none (it goes point to point).
+    # Message groups: a broadcast over "wide" reaches ranks 0-4 and not rank 5; names with the same ranks share a
+    # group; every group this rank holds is listed with its description (what simulate counts).
     if rank <= 4:
         got = torch.tensor([7.0 if rank == 4 else 0.0])
-        dist.broadcast(got, src=4, group=groups.route_group("responses/0"))
+        dist.broadcast(got, src=4, group=groups.message_group("wide"))
         assert got.item() == 7.0
     else:
-        assert "route 'responses/0'" in raises(NotInGroupError, groups.route_group, "responses/0")
-    if rank in (0, 1, 3):
-        assert groups.route_group("scores/actor") is groups.route_group("scores/critic")
-    assert "point to point" in raises(PlacementError, groups.route_group, "eval/0")
-
-    # Both ways a message travels: each consumer directly from its sender (small messages on gloo), and the route
-    # group's broadcast (large ones; DIRECT_MAX_BYTES = 0 sends everything that way).
-    from hpc_rlhf.trainers import rl_exchange
-    from hpc_rlhf.trainers.rl_exchange import share_known, share_responses
-
-    real_broadcast, broadcasts = dist.broadcast, []
-
-    def counted_broadcast(*args, **kwargs):
-        broadcasts.append(args)
-        return real_broadcast(*args, **kwargs)
-
-    dist.broadcast = counted_broadcast
-    for direct_max in (rl_exchange.DIRECT_MAX_BYTES, 0):
-        rl_exchange.DIRECT_MAX_BYTES = direct_max
-        broadcasts.clear()
-        # A step's scores in one round (share_known): per-token results of actor and ref from rank 0 (one message:
-        # same sender, same ranks), the critic's from rank 3, reward and rule scores from rank 2, each on exactly
-        # the ranks of its route. Every rank rebuilds what each sender sends from a seed.
-        lengths = {"scores/actor": [3, 0, 2], "scores/critic": [3, 0, 2], "scores/ref": [3, 0, 2],
-                   "scores/reward": [1, 1, 1], "scores/rules": [1, 1, 1]}
-
-        def sent(key):
-            g = torch.Generator().manual_seed(len(key) * 31 + sum(map(ord, key)))
-            return [torch.randn(n, generator=g) for n in lengths[key]]
-
-        routes = {key: groups.route(key) for key in lengths}
-        messages = {key: (sent(key) if rank == routes[key].src else None, lengths[key] if rank in routes[key].ranks
-                          else None) for key in lengths}
-        got = share_known(messages)
-        for key, route in routes.items():
-            if rank in route.ranks:
-                assert [torch.equal(a, b) for a, b in zip(got[key], sent(key))] == [True] * 3, (key, got[key])
-            else:
-                assert got[key] is None, (key, rank)
-
-        # A batch's responses with their sampling log-probs (share_responses), from engine 0's first rank (4) to
-        # the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5.
-        g = torch.Generator().manual_seed(5)
-        want = [torch.randint(0, 2**31 - 1, (n,), generator=g) for n in (4, 0, 7, 1)]
-        want_logps = [-torch.rand(len(t), generator=g) * 9 for t in want]
-        got, got_logps = share_responses(want if rank == 4 else None, want_logps if rank == 4 else None, "responses",
-                                         counts=[4], max_len=7, with_logprobs=True)
-        if rank <= 4:
-            assert all(torch.equal(a, b) for a, b in zip(got[0], want)) and len(got[0]) == 4, got
-            assert all(torch.equal(a, b) for a, b in zip(got_logps[0], want_logps)), got_logps
-        else:
-            assert got == [None] and got_logps == [None]
-        # Direct: no broadcast at all. Broadcast: every rank on a route of three ranks or more (0-4) takes part.
-        assert bool(broadcasts) == (not direct_max and rank <= 4), (direct_max, len(broadcasts))
-    dist.broadcast = real_broadcast
+        assert "message group 'wide'" in raises(NotInGroupError, groups.message_group, "wide")
+    if rank in (0, 3):
+        assert groups.message_group("pair") is groups.message_group("pair-again")
+    assert "no message group 'nope'" in raises(KeyError, groups.message_group, "nope")
+    held = dict(groups.held_groups())
+    expected_held = {"role/actor", "role/ref"} if rank < 2 else {"role/reward"} if rank == 2 else \
+        {"role/critic"} if rank == 3 else set()
+    expected_held |= {"weight_sync"} if rank in (0, 4, 5) else set()
+    expected_held |= {"wide"} if rank <= 4 else set()
+    expected_held |= {"pair,pair-again"} if rank in (0, 3) else set()
+    expected_held |= {"three"} if rank in (0, 1, 3) else set()
+    assert set(held) == expected_held, (rank, held)
 
     # Different collectives at the same time on different groups must not pair up across groups:
     # actor all_reduces 50 times while the reward rank all_gathers alone;

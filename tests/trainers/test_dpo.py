@@ -1,6 +1,6 @@
 """The DPO recipe (sigmoid, IPO, cDPO) and the reference log-probs it compares with (trainers/reference.py).
 
-Learning runs start from the session's SFT model (tests/trainers/conftest.py), as DPO does in practice. The
+Learning runs start from the session's SFT model (tests/recipes.py), as DPO does in practice. The
 two-rank run (ZeRO-3, with the colocated reference sharded too) goes through torchrun; its worker code is at the
 bottom of this file.
 """
@@ -17,7 +17,7 @@ import torch
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.trainers.reference import balanced_chunks, response_logps
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET, learning, record_figures
+from tests.recipes import QUIET, learning, record_figures
 
 
 def dpo_config(out, *overrides):
@@ -62,7 +62,8 @@ def test_dpo_config_checks_relations_between_keys():
 # ------------------------------------------------------------------------------------------------ recipe
 def test_precomputed_and_colocated_reference_give_the_same_first_loss(world, tmp_path):
     from hpc_rlhf.algorithms.losses import sft_loss
-    from hpc_rlhf.trainers import common, dpo
+    from hpc_rlhf.trainers import dpo
+    from hpc_rlhf.data import order
 
     small = ["data.max_train_rows=24", "data.max_eval_rows=8", "eval.prompt_files=[]", "train.batch_size=8",
              "train.micro_batch_size=8", "dpo.beta=0.5"]
@@ -70,7 +71,7 @@ def test_precomputed_and_colocated_reference_give_the_same_first_loss(world, tmp
     for mode in ("colocated", "precompute"):
         recipe = dpo.DPORecipe(dpo_config(tmp_path / mode, f"ref.mode={mode}", *small))
         recipe.setup()
-        micro = common.step_indices(len(recipe.train_examples), 8, 0, 0)
+        micro = order.step_indices(len(recipe.train_examples), 8, 0, 0)
         # Perturb the policy so that the reference matters (at step 0 the two are the same model).
         with torch.no_grad():
             for p in recipe.engine.module.parameters():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hpc_rlhf.trainers.evaluation import load_eval_prompts
-from tests.trainers.conftest import sft_config
+from tests.recipes import sft_config
 
 
 def test_load_eval_prompts(world, tmp_path):

@@ -36,7 +36,7 @@ from hpc_rlhf.utils import checkpoint as ckpt
 from hpc_rlhf.utils.faults import FAULT_ENV, InjectedFault
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import REPO, worker_env
-from tests.trainers.conftest import QUIET
+from tests.recipes import QUIET
 
 HEARTBEAT_TIMEOUT_S = 8  # 6 ranks on 2 cores: a busy rank must not look like a frozen one
 # How soon after the injected failure the whole job must have ended: the heartbeat timeout (a frozen rank is

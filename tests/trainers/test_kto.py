@@ -11,7 +11,7 @@ import pytest
 from hpc_rlhf.config import load_config
 from hpc_rlhf.trainers.kto import kl_partners, mismatched_example
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET, learning, record_figures
+from tests.recipes import QUIET, learning, record_figures
 
 
 def kto_config(out, *overrides):

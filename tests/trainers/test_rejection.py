@@ -9,7 +9,7 @@ import pytest
 
 from hpc_rlhf.config import load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET, learning, record_figures
+from tests.recipes import QUIET, learning, record_figures
 
 
 def rec(index, sample, score):

@@ -11,7 +11,7 @@ import torch
 
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET, record_figures
+from tests.recipes import QUIET, record_figures
 
 
 def rm_config(out, *overrides):
@@ -20,8 +20,8 @@ def rm_config(out, *overrides):
     return load_config(rm.Config, None, [f"output_dir={out}", *QUIET, "checkpoint.resume=false", *overrides])
 
 
-# The session's reward model (tests/trainers/conftest.py) must rank held-out pairs at least this well: PPO rewarded
-# by it alone (tests/trainers/test_ppo.py) needs as much. Measured over seeds 0-4 on AMD machines 0.914-0.976 after
+# The session's reward model (tests/recipes.py) must rank held-out pairs at least this well: PPO rewarded
+# by it alone (tests/rl/test_ppo.py) needs as much. Measured over seeds 0-4 on AMD machines 0.914-0.976 after
 # 1000 steps (0.50 at step 0, 0.74-0.84 at step 500); on an Intel one 0.838-0.956 (seeds 0-2); with train.lr=0 it
 # stays at chance.
 RM_ACCURACY = 0.85

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from hpc_rlhf.trainers import rounds
-from hpc_rlhf.trainers.common import Run
+from hpc_rlhf.trainers.run import Run
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import one_rank_world
+from tests.recipes import one_rank_world
 
 
 def a_run(out: Path) -> Run:

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config import load_config
-from hpc_rlhf.trainers import common
+from hpc_rlhf.data import order
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.trainers.conftest import QUIET, learning, record_figures, sft_config
+from tests.recipes import QUIET, learning, record_figures, sft_config
 
 
 @pytest.mark.learning
@@ -63,7 +63,7 @@ def test_the_loss_is_a_token_mean_over_the_whole_step_whatever_the_micro_batches
     for micro in (8, 1):
         recipe = sft.SFTRecipe(sft_config(tmp_path / f"micro{micro}", *settings, f"train.micro_batch_size={micro}"))
         recipe.setup()
-        rows = common.step_indices(len(recipe.train_examples), 8, 0, recipe.cfg.train.seed)
+        rows = order.step_indices(len(recipe.train_examples), 8, 0, recipe.cfg.train.seed)
         lengths = [recipe._loss_tokens([i]) for i in rows]
         recipe.train()
         figures[micro] = read_metrics(tmp_path / f"micro{micro}")[-1]

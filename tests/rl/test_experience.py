@@ -1,6 +1,6 @@
 import torch
 
-from hpc_rlhf.trainers.experience import from_ragged, make_batch, response_logprobs, shard_bounds, to_ragged
+from hpc_rlhf.rl.experience import from_ragged, make_batch, response_logprobs, shard_bounds, to_ragged
 
 
 def test_shard_bounds_cover_everything_in_order():
@@ -39,7 +39,7 @@ def test_response_logprobs_score_the_next_token():
 
 
 def test_experience_select_cuts_rows_to_their_width():
-    from hpc_rlhf.trainers.experience import Experience
+    from hpc_rlhf.rl.experience import Experience
 
     batch = make_batch([[1, 5], [1]], [torch.tensor([8]), torch.tensor([4, 4, 4, 2])], pad_id=0)
     per_token = torch.arange(8, dtype=torch.float32).reshape(2, 4)

@@ -3,7 +3,7 @@
 GRPO in the hybrid placement (one rank drives its own engine and loads the actor's weights into it before each
 generation) and PPO in the disjoint one (actor, critic, ref and two engines on five ranks, each engine driven by
 its rank and fed over the weight-sync group) must beat the SFT plateau, as the hf engine does in
-tests/trainers/test_ppo.py, with the engines' sampling log-probs matching the actor's at every step, which they
+tests/rl/test_ppo.py, with the engines' sampling log-probs matching the actor's at every step, which they
 only do if every weight sync landed. A driving rank killed with SIGKILL must leave no vLLM process behind.
 
 What each test costs is in the README ("Tested versions and what was run here"): every test here starts vLLM
@@ -21,7 +21,7 @@ import pytest
 from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import REPO, hpc_rlhf_cli, worker_env
-from tests.trainers.conftest import QUIET, learning, record_figures
+from tests.recipes import QUIET, learning, record_figures
 
 EVAL_ROWS = "eval.max_rows=300"
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
@@ -74,7 +74,7 @@ def test_ppo_with_vllm_beats_the_sft_plateau_on_five_ranks(sft_base, ppo_reward_
     weights reach both engines (their log-probs match the actor's, the TIS weights are 1).
 
     The reward model only starts the critic: the reward role's work does not depend on the engine, and
-    tests/trainers/test_ppo.py covers PPO rewarded by it."""
+    tests/rl/test_ppo.py covers PPO rewarded by it."""
     out = tmp_path / "ppo_vllm"
     hpc_rlhf("ppo", "--config", "examples/tiny/ppo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
              f"critic.path={ppo_reward_model}", "reward.models=[]", "placement=actor=1,critic=1,ref=1,rollout=2", VLLM,

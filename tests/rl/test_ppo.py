@@ -16,7 +16,7 @@ import pytest
 from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
-from tests.trainers.conftest import QUIET, learning, record_figures
+from tests.recipes import QUIET, learning, record_figures
 
 EVAL_ROWS = "eval.max_rows=300"
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"  # the built-in random model, for the tests of mechanics

@@ -1,6 +1,6 @@
 """`hpc-rlhf grpo`: the critic-free RL modes (GRPO, Dr. GRPO, RLOO, REINFORCE++), the PPO recipe without a critic.
 
-Only the defaults differ from `hpc-rlhf ppo`: no critic in the placement, a group baseline over the
+Only the defaults differ from `hpc-rlhf ppo` (rl/ppo.py): no critic in the placement, a group baseline over the
 `rollout.n_samples` responses of each prompt (`rl.advantage`), the KL to the reference model as a loss term
 (k3 estimator), and the tiny task's exact-match rule reward instead of a reward model.
 """
@@ -11,12 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from hpc_rlhf.config import field
-from hpc_rlhf.trainers import ppo
-from hpc_rlhf.trainers.rl_config import RewardSection, RLSection
+from hpc_rlhf.rl import config, step
+from hpc_rlhf.rl.config import RewardSection, RLSection
 
 
 @dataclass
-class Config(ppo.Config):
+class Config(config.Config):
     output_dir: str = field("runs/grpo")
     placement: str = field("actor=1,ref=1,rollout=2", help="roles on ranks (no critic)")
     reward: RewardSection = dataclasses.field(
@@ -26,4 +26,4 @@ class Config(ppo.Config):
 
 
 def run(cfg: Config) -> dict[str, float]:
-    return ppo.run(cfg, mode="grpo")
+    return step.run(cfg, mode="grpo")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, load_config
-from hpc_rlhf.trainers import grpo, ppo
+from hpc_rlhf.rl import grpo, ppo
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
-from tests.trainers.conftest import QUIET
+from tests.recipes import QUIET
 
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 
@@ -60,9 +60,9 @@ def test_actor_log_probs_at_the_sampling_temperature_equal_the_engines(tmp_path)
 
 def test_a_batch_draws_its_prompts_once():
     """Rollout, exchange and scoring all ask for a batch's prompt rows; the permutation of the whole prompt set
-    behind them is drawn once per batch (it is the same on every rank and after a resume: common.step_indices)."""
-    from hpc_rlhf.trainers.common import step_indices
-    from hpc_rlhf.trainers.rl_roles import batch_rows
+    behind them is drawn once per batch (it is the same on every rank and after a resume: order.step_indices)."""
+    from hpc_rlhf.data.order import step_indices
+    from hpc_rlhf.rl.roles import batch_rows
 
     batch_rows.cache_clear()
     for _ in range(3):

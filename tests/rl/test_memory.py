@@ -103,7 +103,7 @@ def worker(out: Path, args: list[str]) -> int:
 
     from hpc_rlhf import cli
     from hpc_rlhf.dist import watchdog
-    from hpc_rlhf.trainers import ppo
+    from hpc_rlhf.rl import sync as rl_sync
 
     watched: list[torch.nn.Module] = []  # the top modules of this rank's ZeRO-3 models
     report = {"gathered": {}, "unit": 0, "sync_live": None}
@@ -178,7 +178,7 @@ def worker(out: Path, args: list[str]) -> int:
         def live(self) -> int:
             return sum(n for n, refs in self.storages.values() if any(ref() is not None for ref in refs))
 
-    sync = ppo.RLRecipe._sync_weights
+    sync = rl_sync.WeightSync.sync
     broadcast = dist.broadcast
 
     def sync_and_measure(self):
@@ -199,7 +199,7 @@ def worker(out: Path, args: list[str]) -> int:
         finally:
             dist.broadcast = broadcast
 
-    ppo.RLRecipe._sync_weights = sync_and_measure
+    rl_sync.WeightSync.sync = sync_and_measure
     code = cli.main(args)
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report))  # the run has left the world
     return code

@@ -1,5 +1,5 @@
-"""The rollout side of the RL step: the engines generate a batch (`engine_generate`), it waits in the pipeline
-until its exchange (`share_generated`), and asynchronous RL's bookkeeping (`rl.max_staleness`, K): the batches
+"""Phase 2 of the RL step, rollout: the engines generate a batch (`engine_generate`), which waits in the pipeline
+until its exchange (messages.share_generated), and asynchronous RL's bookkeeping (`rl.max_staleness`, K): the batches
 generated ahead of the step that trains on them, the policy version that generated each, and their place in a
 checkpoint.
 
@@ -38,12 +38,21 @@ import torch.distributed as dist
 
 from hpc_rlhf.dist import groups
 from hpc_rlhf.engines.rollout.base import SamplingParams
-from hpc_rlhf.trainers import rl_exchange
-from hpc_rlhf.trainers.experience import shard_bounds
+from hpc_rlhf.rl.experience import shard_bounds
 
 log = logging.getLogger("hpc_rlhf")
 
 STATE_KEY = "rollout_in_flight"  # in the checkpoint's trainer state: {"max_staleness": K, "versions": {...}}
+# Sampling seeds: batch b of a run at train.seed s samples with seed s * BATCH_SEED_STRIDE + b, and engine e draws
+# from (that seed) * ENGINE_SEED_STRIDE + e: distinct streams for every batch and engine of a run (below 7,919
+# engines).
+BATCH_SEED_STRIDE = 100003
+ENGINE_SEED_STRIDE = 7919
+
+
+def batch_seed(seed: int, index: int) -> int:
+    """The sampling seed of RL batch `index` in a run at train.seed `seed` (the same on every rank)."""
+    return seed * BATCH_SEED_STRIDE + index
 
 
 class RolloutPipeline:
@@ -76,8 +85,8 @@ class RolloutPipeline:
             self.shares[index] = (responses, logprobs)
 
     def take(self, index: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, int]:
-        """Batch `index`, leaving the pipeline for its exchange at step `index`: (this engine's responses and
-        their log-probs, or None off an engine's first rank; its staleness in policy versions)."""
+        """Batch `index`, leaving the pipeline for its exchange at step `index` (every rank): (this engine's
+        responses and their log-probs, or None off an engine's first rank; its staleness in policy versions)."""
         if index not in self.versions:
             raise RuntimeError(f"batch {index} was never generated (in flight: {sorted(self.versions)})")
         staleness = index - self.versions.pop(index)
@@ -86,15 +95,6 @@ class RolloutPipeline:
                                f"{self.max_staleness}")
         responses, logprobs = self.shares.pop(index, (None, None))
         return responses, logprobs, staleness
-
-    def exchange(self, index: int, prompts: int, n: int, max_len: int
-                 ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, int]:
-        """Batch `index` (`prompts` prompts x `n` samples of at most `max_len` tokens) leaves the pipeline (every
-        rank, at step `index`): its responses on every scoring rank and rank 0 with its sampling log-probs (None
-        elsewhere), and its staleness."""
-        mine, mine_logps, staleness = self.take(index)
-        responses, logps = share_generated(mine, mine_logps, "responses", prompts, n, max_len, with_logprobs=True)
-        return responses, logps, staleness
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save(self, staging: Path) -> dict[str, Any]:
@@ -148,24 +148,11 @@ def engine_generate(rollout, prompts: list[list[int]], sampling: SamplingParams,
     # a ZeRO-3 hybrid engine's forward passes are collectives of the actor group: all ranks generate
     if end <= start and getattr(rollout, "sync_group", None) is None:
         return [], []
-    seeded = dataclasses.replace(sampling, seed=None if sampling.greedy else (sampling.seed or 0) * 7919 + e)
+    seeded = dataclasses.replace(sampling, seed=None if sampling.greedy else
+                                 (sampling.seed or 0) * ENGINE_SEED_STRIDE + e)
     with awake():
         out = rollout.generate(prompts[start:end], seeded)
     return out.flat_responses(), out.flat_logprobs()
-
-
-def share_generated(mine: list[torch.Tensor] | None, mine_logps: list[torch.Tensor] | None, to: str, prompts: int,
-                    n: int, max_len: int, with_logprobs: bool = False
-                    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-    """Each engine's share of a batch of `prompts` prompts x `n` samples of at most `max_len` tokens (`mine`, on
-    the engine's first rank) along the routes `to/E`: every response, prompt-major, on the ranks of all those
-    routes (the scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), and with `with_logprobs`
-    their sampling log-probs on the same ranks (in the same messages: `rl_exchange.share_responses`); None
-    elsewhere. Every rank calls it."""
-    engines = len(groups.plan().role("rollout").engines)
-    counts = [n * (end - start) for start, end in (shard_bounds(prompts, engines, e) for e in range(engines))]
-    responses, logps = rl_exchange.share_responses(mine, mine_logps, to, counts, max_len, with_logprobs)
-    return rl_exchange.concatenated(responses), rl_exchange.concatenated(logps) if with_logprobs else None
 
 
 def engine_led_here() -> int | None:

@@ -1,4 +1,5 @@
-"""The experience of one RL step as tensors, and the pure conversions between its two shapes.
+"""The experience of one RL step as tensors, the pure conversions between its two shapes, and its assembly from
+what the roles scored (phase 6 of the step, `build_experience`).
 
 On the wire (hpc_rlhf.dist.exchange) every per-sample quantity is ragged: one 1-D tensor per sample, as long as
 that sample's response (log-probs, values, KL) or of length 1 (scores). For a forward pass the samples become a
@@ -17,12 +18,12 @@ contiguous shards (`shard_bounds`) so that gathering the shards in group-rank or
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from hpc_rlhf.algorithms.advantages import assemble_advantages
 from hpc_rlhf.algorithms.logprobs import token_logprobs
 
 
@@ -89,11 +90,15 @@ class Experience:
             return rows_of_t if device is None else rows_of_t.to(device)
 
         return Experience(batch if device is None else batch.to(device),
-                          *(cut(getattr(self, f.name)) for f in dataclasses.fields(self)[1:]))
+                          **{name: cut(getattr(self, name)) for name in PER_SAMPLE_FIELDS})
 
     def tokens(self, rows: Sequence[int]) -> float:
         """Response tokens of the samples `rows`."""
         return float(sum(self.batch.response_lens[i] for i in rows))
+
+
+# The Experience fields that hold one row per sample (all but the batch), which a micro-batch selects
+PER_SAMPLE_FIELDS = ("scores", "rollout_logps", "old_logps", "ref_logps", "kl", "advantages", "values", "returns")
 
 
 def make_batch(prompts: Sequence[Sequence[int]], responses: Sequence[torch.Tensor], pad_id: int) -> SampleBatch:
@@ -135,3 +140,20 @@ def from_ragged(seqs: Sequence[torch.Tensor], batch: SampleBatch, dtype=torch.fl
 def response_logprobs(logits: torch.Tensor, batch: SampleBatch, temperature: float = 1.0) -> torch.Tensor:
     """(B, T, V) logits -> (B, T-1) log-probs of the next token (meaningful where action_mask is 1)."""
     return token_logprobs(logits[:, :-1], batch.input_ids[:, 1:].to(logits.device), temperature=temperature)
+
+
+def build_experience(cfg, batch: SampleBatch, scored: dict[str, torch.Tensor], rollout_logps: torch.Tensor,
+                     reward_roles: Sequence[str]) -> Experience:
+    """Phase 6, advantages: the roles' results on the actor and critic ranks (`scored`, messages.share_scores) ->
+    the step's Experience. Weighted scores, the KL estimate and the advantage estimator are one pure function,
+    `algorithms.advantages.assemble_advantages`; `cfg` is the RL config (rl.config.Config)."""
+    rl = cfg.rl
+    old_logps = scored["actor"]
+    assembled = assemble_advantages(
+        scored["rules"], [scored[name] for name in reward_roles],
+        cfg.reward.model_weights or [1.0] * len(reward_roles), old_logps, scored.get("ref"),
+        batch.action_mask, kl_estimator=rl.kl_estimator, estimator=rl.advantage, n=cfg.rollout.n_samples,
+        kl_coef=rl.kl_coef, kl_in_reward=rl.kl_in_reward, gamma=rl.gamma, lam=rl.lam, values=scored.get("critic"),
+        whiten=rl.whiten_advantages, normalize_scores=rl.normalize_rewards, score_clip=cfg.reward.clip)
+    return Experience(batch, assembled.scores, rollout_logps, old_logps, scored.get("ref", old_logps), assembled.kl,
+                      assembled.advantages, scored.get("critic"), assembled.returns)

@@ -1,5 +1,5 @@
-"""What the trainer tests share: a one-rank gloo world for in-process runs, an SFT configuration, and the models
-trained once per session that the learning tests start from (the SFT base of the DPO, KTO, RL and iterative-mode
+"""What the tests of the recipes (tests/trainers, tests/rl) share: a one-rank gloo world for in-process runs, an SFT
+configuration, and the models trained once per session that the learning tests start from (the SFT base of the DPO, KTO, RL and iterative-mode
 tests, and the reward model the PPO tests start from, whose own training is the reward-model learning test), with
 the hooks that calibrate those tests over seeds."""
 
@@ -82,7 +82,7 @@ def sft_config(out: Path, *overrides: str):
 SFT_BASE = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=2e-3",
             "train.warmup_steps=20", "log.every_steps=100", "log.eval_every_steps=0", "eval.max_rows=300",
             "checkpoint.resume=false"]
-# A reward model good enough for PPO to learn from (tests/trainers/test_ppo.py); it must also judge the units
+# A reward model good enough for PPO to learn from (tests/rl/test_ppo.py); it must also judge the units
 # digit: see hpc_rlhf.data.synthetic.wrong_answer. Its training is what tests/trainers/test_rm.py's learning test
 # checks, so the control trains it at lr 0 too.
 PPO_REWARD_MODEL = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",

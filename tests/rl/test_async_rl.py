@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, format_help, load_config
-from hpc_rlhf.trainers import grpo, ppo
-from hpc_rlhf.trainers.experience import Experience, make_batch
-from hpc_rlhf.trainers.rl_config import ASYNC_TIS_CAP, tis_cap
-from hpc_rlhf.trainers.rl_pipeline import STATE_KEY, RolloutPipeline
-from hpc_rlhf.trainers.rl_scoring import sample_figures
+from hpc_rlhf.rl import grpo, ppo
+from hpc_rlhf.rl.experience import Experience, make_batch
+from hpc_rlhf.rl.config import ASYNC_TIS_CAP, tis_cap
+from hpc_rlhf.rl.rollout import STATE_KEY, RolloutPipeline
+from hpc_rlhf.rl.metrics import sample_figures
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
-from tests.trainers.conftest import QUIET, learning, record_figures
+from tests.recipes import QUIET, learning, record_figures
 
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 

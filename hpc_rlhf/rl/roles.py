@@ -1,25 +1,23 @@
-"""Builders for the roles of an RL job (torchtune style: small functions the recipe calls in `setup()`):
-the prompts every rank reads, the rollout engine of a rollout rank, and the actor's weights as the engines name
-them.
+"""Builders for the roles of an RL job (torchtune style: small functions the recipe calls in `setup()`): the
+prompts every rank reads and draws each batch from (phase 1 of the step: nothing is sent), the ranks per node, and
+the rollout engine of a rollout rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from hpc_rlhf.data.examples import prompt_example
 from hpc_rlhf.data.loading import load_rows
+from hpc_rlhf.data.order import step_indices
 from hpc_rlhf.dist import groups
 from hpc_rlhf.dist.bootstrap import current_launch
-from hpc_rlhf.engines.rollout.base import hf_param_name
 from hpc_rlhf.models.builders import build_causal_lm
-from hpc_rlhf.trainers.common import step_indices
-from hpc_rlhf.trainers.rl_config import Config
+from hpc_rlhf.rl.config import Config
 
 
 def load_prompts(cfg: Config, tokenizer, paths, where: str, max_rows) -> list[dict]:
@@ -86,12 +84,3 @@ def build_vllm_engine(cfg: Config, plan, eos: int):
                              seed=cfg.train.seed, enable_sleep_mode=plan.is_hybrid,
                              max_model_len=cfg.data.max_prompt_len + max(cfg.rollout.max_new_tokens,
                                                                          cfg.eval.max_new_tokens))
-
-
-def hf_names(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) with the plain Hugging Face names the engines load, as a stream (`TrainEngine.full_state()`
-    streams the actor one module at a time, LoRA adapters already folded in; nothing is held here)."""
-    for name, tensor in named:
-        hf_name = hf_param_name(name)
-        if hf_name is not None:  # None: a LoRA adapter tensor (full_state() folds them in and yields none)
-            yield hf_name, tensor

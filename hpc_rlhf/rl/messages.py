@@ -1,0 +1,288 @@
+"""The RL step's messages: which message goes from whom to whom (the route table), and the calls that move them.
+
+A message kind has a route: its sender and its consumers, a pure function of the placement (`routes_of`), the same
+on every rank. Rank 0, the actor's leader, logs the step's figures:
+- `responses/E`: engine E's responses and their sampling log-probs, from its first rank to every scoring rank
+  (actor, critic, ref, reward models; the rule rewards run on one of them) and rank 0. The log-probs are for the
+  trained roles; they ride in the same message (`share_responses` says why);
+- `scores/ROLE` (actor, critic, ref, reward, reward2, ..., and `rules` for the rule/remote rewards): that role's
+  per-sample results, from its leader (the rule rewards' rank for `rules`) to the trained roles and rank 0;
+- `eval/E`: engine E's greedy responses of an evaluation, to rank 0 only (the one rank that decodes them);
+- `figures/critic`: the critic's training figures, from its leader to rank 0, which logs them.
+
+How a message travels is hpc_rlhf.dist.exchange's (`post`): nowhere when its sender is its only consumer, point to
+point to a single consumer (and on gloo to each consumer when it is small), by a broadcast over the route's group
+otherwise. The groups are created once by hpc_rlhf.dist.groups from the rank sets this module names
+(`message_groups`); ranks outside a route take no part and get None.
+
+On a machine where roles share cores, a message costs a rank far more in latency (its partner must be scheduled)
+than in bytes, so the messages of one phase travel together, all in flight before any is waited for:
+`share_responses` moves a batch's responses and sampling log-probs from every engine in one round (padded to a
+size every rank knows), `share_known` a step's scores from every role in one (their lengths follow from the
+responses, and what one sender sends to the same ranks goes as one message).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.dist import exchange, groups
+from hpc_rlhf.dist.placement import Plan, role_kind
+from hpc_rlhf.rl.experience import SampleBatch, from_ragged, shard_bounds
+
+LOGGING_RANK = 0  # the actor's leader (placement puts the actor first), which logs the step's figures
+CRITIC_FIGURES = ("value_loss", "value_clip_fraction", "critic_grad_norm", "critic_skipped")
+
+
+@dataclass(frozen=True)
+class Route:
+    """Who sends one kind of message (`src`) and every rank that takes part (`ranks`: the sender and its consumers,
+    sorted)."""
+    key: str
+    src: int
+    ranks: tuple[int, ...]
+
+    @property
+    def consumers(self) -> tuple[int, ...]:
+        return tuple(r for r in self.ranks if r != self.src)
+
+
+# ------------------------------------------------------------------------------------------------ the route table
+def rule_reward_rank(plan: Plan) -> int:
+    """Where the rule and remote rewards run: the first reward model's leader, else the actor's leader."""
+    rewards = [name for name in plan.roles if role_kind(name) == "reward"]
+    return plan.role(rewards[0] if rewards else "actor").leader
+
+
+def routes_of(plan: Plan) -> dict[str, Route]:
+    """Every route of `plan` (see the module docstring). Pure: every rank computes the same."""
+    def ranks_of(kinds) -> set[int]:
+        return {r for name, role in plan.roles.items() if role.kind in kinds for r in role.ranks}
+
+    trained = ranks_of(("actor", "critic")) | {LOGGING_RANK}
+    scorers = ranks_of(("actor", "critic", "ref", "reward")) | {LOGGING_RANK}
+    routes: dict[str, Route] = {}
+
+    def add(key: str, src: int, consumers: set[int]) -> None:
+        routes[key] = Route(key, src, tuple(sorted(consumers | {src})))
+
+    if plan.has("rollout"):
+        for index, engine in enumerate(plan.role("rollout").engines):
+            add(f"responses/{index}", engine[0], scorers)
+            add(f"eval/{index}", engine[0], {LOGGING_RANK})
+    for name, role in plan.roles.items():
+        if role.kind != "rollout":
+            add(f"scores/{name}", role.leader, trained)
+    add("scores/rules", rule_reward_rank(plan), trained)
+    if plan.has("critic"):
+        add("figures/critic", plan.role("critic").leader, {LOGGING_RANK})
+    return routes
+
+
+def message_groups(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """The rank sets that need a group of their own (routes of three ranks or more; the others travel point to
+    point or not at all): what hpc_rlhf.dist.groups.initialize creates, named by route."""
+    return {key: r.ranks for key, r in routes_of(plan).items() if len(r.ranks) > 2}
+
+
+_TABLE: tuple[Plan | None, dict[str, Route]] = (None, {})
+
+
+def route(key: str) -> Route:
+    """The route of message `key` in the placement of this job (public knowledge: any rank may ask)."""
+    global _TABLE
+    plan = groups.plan()
+    if _TABLE[0] is not plan:
+        _TABLE = (plan, routes_of(plan))
+    table = _TABLE[1]
+    if key not in table:
+        raise KeyError(f"no route '{key}' in this placement; routes: {', '.join(table)}")
+    return table[key]
+
+
+def _post(flat: torch.Tensor, path: Route, tag: int) -> list:
+    """Start moving `flat` along `path` (this rank is on it): the works to wait for."""
+    group = groups.message_group(path.key) if len(path.ranks) > 2 else None
+    return exchange.post(flat, path.src, path.consumers, group=group, tag=tag)
+
+
+# ------------------------------------------------------------------------------------------------ known lengths
+def share_known(messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequence[int] | None]],
+                dtype: torch.dtype = torch.float32) -> dict[str, list[torch.Tensor] | None]:
+    """Several messages of known lengths at once: `messages[key] = (values, lengths)` for route `key`, `values`
+    given on the route's sender, `lengths` (of every value) on every rank of the route; the result maps each key
+    to its values on the ranks of its route, None elsewhere. Every rank passes the same keys in the same order.
+
+    Messages whose routes have the same sender and ranks travel as one flat message, and every message is in
+    flight before any is waited for (`exchange.post`): a rank that consumes several messages waits for the slowest, not
+    for their sum."""
+    me = dist.get_rank()
+    out: dict[str, list[torch.Tensor] | None] = {key: None for key in messages}
+    bundles: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for key, (values, lengths) in messages.items():
+        path = route(key)
+        if me not in path.ranks:
+            continue
+        if lengths is None:
+            raise exchange.ExchangeError(f"share_known('{key}'): rank {me} is on the route but knows no lengths")
+        if len(path.ranks) == 1:
+            out[key] = list(values)
+            continue
+        bundles.setdefault((path.src, path.ranks), []).append(key)
+    device = exchange.comm_device()
+    flats = []  # every bundle's buffer, checked and filled before anything travels
+    for (src, ranks), keys in bundles.items():
+        if me != src:
+            flats.append(torch.empty(sum(sum(messages[key][1]) for key in keys), dtype=dtype, device=device))
+            continue
+        parts = []
+        for key in keys:
+            values, lengths = messages[key]
+            if values is None or [v.numel() for v in values] != list(lengths):
+                got = "none" if values is None else [v.numel() for v in values]
+                raise exchange.ExchangeError(f"share_known('{key}'): values of lengths {got}, but the route's ranks "
+                                             f"expect {list(lengths)}")
+            parts += [v.reshape(-1).to(dtype) for v in values]
+        flats.append(torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=dtype, device=device))
+    order = {key: i for i, key in enumerate(messages)}  # the same on every rank: the bundles' tags
+    works = []
+    for ((src, ranks), keys), flat in zip(bundles.items(), flats):
+        works += _post(flat, route(keys[0]), tag=order[keys[0]])
+    exchange.wait(works)
+    for keys, flat in zip(bundles.values(), flats):
+        sizes = [sum(messages[key][1]) for key in keys]
+        for key, part in zip(keys, torch.split(flat.cpu(), sizes)):
+            out[key] = list(torch.split(part, list(messages[key][1])))
+    return out
+
+
+
+# ------------------------------------------------------------------------------------------------ responses
+def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[torch.Tensor] | None, kind: str,
+                    counts: Sequence[int], max_len: int, with_logprobs: bool = False
+                    ) -> tuple[list[list[torch.Tensor] | None], list[list[torch.Tensor] | None]]:
+    """Every engine's responses (`mine`: token ids, on the engine's first rank; engine E generated `counts[E]`
+    responses of at most `max_len` tokens) along the routes `kind/E`, with `with_logprobs` their sampling
+    log-probs (`mine_logps`) too: per engine, (token ids, log-probs) on the ranks of its route, None elsewhere.
+    Every rank calls it.
+
+    One message per engine, all in flight at once, of a size every rank knows: 4-byte words, the lengths, then
+    room for `max_len` token ids (int32: vocabularies are far below 2^31) per response, then as much for the
+    log-probs' bits. Padding to the longest possible batch costs bytes, which are cheap next to the round trip
+    that announcing the size would cost; the log-probs ride in the room int64 ids would have taken, so the
+    ranks that do not need them (ref, reward) get no more bytes than the ids alone would have cost them."""
+    device, me = exchange.comm_device(), dist.get_rank()
+    width = 2 if with_logprobs else 1
+    tokens: list[list[torch.Tensor] | None] = [None] * len(counts)
+    logps: list[list[torch.Tensor] | None] = [None] * len(counts)
+    words, works = {}, []
+    for e, count in enumerate(counts):
+        key = f"{kind}/{e}"
+        path = route(key)
+        if me not in path.ranks:
+            continue
+        room = count * max_len
+        words[e] = torch.zeros(count + width * room, dtype=torch.int32)
+        if me == path.src:
+            lengths = [len(t) for t in mine] if mine is not None else None
+            if lengths is None or len(lengths) != count or (lengths and max(lengths) > max_len):
+                raise exchange.ExchangeError(f"share_responses('{key}'): the engine has {len(lengths or [])} "
+                                             f"responses of up to {max(lengths or [0])} tokens; the ranks of the "
+                                             f"route expect {count} of at most {max_len}")
+            if with_logprobs and (mine_logps is None or [len(t) for t in mine_logps] != lengths):
+                raise exchange.ExchangeError(f"share_responses('{key}'): log-probs missing or not as long as the "
+                                             "responses")
+            flat, _ = exchange.pack_ragged(mine, torch.long)
+            if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < 2**31):
+                raise exchange.ExchangeError(f"share_responses('{key}'): token ids outside int32")
+            total = flat.numel()
+            words[e][:count] = torch.tensor(lengths, dtype=torch.int32)
+            words[e][count:count + total] = flat.to(torch.int32)
+            if with_logprobs:
+                logp_bits = exchange.pack_ragged(mine_logps, torch.float32)[0].view(torch.int32)
+                words[e][count + room:count + room + total] = logp_bits
+        words[e] = words[e].to(device)
+        works += _post(words[e], path, tag=e)
+    exchange.wait(works)
+    for e, flat in words.items():
+        count, room = counts[e], counts[e] * max_len
+        flat = flat.cpu()
+        lengths = flat[:count].tolist()
+        total = sum(lengths)
+        tokens[e] = list(torch.split(flat[count:count + total].long(), lengths))
+        if with_logprobs:
+            logps[e] = list(torch.split(flat[count + room:count + room + total].view(torch.float32).clone(), lengths))
+    return tokens, logps
+
+
+def concatenated(per_engine: list[list[torch.Tensor] | None]) -> list[torch.Tensor] | None:
+    """The engines' lists in engine order, on the ranks that got every one of them; None elsewhere."""
+    if any(part is None for part in per_engine):
+        return None
+    return [t for part in per_engine for t in part]
+
+
+def share_generated(mine: list[torch.Tensor] | None, mine_logps: list[torch.Tensor] | None, to: str, prompts: int,
+                    n: int, max_len: int, with_logprobs: bool = False
+                    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """Each engine's share of a batch of `prompts` prompts x `n` samples of at most `max_len` tokens (`mine`, on
+    the engine's first rank) along the routes `to/E`: every response, prompt-major, on the ranks of all those
+    routes (the scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), and with `with_logprobs`
+    their sampling log-probs on the same ranks (in the same messages: `share_responses`); None elsewhere. Every
+    rank calls it."""
+    engines = len(groups.plan().role("rollout").engines)
+    counts = [n * (end - start) for start, end in (shard_bounds(prompts, engines, e) for e in range(engines))]
+    responses, logps = share_responses(mine, mine_logps, to, counts, max_len, with_logprobs)
+    return concatenated(responses), concatenated(logps) if with_logprobs else None
+
+
+# ------------------------------------------------------------------------------------------------ scores
+def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], rules: list[torch.Tensor] | None,
+                 with_rules: bool, batch: SampleBatch | None) -> dict[str, torch.Tensor]:
+    """Every scoring role's results (`local[role]`, on its leader) and the rule rewards (`rules`, on their rank)
+    to the trained roles, all in one round (`share_known`; the lengths follow from the responses): dense on those
+    ranks, (B, T-1) per-token tensors for actor, critic and ref, (B,) scores of each reward model and "rules"
+    (zeros without rule or remote rewards)."""
+    def lengths_of(role):
+        if batch is None:
+            return None
+        return [1] * len(batch.response_lens) if role.startswith("reward") or role == "rules" else batch.response_lens
+
+    messages = {f"scores/{role}": (local.get(role), lengths_of(role)) for role in roles}
+    if with_rules:
+        messages["scores/rules"] = (rules, None if batch is None else [len(batch.response_lens)])
+    scored = {}
+    for key, full in share_known(messages).items():
+        role = key.removeprefix("scores/")
+        if full is not None:
+            per_sample = role.startswith("reward") or role == "rules"
+            scored[role] = torch.cat(full) if per_sample else from_ragged(full, batch)
+    if not with_rules and batch is not None:
+        scored["rules"] = torch.zeros(len(batch.response_lens))
+    return scored
+
+
+# ------------------------------------------------------------------------------------------------ figures
+def critic_figures_to_logger(figures: dict[str, float]) -> dict[str, float]:
+    """The critic's training figures (CRITIC_FIGURES, on its leader) to the logging rank: there, those it logs;
+    {} elsewhere. Every rank calls it."""
+    if not groups.plan().has("critic"):
+        return {}
+    path = route("figures/critic")
+    me = dist.get_rank()
+    if me not in path.ranks:
+        return {}
+    values = torch.tensor([figures.get(k, float("nan")) for k in CRITIC_FIGURES], dtype=torch.float64)
+    if me != path.src:
+        values = exchange.recv_known(path.src, len(CRITIC_FIGURES), torch.float64)
+    elif path.consumers:
+        exchange.send_known(values, path.consumers[0], len(CRITIC_FIGURES), torch.float64)
+    if me != LOGGING_RANK:
+        return {}
+    logged = dict(zip(CRITIC_FIGURES, values.tolist()))
+    del logged["critic_skipped"]  # counted with the actor's skips in `skipped_steps`
+    return logged

@@ -1,0 +1,101 @@
+"""Phase 4 of the RL step, scoring: actor (old log-probs), critic (values), ref (log-probs) and each reward model
+(scores) on their contiguous shard of the samples, all at the same time on their own ranks, each gathered to its
+role's leader; the rule and remote rewards once, on one rank. Moving the results to the trained roles is
+messages.share_scores.
+
+The trained roles score through their module's forward: under ZeRO-3 its hooks fetch one layer at a time, as for
+the frozen roles (never the whole model at once), and keep DeepSpeed's collectives in the role's group
+(engines.deepspeed_compat.keep_module_in_group, for every ZeRO-3 model).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf import rewards as reward_fns
+from hpc_rlhf.dist import exchange, groups
+from hpc_rlhf.models.value_model import sequence_scores, token_values
+from hpc_rlhf.rl import messages
+from hpc_rlhf.rl.experience import SampleBatch, make_batch, response_logprobs, shard_bounds, to_ragged
+
+
+def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int, int], SampleBatch],
+                   one: Callable[[SampleBatch], list[torch.Tensor]]) -> list[torch.Tensor] | None:
+    """`one` over this rank's contiguous shard of the `samples` in micro-batches; the role leader gets every
+    rank's results in sample order (None elsewhere). Every rank of the role runs as many passes as the one with
+    the largest shard (a ZeRO-3 model gathers parameters collectively in each): the extra ones on one sample,
+    dropped."""
+    size, index = len(groups.role_ranks(role)), groups.rank_in_role(role)
+    start, end = shard_bounds(samples, size, index)
+    passes = math.ceil(math.ceil(samples / size) / micro)
+    results = []
+    for p in range(passes):
+        lo, hi = start + p * micro, min(start + (p + 1) * micro, end)
+        if lo < hi:
+            results += one(batch_of(lo, hi))
+        else:
+            one(batch_of(0, 1))
+    gathered = exchange.gather_ragged(results, dst=groups.role_leader(role), group=groups.role_group(role),
+                                      tag=f"{role}-scores", dtype=torch.float32)
+    return exchange.flatten_ranks(gathered) if gathered is not None else None
+
+
+def rule_scores(cfg, rule_functions, tokenizer, leader: int, prompts: list[str],
+                responses: list[torch.Tensor] | None, answers: list[str | None]) -> list[torch.Tensor] | None:
+    """Rule functions and the HTTP endpoint, weighted and summed, computed once on `leader` (the only rank that
+    decodes the responses, the sender of the route `scores/rules`): [(B,)] there, None elsewhere."""
+    route = messages.route("scores/rules")
+    if route.src != leader:
+        raise ValueError(f"rule rewards run on rank {route.src} (rl.messages.rule_reward_rank), not {leader}")
+    if dist.get_rank() != leader:
+        return None
+    texts = [tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
+    total = torch.zeros(len(texts))
+    weights = cfg.reward.function_weights or [1.0] * len(rule_functions)
+    for (spec, fn), w in zip(rule_functions, weights):
+        total += w * torch.tensor(reward_fns.call_reward_function(fn, spec, prompts, texts, answers))
+    if cfg.reward.http_url:
+        total += cfg.reward.http_weight * torch.tensor(reward_fns.remote_rewards(
+            cfg.reward.http_url, prompts, texts, answers, timeout_s=cfg.reward.http_timeout_s))
+    return [total]
+
+
+# ------------------------------------------------------------------------------------------ what each role computes
+def logprobs_of(model, temperature: float) -> Callable[[SampleBatch], list[torch.Tensor]]:
+    """Per-token log-probs of the responses under `model` (actor, ref), as the engines report theirs: of the
+    sampling distribution softmax(logits / T)."""
+    def one(sub: SampleBatch) -> list[torch.Tensor]:
+        logits = model(input_ids=sub.input_ids, attention_mask=sub.attention_mask, use_cache=False).logits
+        return to_ragged(response_logprobs(logits.float(), sub, temperature), sub)
+    return one
+
+
+def values_of(model) -> Callable[[SampleBatch], list[torch.Tensor]]:
+    """Per-token values of the responses under a value model (the critic)."""
+    def one(sub: SampleBatch) -> list[torch.Tensor]:
+        return to_ragged(token_values(model, sub.input_ids, sub.attention_mask)[:, :-1].float(), sub)
+    return one
+
+
+def scores_of(model, normalize: bool) -> Callable[[SampleBatch], list[torch.Tensor]]:
+    """One score per sample from a reward model."""
+    def one(sub: SampleBatch) -> list[torch.Tensor]:
+        scores = sequence_scores(model, sub.input_ids, sub.attention_mask, normalize=normalize)
+        return [v.reshape(1).float().cpu() for v in scores]
+    return one
+
+
+@torch.no_grad()
+def score_roles(scorers: dict[str, Callable[[SampleBatch], list[torch.Tensor]]], sample_prompts: Sequence[Sequence[int]],
+                responses: Sequence[torch.Tensor], pad_id: int, micro: int, device: Any) -> dict[str, list | None]:
+    """Each role this rank holds (`scorers`: role -> what it computes for a micro-batch) on its shard of the
+    samples (prompt ids and responses per sample); per role, every rank's results on the role's leader, None on
+    its other ranks."""
+    def batch_of(start: int, end: int) -> SampleBatch:
+        return make_batch(sample_prompts[start:end], responses[start:end], pad_id).to(device)
+
+    return {role: score_on_shard(role, len(sample_prompts), micro, batch_of, one) for role, one in scorers.items()}

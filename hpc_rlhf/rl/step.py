@@ -1,0 +1,299 @@
+"""`hpc-rlhf ppo` and `hpc-rlhf grpo`: RL from rewards with every role on its own process group. `RLRecipe.train`
+is the step; read it top to bottom. Each phase is one module of this package:
+
+  1. prompts     roles.py       every rank draws the same prompts for batch b (seeded): nothing is sent
+  2. rollout     rollout.py     each rollout engine generates n samples for its contiguous share of the prompts
+  3. exchange    messages.py    each engine's leader sends its responses (packed tokens + lengths) and their
+                                sampling log-probs to the ranks that consume them (the route table)
+  4. scoring     scoring.py     actor (old log-probs), critic (values), ref (log-probs) and reward models (scores)
+                                each on their contiguous shard; rule/remote rewards on one rank
+  5. exchange    messages.py    each role gathers its shard results to its leader, which sends them on
+  6. advantages  experience.py  actor and critic ranks turn scores, KL and values into an `Experience` (one pure
+                                function, `algorithms.advantages.assemble_advantages`)
+  7. training    training.py    actor (clipped policy loss) and critic (clipped value loss), at the same time, each
+                                on its own group with DeepSpeed
+  8. sync        sync.py        the actor's leader streams the new weights to the rollout ranks in buckets
+     logging     metrics.py     what rank 0 logs about the step
+     config      config.py      the keys, and the checks that run before any rank starts
+
+Every rank runs this same loop; `groups.has_role(...)` decides what a rank does in each phase, and every exchange
+is a collective or point-to-point message that all its ranks enter in the same order (DESIGN §4).
+
+Asynchronous RL (`rl.max_staleness` K >= 1, disjoint placements): at step t batch t, generated at most K policy
+versions ago, is exchanged, then the engines generate batch t+K (phase 2 after 3) while phases 4-7 run on the
+other ranks, and join the sync when done. The policy loss weights each token by the truncated importance weight
+pi_old / pi_rollout (`rl.tis_cap`). The schedule, and the batches in flight in checkpoints: rollout.py.
+
+No phase holds a whole model on a rank under ZeRO-3 (one module gathered at a time in forwards, engines/train.py;
+weight sync streams, dist/weight_sync.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from hpc_rlhf import rewards as reward_fns
+from hpc_rlhf.config import ModelSection, TrainSection
+from hpc_rlhf.data.synthetic import exact_match
+from hpc_rlhf.dist import groups, watchdog
+from hpc_rlhf.dist.placement import make_plan
+from hpc_rlhf.engines.rollout.base import SamplingParams
+from hpc_rlhf.engines.train import TrainEngine
+from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
+from hpc_rlhf.models.dropout import disable_dropout
+from hpc_rlhf.models.value_model import build_value_model
+from hpc_rlhf.rl import messages, scoring
+from hpc_rlhf.rl.config import Config, check_plan_against_config, reward_role_names, tis_cap
+from hpc_rlhf.rl.experience import SampleBatch, build_experience, from_ragged, make_batch
+from hpc_rlhf.rl.metrics import sample_figures, step_timing
+from hpc_rlhf.rl.roles import batch_rows, build_rollout_engine, load_prompts, ranks_per_node
+from hpc_rlhf.rl.rollout import RolloutPipeline, batch_seed, engine_generate, engine_led_here
+from hpc_rlhf.rl.sync import WeightSync
+from hpc_rlhf.rl.training import train_actor, train_critic
+from hpc_rlhf.trainers import checkpointing
+from hpc_rlhf.trainers import run as run_setup
+from hpc_rlhf.trainers.reference import FrozenModel
+
+log = logging.getLogger("hpc_rlhf")
+
+
+class RLRecipe:
+    def __init__(self, cfg: Config, mode: str = "ppo"):
+        self.cfg = cfg
+        self.mode = mode
+
+    # ----------------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run = run = run_setup.start_run(cfg, self.mode)
+        per_node = cfg.ranks_per_node or ranks_per_node(run.world_size)
+        self.plan = plan = make_plan(cfg.placement, run.world_size, per_node)
+        check_plan_against_config(plan, cfg)
+        if plan.role("actor").leader != messages.LOGGING_RANK:  # the logging rank must hold the step's Experience
+            raise RuntimeError(f"rank {messages.LOGGING_RANK} logs the step but the actor's leader is rank "
+                               f"{plan.role('actor').leader}\n{plan.format_table()}")
+        if run.is_main:
+            log.info("placement:\n%s", plan.format_table())
+        groups.initialize(plan, messages.message_groups(plan), timeout_s=cfg.dist.timeout_s)
+        run_setup.ensure_tiny_assets_if_used(cfg.data.train_files, cfg.data.eval_files, cfg.actor.path)
+        run_setup.check_fits_model(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, cfg.actor.path,
+                                   "data.max_prompt_len + rollout.max_new_tokens")  # input validation up front
+        self.tokenizer = load_tokenizer(cfg.actor.tokenizer or cfg.actor.path)
+        self.prompts = load_prompts(cfg, self.tokenizer, cfg.data.train_files, "data.train_files",
+                                    cfg.data.max_train_rows)
+        self.eval_prompts = (load_prompts(cfg, self.tokenizer, cfg.data.eval_files, "data.eval_files",
+                                          cfg.eval.max_rows) if cfg.data.eval_files else [])
+        self.samples_per_step = cfg.rollout.prompts_per_step * cfg.rollout.n_samples
+        self.sampling = SamplingParams(n=cfg.rollout.n_samples, temperature=cfg.rollout.temperature,
+                                       top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                       max_new_tokens=cfg.rollout.max_new_tokens)
+        self.reward_roles = reward_role_names(len(cfg.reward.models))
+
+        self.actor = self.critic = self.ref = self.rollout = None
+        self.reward_models: dict[str, Any] = {}
+        if groups.has_role("actor"):
+            actor = build_causal_lm(cfg.actor)
+            disable_dropout(actor)  # old and new log-probs must come from the same network (models/dropout.py)
+            self.actor = TrainEngine(actor, self._engine_train_cfg(cfg.train), group=groups.role_group("actor"),
+                                     model_dtype=cfg.actor.dtype)
+        if groups.has_role("critic"):
+            critic = build_value_model(cfg.critic, fold_normalization=cfg.reward.normalize)
+            disable_dropout(critic)
+            self.critic = TrainEngine(critic, self._engine_train_cfg(cfg.critic_train),
+                                      group=groups.role_group("critic"), model_dtype=cfg.critic.dtype)
+        # Frozen roles: whole on each rank, or sharded over their role's ranks under train.zero_stage=3.
+        if groups.has_role("ref"):
+            ref_cfg = dataclasses.replace(cfg.actor, path=cfg.ref_path or cfg.actor.path,
+                                          lora=dataclasses.replace(cfg.actor.lora, rank=0))
+            self.ref = FrozenModel(ref_cfg, cfg.train, run.device, group=groups.role_group("ref"))
+        for name, path in zip(self.reward_roles, cfg.reward.models):
+            if groups.has_role(name):
+                self.reward_models[name] = FrozenModel(ModelSection(path=path, dtype=cfg.actor.dtype), cfg.train,
+                                                       run.device, group=groups.role_group(name),
+                                                       build=build_value_model)
+        self.rule_functions = [(spec, reward_fns.load_reward_function(spec)) for spec in cfg.reward.functions]
+        self.rule_leader = messages.rule_reward_rank(plan)
+        if groups.has_role("rollout"):
+            self.rollout = build_rollout_engine(cfg, plan, self.tokenizer, run.device, actor=self.actor)
+        self.weights = WeightSync(plan, self.actor, self.rollout, cfg.rollout.backend,
+                                  cfg.rollout.weight_sync_bucket_mb)
+
+        state = checkpointing.resume_if_possible(run, self._my_engines())
+        if run.start_step > 0 and not plan.is_hybrid:
+            self.weights.sync()  # the engines start from the initial weights: give them the resumed ones
+        self.pipeline = RolloutPipeline(cfg.rl.max_staleness, cfg.train.max_steps, engine_led_here())
+        self.pipeline.restore(run.extra.get("resumed_from"), state)  # batches in flight at the checkpoint
+        self.stop = checkpointing.StopSignal()
+        self.bad_steps = checkpointing.NonFiniteGuard(cfg.train.max_bad_steps, self.mode)
+        run_setup.open_logger(run, cfg.train.max_steps)
+
+    def _engine_train_cfg(self, train: TrainSection) -> TrainSection:
+        """The engine counts optimizer steps: several per RL step (ppo_epochs x samples / batch_size)."""
+        updates = self.cfg.rl.ppo_epochs * (self.samples_per_step // train.batch_size)
+        return dataclasses.replace(train, max_steps=train.max_steps * updates,
+                                   warmup_steps=train.warmup_steps * updates)
+
+    def _my_engines(self) -> dict:
+        return {name: engine for name, engine in (("actor", self.actor), ("critic", self.critic)) if engine}
+
+    # -------------------------------------------------------------------------------------------- the step
+    def train(self) -> dict[str, float]:
+        cfg, run = self.cfg, self.run
+        result = {}
+        if run.start_step == 0 and cfg.log.eval_every_steps > 0:
+            with watchdog.phase("eval"):  # failure handling: each phase of the loop is named for the watchdog
+                result["eval_accuracy"] = self.evaluate()
+            run.logger.log(0, {"eval_accuracy": result["eval_accuracy"]})
+        watchdog.set_step(run.start_step + 1)
+        for index in self.pipeline.to_prefill(run.start_step):  # asynchronous RL: the first K batches
+            self._rollout(index, version=run.start_step, phase="rollout_prefill")
+        for step in range(run.start_step, cfg.train.max_steps):
+            watchdog.set_step(step + 1)
+            t0 = time.perf_counter()
+            # 1-2. prompts (the same on every rank) and rollout: with K = rl.max_staleness = 0, this step's batch now
+            if self.pipeline.max_staleness == 0:
+                self._rollout(step, version=step)
+            # 3. exchange: this step's batch (with K >= 1 generated earlier, at most K versions ago)
+            batch, responses, rollout_logps, staleness = self._exchange(step)
+            t_generate = time.perf_counter()
+            # 2'. K >= 1: the engines generate batch step + K from this step's weights while 4-7 run elsewhere
+            if self.pipeline.ahead_of(step) is not None:
+                self._rollout(self.pipeline.ahead_of(step), version=step)
+            # 4-5. scoring and exchange
+            with watchdog.phase("scoring"):
+                scored = self._score(batch, self._prompts_of(step), responses)
+            t_score = time.perf_counter()
+            # 6-7. advantages and training, actor and critic at the same time on their own ranks
+            metrics: dict[str, float] = {}
+            critic_figures: dict[str, float] = {}
+            exp = None
+            with watchdog.phase("training"):
+                if self.actor is not None or self.critic is not None:
+                    exp = build_experience(cfg, batch, scored, rollout_logps, self.reward_roles)
+                    if self.actor is not None:
+                        metrics.update(train_actor(self.actor, cfg, step, exp, run.device,
+                                                   self.sampling.logprob_temperature))
+                    if self.critic is not None:
+                        critic_figures = train_critic(self.critic, cfg, step, exp, run.device)
+            t_train = time.perf_counter()
+            # 8. weight sync
+            with watchdog.phase("weight_sync"):
+                sync_mb = self.weights.sync()
+            t_sync = time.perf_counter()
+            metrics.update(messages.critic_figures_to_logger(critic_figures))
+            done = step + 1
+
+            # A non-finite step of either trained role counts (each role's ranks skipped it together); a stop
+            # signal on any rank stops every rank after this step: both agreed in one all-reduce.
+            skipped = bool(metrics.get("actor_skipped", 0.0)) or bool(critic_figures.get("critic_skipped", 0.0))
+            skipped, stopping = run_setup.any_rank([skipped, self.stop.received is not None])
+            self.bad_steps.update(skipped, done)
+            if dist.get_rank() == messages.LOGGING_RANK:  # the actor's leader (checked in setup): it holds `exp`
+                metrics.update(sample_figures(exp, cfg.rl.kl_estimator, "ref" in scored, tis_cap(cfg.rl)))
+                metrics.update(step_timing(t0, t_generate, t_score, t_train, t_sync, len(responses)))
+                metrics.update({"weight_sync_mb": sync_mb, "skipped_steps": self.bad_steps.total,
+                                "staleness": staleness})
+            if cfg.log.eval_every_steps and (done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps):
+                with watchdog.phase("eval"):
+                    metrics["eval_accuracy"] = result["eval_accuracy"] = self.evaluate()
+            if done % cfg.log.every_steps == 0 or "eval_accuracy" in metrics:
+                run.logger.log(done, metrics)
+            run.logger.advance()
+            checkpointing.checkpoint_or_stop(run, done, self._my_engines(), stopping, cfg.train.max_steps,
+                                             save_extra=self.pipeline.save)  # the batches in flight go with it
+        with watchdog.phase("checkpoint"):
+            if self.actor is not None:
+                checkpointing.save_final_model(self.actor, run.output_dir / "final", self.tokenizer, cfg.actor.lora)
+            if self.critic is not None:
+                checkpointing.save_final_model(self.critic, run.output_dir / "final_critic", self.tokenizer,
+                                               cfg.critic.lora)
+        dist.barrier()
+        run.logger.close()
+        return result
+
+    # ------------------------------------------------------------------------------------------ phase 1-3
+    def _prompts_of(self, index: int) -> list[dict]:
+        """The prompts of batch `index`, the same on every rank (seeded)."""
+        rows = batch_rows(len(self.prompts), self.cfg.rollout.prompts_per_step, index, self.cfg.train.seed)
+        return [self.prompts[i] for i in rows]
+
+    def _per_sample(self, prompts: list[dict], key: str) -> list:
+        return [p[key] for p in prompts for _ in range(self.cfg.rollout.n_samples)]
+
+    def _rollout(self, index: int, version: int, phase: str = "rollout") -> None:
+        """The engines generate batch `index` with the weights they hold (policy `version`); each engine's first
+        rank keeps its share until the batch's exchange. Every rank calls it (the others only note the version)."""
+        sampling = dataclasses.replace(self.sampling, seed=batch_seed(self.cfg.train.seed, index))
+        with watchdog.phase(phase):
+            mine, mine_logps = engine_generate(self.rollout, [p["input_ids"] for p in self._prompts_of(index)],
+                                               sampling, self.weights.engine_awake)
+        self.pipeline.put(index, version, mine, mine_logps)
+
+    def _exchange(self, index: int):
+        """Batch `index` leaves the pipeline and travels: (padded batch, responses, sampling log-probs (B, T-1))
+        where they are consumed, else None; and the batch's staleness in policy versions."""
+        rollout = self.cfg.rollout
+        mine, mine_logps, staleness = self.pipeline.take(index)
+        with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
+            responses, logps = messages.share_generated(mine, mine_logps, "responses", len(self._prompts_of(index)),
+                                                        rollout.n_samples, rollout.max_new_tokens, with_logprobs=True)
+        if responses is None:  # ranks that consume no responses (rollout-only ranks)
+            return None, None, None, staleness
+        batch = make_batch(self._per_sample(self._prompts_of(index), "input_ids"), responses,
+                           self.tokenizer.pad_token_id)
+        return batch, responses, from_ragged(logps, batch) if logps is not None else None, staleness
+
+    # ------------------------------------------------------------------------------------------ phase 4-5
+    def _score(self, batch: SampleBatch, step_prompts: list[dict], responses) -> dict:
+        """Each scoring role on its shard, then every role's results on the trained roles' ranks, dense: (B, T-1)
+        per-token tensors for actor, critic and ref, (B,) scores of each reward model and "rules" (rule/remote)."""
+        cfg = self.cfg
+        temperature = self.sampling.logprob_temperature
+        scorers = {}  # in role order: a rank holding colocated roles scores them in the same order as its peers
+        if self.actor is not None:
+            scorers["actor"] = scoring.logprobs_of(self.actor.module, temperature)
+        if self.critic is not None:
+            scorers["critic"] = scoring.values_of(self.critic.module)
+        if self.ref is not None:
+            scorers["ref"] = scoring.logprobs_of(self.ref.model, temperature)
+        for name, frozen in self.reward_models.items():
+            scorers[name] = scoring.scores_of(frozen.model, cfg.reward.normalize)
+        local = scoring.score_roles(scorers, self._per_sample(step_prompts, "input_ids"), responses,
+                                    self.tokenizer.pad_token_id, cfg.train.micro_batch_size, self.run.device)
+
+        with_rules, rules = bool(self.rule_functions or cfg.reward.http_url), None
+        if with_rules:
+            rules = scoring.rule_scores(cfg, self.rule_functions, self.tokenizer, self.rule_leader,
+                                        self._per_sample(step_prompts, "text"), responses,
+                                        self._per_sample(step_prompts, "answer"))
+        roles = [r for r in ["actor", "critic", "ref", *self.reward_roles] if self.plan.has(r)]
+        with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
+            return messages.share_scores(local, roles, rules, with_rules, batch)
+
+    # -------------------------------------------------------------------------------------------- eval
+    def evaluate(self) -> float:
+        """Greedy held-out exact match, the rollout engines sharing the prompts (on rank 0; nan elsewhere)."""
+        if not self.eval_prompts:
+            return float("nan")
+        sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens)
+        mine, _ = engine_generate(self.rollout, [p["input_ids"] for p in self.eval_prompts], sampling,
+                                  self.weights.engine_awake)
+        with watchdog.phase("exchange"):
+            responses, _ = messages.share_generated(mine, None, "eval", len(self.eval_prompts), 1,
+                                                    sampling.max_new_tokens)
+        if responses is None:  # only rank 0 gets the responses, decodes and logs the figure
+            return float("nan")
+        texts = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
+        correct = sum(exact_match(t, p["answer"]) for t, p in zip(texts, self.eval_prompts) if p["answer"] is not None)
+        return correct / max(1, sum(p["answer"] is not None for p in self.eval_prompts))
+
+
+def run(cfg: Config, mode: str = "ppo") -> dict[str, float]:
+    recipe = RLRecipe(cfg, mode)
+    recipe.setup()
+    return recipe.train()

@@ -1,0 +1,137 @@
+"""Phase 7 of the RL step, training: the actor (clipped policy loss) and the critic (clipped value loss) each take
+`rl.ppo_epochs` passes over the step's experience on their own group with DeepSpeed, at the same time on their own
+ranks, through one mini-batch loop (`train_role`).
+
+Losses are means over the whole optimizer step (all its micro-batches and ranks), not means of micro-batch means.
+Log-probs are those of the sampling distribution softmax(logits / T), T the rollout temperature, as the engines
+report theirs: the PPO ratio and the KL estimators are unbiased only then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.algorithms.kl import kl_estimate
+from hpc_rlhf.algorithms.logprobs import entropy_from_logits, masked_sum
+from hpc_rlhf.algorithms.losses import loss_normalizer, policy_loss, value_loss
+from hpc_rlhf.config import TrainSection
+from hpc_rlhf.dist import exchange, groups
+from hpc_rlhf.engines.train import TrainEngine
+from hpc_rlhf.models.value_model import token_values
+from hpc_rlhf.rl.config import Config, tis_cap
+from hpc_rlhf.rl.experience import Experience, response_logprobs, shard_bounds
+from hpc_rlhf.utils import faults
+
+
+@dataclass(frozen=True)
+class Shuffle:
+    """The seeded order in which a role visits a step's samples in each epoch: seed * seed_stride + step *
+    step_stride + epoch. The two roles use different strides so that their orders differ."""
+    seed_stride: int
+    step_stride: int
+
+    def seed(self, seed: int, step: int, epoch: int) -> int:
+        return seed * self.seed_stride + step * self.step_stride + epoch
+
+
+ACTOR_SHUFFLE = Shuffle(seed_stride=31, step_stride=7)
+CRITIC_SHUFFLE = Shuffle(seed_stride=37, step_stride=11)
+
+
+def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, device, temperature: float
+                ) -> dict[str, float]:
+    """One PPO policy update of the actor on the step's experience (its figures, the same on its ranks)."""
+    rl, cap = cfg.rl, tis_cap(cfg.rl)
+
+    def loss_of(micro: Experience, tokens: float, policy_normalizer: float):
+        mask = micro.batch.action_mask
+        logits = actor(input_ids=micro.batch.input_ids, attention_mask=micro.batch.attention_mask,
+                       use_cache=False).logits.float()
+        logps = response_logprobs(logits, micro.batch, temperature)
+        weights = None
+        if cap is not None:  # truncated importance sampling: the batch's behaviour policy is the engine's
+            weights = torch.exp(micro.old_logps - micro.rollout_logps).clamp(max=cap)
+        policy, clip_fraction, approx_kl = policy_loss(
+            logps, micro.old_logps, micro.advantages, mask, clip_eps=rl.clip_eps, clip_eps_high=rl.clip_eps_high,
+            dual_clip=rl.dual_clip, loss_agg=rl.loss_agg, normalizer=policy_normalizer, token_weights=weights)
+        share = sum(micro.batch.response_lens) / tokens  # its part of the step's token means (no host sync)
+        with torch.set_grad_enabled(rl.entropy_coef > 0):
+            entropy = masked_sum(entropy_from_logits(logits[:, :-1] / temperature), mask)
+        loss = policy - rl.entropy_coef * entropy / tokens
+        figures = {"policy_loss": policy.detach(), "entropy": entropy.detach() / tokens,
+                   "clip_fraction": clip_fraction * share, "approx_kl": approx_kl * share}
+        if rl.kl_coef > 0 and not rl.kl_in_reward:
+            kl = masked_sum(kl_estimate(logps, micro.ref_logps, kind=rl.kl_estimator), mask) / tokens
+            loss = loss + rl.kl_coef * kl
+            figures["kl_loss"] = kl.detach()
+        return loss, figures
+
+    return train_role("actor", actor, cfg.train, rl.ppo_epochs, rl.loss_agg, step, exp, loss_of, ACTOR_SHUFFLE,
+                      device)
+
+
+def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, device) -> dict[str, float]:
+    """One clipped value-loss update of the critic on the step's experience (its figures, the same on its ranks)."""
+    clip = cfg.rl.value_clip_eps
+
+    def loss_of(micro: Experience, tokens: float, policy_normalizer: float):
+        mask = micro.batch.action_mask
+        values = token_values(critic.module, micro.batch.input_ids, micro.batch.attention_mask)[:, :-1]
+        loss, clip_fraction = value_loss(values.float(), micro.values, micro.returns, mask, clip_eps=clip,
+                                         normalizer=tokens)
+        share = sum(micro.batch.response_lens) / tokens
+        return loss, {"value_loss": loss.detach(), "value_clip_fraction": clip_fraction * share}
+
+    return train_role("critic", critic, cfg.critic_train, cfg.rl.ppo_epochs, cfg.rl.loss_agg, step, exp, loss_of,
+                      CRITIC_SHUFFLE, device)
+
+
+def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: int, loss_agg: str, step: int,
+               exp: Experience, loss_of, shuffle: Shuffle, device) -> dict[str, float]:
+    """PPO's mini-batch loop for one trained role: `ppo_epochs` passes over the step's samples in a seeded
+    order, one optimizer step per `train.batch_size` samples, each rank of the role taking its contiguous
+    share in micro-batches (on `device`).
+
+    `loss_of(micro, tokens, policy_normalizer)` returns (loss, figures) where the loss and each figure are
+    this micro-batch's part of a mean over the optimizer step's `tokens` response tokens (or its
+    `policy_normalizer` sequences or tokens, for the policy loss): summed over the step's micro-batches and
+    ranks they are that mean. DeepSpeed divides each backward by the accumulation steps and averages the
+    gradients over the role's ranks, so the loss is scaled back by both before backward. Figures stay
+    tensors until the end: one host transfer and one all-reduce per RL step.
+    """
+    size, index = len(groups.role_ranks(role)), groups.rank_in_role(role)
+    gradient_scale = engine.gradient_accumulation_steps * size
+    sums: dict[str, torch.Tensor] = {}
+    infos, updates = [], 0
+    for epoch in range(ppo_epochs):
+        seed = shuffle.seed(train.seed, step, epoch)
+        order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(seed))
+        for start in range(0, len(exp), train.batch_size):
+            chosen = order[start:start + train.batch_size].tolist()
+            chosen_mask = exp.batch.action_mask[chosen]
+            tokens = max(float(chosen_mask.sum()), 1.0)
+            policy_normalizer = loss_normalizer(chosen_mask, loss_agg)
+            lo, hi = shard_bounds(len(chosen), size, index)
+            mine = chosen[lo:hi]
+            for m in range(0, len(mine), train.micro_batch_size):
+                micro = exp.select(mine[m:m + train.micro_batch_size], device=device)
+                loss, figures = loss_of(micro, tokens, policy_normalizer)
+                loss = faults.poison(loss, step + 1)  # failure handling: HPC_RLHF_FAULT kind=nan
+                engine.backward(loss * gradient_scale)
+                infos.append(engine.step())
+                for key, value in figures.items():
+                    sums[key] = sums.get(key, 0.0) + value.detach().double()
+            updates += 1
+    keys = sorted(sums)
+    comm = exchange.comm_device(groups.role_group(role))
+    totals = torch.stack([sums[k].to(comm) for k in keys]) if keys else torch.zeros(0, device=comm)
+    dist.all_reduce(totals, group=groups.role_group(role))
+    out = dict(zip(keys, (totals / updates).tolist()))
+    stepped = [i for i in infos if i.stepped]
+    out[f"{role}_grad_norm"] = stepped[-1].grad_norm if stepped else float("nan")
+    out[f"{role}_lr"] = stepped[-1].lr if stepped else engine.lr
+    out[f"{role}_skipped"] = float(any(i.skipped for i in stepped))
+    return out

@@ -1,0 +1,173 @@
+"""Checkpoints and stopping, the same for every mode: SIGUSR1/SIGTERM (Slurm's --signal, preemption) ask for a
+checkpoint and a clean exit that the launcher requeues; checkpoints are atomic (staged, then sealed by rank 0) and a
+resumed run continues exactly (engines, optimizer, RNG states, the recipe's own state); too many non-finite steps
+in a row stop a run; the final model is written as a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hpc_rlhf.dist import watchdog
+from hpc_rlhf.models.lora import save_model
+from hpc_rlhf.trainers.run import Run, any_rank
+from hpc_rlhf.utils import checkpoint as ckpt
+
+log = logging.getLogger("hpc_rlhf")
+
+TRAINER_STATE = "trainer_state.json"
+
+
+# ------------------------------------------------------------------------------------------------ stopping
+class StopSignal:
+    """SIGUSR1 / SIGTERM (what Slurm's --signal and preemption send) ask for a checkpoint and a clean exit.
+
+    The handler only sets `received`; the ranks agree at a step boundary (`requested()`, or the RL step's one
+    `any_rank` per step), so every rank stops after the same step.
+    """
+
+    def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)):
+        self.received: int | None = None
+        for sig in signals:
+            try:
+                signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. inside a test runner thread)
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def requested(self, group=None) -> bool:
+        """Whether any rank of `group` received a stop signal (a collective)."""
+        return any_rank([self.received is not None], group)[0]
+
+
+class NonFiniteGuard:
+    """Counts optimizer steps skipped for non-finite loss or gradients; too many in a row stops the run."""
+
+    def __init__(self, max_in_a_row: int, what: str = "training"):
+        self.max_in_a_row = max_in_a_row
+        self.in_a_row = 0
+        self.total = 0
+        self.what = what
+
+    def update(self, skipped: bool, step: int) -> None:
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        log.warning("%s step %d skipped: loss or gradient not finite (%d in a row)", self.what, step,
+                    self.in_a_row)
+        if self.in_a_row >= self.max_in_a_row:
+            raise FloatingPointError(f"{self.what}: {self.in_a_row} optimizer steps in a row had a non-finite loss "
+                                     f"or gradient (last at step {step}); stopping (train.max_bad_steps="
+                                     f"{self.max_in_a_row}). Lower train.lr or check the data.")
+
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def save_checkpoint(run: Run, step: int, engines: dict, state: dict[str, Any] | None = None,
+                    save_extra: Callable[[Path], dict[str, Any]] | None = None) -> Path:
+    """All ranks: every engine this rank holds saves into the staging folder, then rank 0 seals it.
+
+    `engines` maps a name to a TrainEngine for the engines this rank takes part in; the names must be the same
+    on all ranks of each engine's group. Per-rank RNG states are saved too, for exact resume. `save_extra(staging)`,
+    called on every rank, writes what else the recipe keeps (e.g. the RL batches in flight) into the staging folder
+    and returns entries for the trainer state (rank 0's are written): sealed by the same commit as the rest.
+    """
+    if run.is_main:
+        ckpt.prepare_staging(run.output_dir, step)
+    dist.barrier()
+    staging = ckpt.staging_dir(run.output_dir, step)
+    for name, engine in engines.items():
+        engine.save_checkpoint(staging / name)
+    rng_dir = staging / "rng"
+    rng_dir.mkdir(exist_ok=True)
+    torch.save(ckpt.rng_state(), rng_dir / f"rank{run.rank:05d}.pt")
+    extra = save_extra(staging) if save_extra is not None else {}
+    if run.is_main:
+        (staging / TRAINER_STATE).write_text(json.dumps({"step": step, "mode": run.mode,
+                                                         "world_size": run.world_size, **(state or {}), **extra}))
+    dist.barrier()
+    final = None
+    if run.is_main:
+        final = ckpt.commit(run.output_dir, step, keep=run.cfg.checkpoint.keep)
+        log.info("checkpoint of step %d written to %s", step, final)
+    dist.barrier()
+    return final or ckpt.checkpoints_root(run.output_dir) / ckpt.checkpoint_name(step)
+
+
+def resume_if_possible(run: Run, engines: dict) -> dict[str, Any]:
+    """Load the newest complete checkpoint if resuming is on; returns its trainer state ({} when none)."""
+    if not run.cfg.checkpoint.resume:
+        return {}
+    found = ckpt.latest_complete(run.output_dir)
+    if found is None:
+        return {}
+    step, path = found
+    state = json.loads((path / TRAINER_STATE).read_text())
+    if state.get("world_size") != run.world_size:
+        raise RuntimeError(f"{path} was written by a job of {state.get('world_size')} ranks; this job has "
+                           f"{run.world_size}. Start with a new output_dir or checkpoint.resume=false.")
+    for name, engine in engines.items():
+        engine.load_checkpoint(path / name)
+    rng_file = path / "rng" / f"rank{run.rank:05d}.pt"
+    if rng_file.is_file():
+        ckpt.set_rng_state(torch.load(rng_file, weights_only=False))
+    run.start_step = step
+    run.extra["resumed_from"] = path
+    log.info("resumed from %s (step %d)", path, step)
+    return state
+
+
+def should_save(step: int, every: int, max_steps: int) -> bool:
+    return step == max_steps or (every > 0 and step % every == 0)
+
+
+class Preempted(SystemExit):
+    """Raised after the checkpoint of a stop request is written; the launcher turns it into a requeue."""
+
+    EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+
+    def __init__(self, step: int):
+        super().__init__(self.EXIT_CODE)
+        self.step = step
+
+
+def checkpoint_or_stop(run: Run, step: int, engines: dict, stopping: bool, max_steps: int,
+                       save_extra: Callable[[Path], dict[str, Any]] | None = None) -> None:
+    """End of an optimizer step: checkpoint when one is due or `stopping` (a stop signal somewhere, agreed by all
+    ranks: `StopSignal.requested`); after a stop's checkpoint, raise Preempted so the job exits for requeueing.
+    `save_extra`: see `save_checkpoint`."""
+    if stopping or should_save(step, run.cfg.checkpoint.every_steps, max_steps):
+        with watchdog.phase("checkpoint"):
+            save_checkpoint(run, step, engines, save_extra=save_extra)
+    if stopping:
+        run.logger.close()
+        raise Preempted(step)
+
+
+# ------------------------------------------------------------------------------------------------ the end
+def save_final_model(engine, directory: str | Path, tokenizer, lora_cfg) -> None:
+    """The trained model as a Hugging Face folder that `from_pretrained` (and vLLM) load unchanged.
+
+    LoRA models are written merged (or as an adapter folder with model.lora.merge_on_save=false). Every rank of
+    the engine's group calls this.
+    """
+    if lora_cfg.rank > 0:
+        with engine.gathered_parameters() as module:
+            if engine.is_leader:
+                save_model(module, directory, tokenizer=tokenizer, merge=lora_cfg.merge_on_save)
+        dist.barrier(group=engine.group)
+    else:
+        engine.save_hf(directory, tokenizer=tokenizer)
+
+

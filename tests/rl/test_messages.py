@@ -1,0 +1,110 @@
+"""The RL step's messages: the route table (pure) and the calls that move a step's responses and scores, on 6 gloo
+ranks (the worker code is at the bottom of this file)."""
+
+from hpc_rlhf.dist.placement import make_plan
+from hpc_rlhf.rl import messages
+from tests.distributed import run_ranks
+
+# 6 ranks as 2 nodes of 3: actor+ref 0-1, reward 2, critic 3, rollout 4-5 (one engine of 2).
+COLOCATED = ("actor+ref=2,critic=1,reward=1,rollout=2,rollout_tp=2", 6, 3)
+
+
+def test_routes_go_to_the_ranks_that_consume_them():
+    """Responses (with their log-probs) to every scoring rank, scores to the trained roles (rank 0 logs), evaluation
+    responses and the critic's figures to rank 0 alone; pure, so every rank computes the same."""
+    routes = {key: (r.src, r.ranks) for key, r in messages.routes_of(make_plan(*COLOCATED)).items()}
+    assert routes == {
+        "responses/0": (4, (0, 1, 2, 3, 4)), "eval/0": (4, (0, 4)),
+        "scores/actor": (0, (0, 1, 3)), "scores/critic": (3, (0, 1, 3)), "scores/ref": (0, (0, 1, 3)),
+        "scores/reward": (2, (0, 1, 2, 3)), "scores/rules": (2, (0, 1, 2, 3)), "figures/critic": (3, (0, 3))}
+    grpo = messages.routes_of(make_plan("actor=1,ref=1,rollout=2", 4, 4))
+    assert grpo["responses/1"].ranks == (0, 1, 3)
+    assert grpo["scores/actor"].ranks == (0,) and grpo["scores/rules"].src == 0  # no reward model: the actor
+    assert "figures/critic" not in grpo
+    hybrid = messages.routes_of(make_plan("actor+ref=1,rollout@actor", 1, 1))
+    assert {r.ranks for r in hybrid.values()} == {(0,)}  # one rank: nothing travels
+
+
+def test_only_routes_of_three_ranks_or_more_get_a_group():
+    assert messages.message_groups(make_plan(*COLOCATED)) == {
+        "responses/0": (0, 1, 2, 3, 4), "scores/actor": (0, 1, 3), "scores/critic": (0, 1, 3),
+        "scores/ref": (0, 1, 3), "scores/reward": (0, 1, 2, 3), "scores/rules": (0, 1, 2, 3)}
+
+
+def test_a_steps_messages_on_six_ranks_both_ways():
+    proc = run_ranks(6, __file__, "messages", timeout=150)
+    assert proc.stdout.count("messages ok") == 6, proc.stdout
+
+
+if __name__ == "__main__":
+    import sys
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hpc_rlhf.dist import exchange, groups
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert sys.argv[1] == "messages" and world == 6
+    plan = make_plan(*COLOCATED)
+    groups.initialize(plan, messages.message_groups(plan), timeout_s=60)
+
+    # Both ways a message travels: each consumer directly from its sender (small messages on gloo), and the route
+    # group's broadcast (large ones; DIRECT_MAX_BYTES = 0 sends everything that way).
+    real_broadcast, broadcasts = dist.broadcast, []
+
+    def counted_broadcast(*args, **kwargs):
+        broadcasts.append(args)
+        return real_broadcast(*args, **kwargs)
+
+    dist.broadcast = counted_broadcast
+    for direct_max in (exchange.DIRECT_MAX_BYTES, 0):
+        exchange.DIRECT_MAX_BYTES = direct_max
+        broadcasts.clear()
+        # A step's scores in one round (share_known): per-token results of actor and ref from rank 0 (one message:
+        # same sender, same ranks), the critic's from rank 3, reward and rule scores from rank 2, each on exactly
+        # the ranks of its route. Every rank rebuilds what each sender sends from a seed.
+        lengths = {"scores/actor": [3, 0, 2], "scores/critic": [3, 0, 2], "scores/ref": [3, 0, 2],
+                   "scores/reward": [1, 1, 1], "scores/rules": [1, 1, 1]}
+
+        def sent(key):
+            g = torch.Generator().manual_seed(len(key) * 31 + sum(map(ord, key)))
+            return [torch.randn(n, generator=g) for n in lengths[key]]
+
+        routes = {key: messages.route(key) for key in lengths}
+        sending = {key: (sent(key) if rank == routes[key].src else None,
+                         lengths[key] if rank in routes[key].ranks else None) for key in lengths}
+        got = messages.share_known(sending)
+        for key, route in routes.items():
+            if rank in route.ranks:
+                assert [torch.equal(a, b) for a, b in zip(got[key], sent(key), strict=True)] == [True] * 3, key
+            else:
+                assert got[key] is None, (key, rank)
+
+        # A batch's responses with their sampling log-probs (share_responses), from engine 0's first rank (4) to
+        # the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5.
+        g = torch.Generator().manual_seed(5)
+        want = [torch.randint(0, 2**31 - 1, (n,), generator=g) for n in (4, 0, 7, 1)]
+        want_logps = [-torch.rand(len(t), generator=g) * 9 for t in want]
+        got, got_logps = messages.share_responses(want if rank == 4 else None, want_logps if rank == 4 else None,
+                                                  "responses", counts=[4], max_len=7, with_logprobs=True)
+        if rank <= 4:
+            assert all(torch.equal(a, b) for a, b in zip(got[0], want, strict=True)), got
+            assert all(torch.equal(a, b) for a, b in zip(got_logps[0], want_logps, strict=True)), got_logps
+        else:
+            assert got == [None] and got_logps == [None]
+
+        # The critic's figures reach the logging rank (0) from the critic's leader (3), without its skip flag.
+        figures = {"value_loss": 0.5, "value_clip_fraction": 0.25, "critic_grad_norm": 2.0, "critic_skipped": 1.0}
+        logged = messages.critic_figures_to_logger(figures if rank == 3 else {})
+        assert logged == ({k: v for k, v in figures.items() if k != "critic_skipped"} if rank == 0 else {}), logged
+        # Direct: no broadcast at all. Broadcast: every rank on a route of three ranks or more (0-4) takes part.
+        assert bool(broadcasts) == (not direct_max and rank <= 4), (direct_max, len(broadcasts))
+    dist.broadcast = real_broadcast
+    dist.barrier()
+    groups.destroy()
+    dist.destroy_process_group()
+    print(f"rank {rank}: messages ok", flush=True)
