@@ -61,7 +61,6 @@ MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 # ------------------------------------------------------------------------------------------------ worker
 def worker(out: Path, args: list[str]) -> int:
     import torch
-    import torch.distributed as dist
 
     from hpc_rlhf import cli
     from hpc_rlhf.dist import watchdog

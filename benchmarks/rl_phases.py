@@ -47,7 +47,7 @@ def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
     """One rank under torchrun: clock the exchange calls, run the PPO mode, write this rank's calls."""
     import torch.distributed as dist
 
-    from hpc_rlhf.dist import exchange, groups
+    from hpc_rlhf.dist import exchange
     from hpc_rlhf.rl import messages
 
     calls: list[list] = []  # [kind, step, partners, arrived, entered, left]

@@ -1,9 +1,9 @@
 """`hpc-rlhf <mode> ...` (also `python -m hpc_rlhf <mode> ...`).
 
-Training modes live in `hpc_rlhf/trainers/<mode>.py` (the RL modes in `hpc_rlhf/rl/`); each defines a `Config` dataclass and `run(cfg)`.
-Other commands (plan, assets, demo, ...) define `main(argv) -> int`. Those modules are imported by name only when
-their command runs (importlib), so `hpc-rlhf plan` on a login node imports neither torch nor transformers. What
-this module imports itself (the config loader, the local launcher) imports no torch.
+Training modes live in `hpc_rlhf/trainers/<mode>.py` (the RL modes in `hpc_rlhf/rl/`); each defines a `Config`
+dataclass and `run(cfg)`. Other commands (plan, assets, demo, ...) define `main(argv) -> int`. Those modules are
+imported by name only when their command runs (importlib), so `hpc-rlhf plan` on a login node imports neither
+torch nor transformers. What this module imports itself (the config loader, the local launcher) imports no torch.
 """
 
 from __future__ import annotations

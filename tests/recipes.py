@@ -1,7 +1,7 @@
-"""What the tests of the recipes (tests/trainers, tests/rl) share: a one-rank gloo world for in-process runs, an SFT
-configuration, and the models trained once per session that the learning tests start from (the SFT base of the DPO, KTO, RL and iterative-mode
-tests, and the reward model the PPO tests start from, whose own training is the reward-model learning test), with
-the hooks that calibrate those tests over seeds."""
+"""What the tests of the recipes (tests/trainers, tests/rl) share: a one-rank gloo world for in-process runs, an
+SFT configuration, the models trained once per session that the learning tests start from (the SFT base of the
+DPO, KTO, RL and iterative-mode tests, and the reward model the PPO tests start from, whose own training is the
+reward-model learning test), the hooks that calibrate those tests over seeds, and the learning-curve checks."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from hpc_rlhf.config import TINY_ASSETS, load_config
+from hpc_rlhf.trainers.run import Run
 from tests import background
 from tests.distributed import REPO, hpc_rlhf_cli
 
@@ -150,3 +151,68 @@ def ppo_reward_model(tmp_path_factory) -> Path:
     """A reward model trained from the SFT base on correct-vs-wrong pairs (examples/tiny/rm.yaml), a final/ folder."""
     start_shared_models(tmp_path_factory, {"ppo_reward_model"})
     return background.result("ppo_reward_model")
+
+
+# ------------------------------------------------------------------ runs and engines of the recipe unit tests
+def a_run(out: Path, *overrides: str, rank: int = 0, world_size: int = 1, start_step: int = 0) -> Run:
+    return Run(cfg=sft_config(out, *overrides), mode="sft", output_dir=out, rank=rank,
+                      world_size=world_size, device=None, start_step=start_step)
+
+
+class FakeEngine:
+    """What start_training and finish_training ask of a TrainEngine (and of the logger), recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def save_checkpoint(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.calls.append(("save_checkpoint", Path(path)))
+
+    def load_checkpoint(self, path):
+        self.calls.append(("load_checkpoint", Path(path)))
+
+    def save_hf(self, directory, tokenizer=None):
+        self.calls.append(("save_hf", Path(directory), tokenizer))
+
+    def close(self):  # as the run's logger
+        self.calls.append(("close",))
+
+
+# ------------------------------------------------------------------ learning curves
+class Curve:
+    """A run's metrics.jsonl as a learning test reads it: every row, the first and the last, a figure's values."""
+
+    def __init__(self, out: Path):
+        from hpc_rlhf.utils.metrics import read_metrics  # torch-free, but only the learning tests need it
+
+        self.rows = read_metrics(out)
+        if not self.rows:
+            raise AssertionError(f"{out} logged no metrics")
+
+    @property
+    def start(self) -> dict:
+        return self.rows[0]
+
+    @property
+    def end(self) -> dict:
+        return self.rows[-1]
+
+    def values(self, key: str) -> list[float]:
+        """The figure `key` of every row that logged a number for it, in step order."""
+        return [r[key] for r in self.rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
+
+    def max(self, key: str) -> float:
+        return max(self.values(key))
+
+
+def assert_rl_beats_the_plateau(test: str, out: Path, gain: float, max_kl: float, **figures) -> Curve:
+    """An RL learning test's common check: held-out exact match (`eval_accuracy`, first logged from the SFT model)
+    rises by at least `gain`, and the KL to the reference stays below `max_kl`; the figures (with `figures`) are
+    recorded for the calibration table first, so a failing seed is recorded too."""
+    curve = Curve(out)
+    accuracy = curve.values("eval_accuracy")
+    record_figures(test, curve=accuracy, gain=accuracy[-1] - accuracy[0], max_kl=curve.max("kl_k1"), **figures)
+    assert accuracy[-1] >= accuracy[0] + gain, f"{test}: held-out exact match {accuracy} (from {accuracy[0]})"
+    assert curve.max("kl_k1") < max_kl, f"{test}: KL to the reference reached {curve.max('kl_k1')}"
+    return curve

@@ -109,6 +109,10 @@ def d(tmp_path_factory) -> Path:
     _write_rows(root / "wrong_type.jsonl", [{"prompt": 12, "response": "3"}])
     _write_rows(root / "blank.jsonl", [{"prompt": "1+2=", "response": "  "}])
     _write_rows(root / "not_object.jsonl", [["1+2=", "3"]])
+    _write_rows(root / "pairs_bad.jsonl", [{"prompt": "1+1=", "chosen": "2", "rejected": "12"},
+                                           {"prompt": "2+2=", "chosen": ["4"], "rejected": "14"}])
+    _write_rows(root / "labelled_bad.jsonl", [{"prompt": "1+1=", "completion": "2", "label": True},
+                                              {"prompt": "2+2=", "completion": "14", "label": "no"}])
     (root / "rows.txt").write_text("1+2=3\n")
     (root / "no_response.csv").write_text("prompt,answer\n1+2=,3\n")
     _write_rows(root / "chat_no_role.jsonl", [{"messages": [{"content": "hi"}, {"role": "assistant",
@@ -153,6 +157,8 @@ def isolated(monkeypatch, d):
 SFT = ["sft", "model.path={d}/model", "data.train_files=[{d}/sft.jsonl]", "output_dir={d}/out", "eval.prompt_files=[]",
        *QUIET]
 GRPO = ["grpo", "actor.path={d}/model", "output_dir={d}/out", *QUIET]
+DPO = ["dpo", "model.path={d}/model", "output_dir={d}/out", "eval.prompt_files=[]", *QUIET]
+KTO = ["kto", "model.path={d}/model", "output_dir={d}/out", "eval.prompt_files=[]", *QUIET]
 GENERATE = ["generate", "model.path={d}/model", "data.train_files=[{d}/sft.jsonl]", "output_dir={d}/out",
             "generate.n=1", "generate.max_new_tokens=2"]
 
@@ -177,6 +183,8 @@ CLI_CASES = [
     ("override without a value", [*SFT, "train.lr"], "override 'train.lr' is not of the form key=value"),
     ("unknown flag", [*SFT, "--lr", "1"], "unknown option --lr (settings are given as key=value"),
     ("unknown mode", ["stf"], "unknown mode 'stf'; did you mean 'sft'?"),
+    ("misspelt key of a mode's own section (dpo)", [*DPO, "dpo.betta=0.2"], "did you mean 'dpo.beta'"),
+    ("misspelt key of a mode's own section (kto)", [*KTO, "kto.desirable=2"], "did you mean 'kto.desirable_weight'"),
     # ---- configuration files
     ("missing config file", [*SFT, "--config", "{d}/nope.yaml"], "config file '{d}/nope.yaml' does not exist"),
     ("config file not YAML", [*SFT, "--config", "{d}/not_yaml.yaml"],
@@ -252,6 +260,10 @@ CLI_CASES = [
      "{d}/no_response.csv, row 1: key 'response' is missing (the row has keys: prompt, answer)"),
     ("key name the data does not use", [*SFT, "data.prompt_key=question"],
      "{d}/sft.jsonl, line 1: key 'question' is missing"),
+    ("preference pair of the wrong type (dpo)", [*DPO, "data.train_files=[{d}/pairs_bad.jsonl]"],
+     "{d}/pairs_bad.jsonl, line 2: key 'chosen' must be str, got list"),
+    ("label of the wrong type (kto)", [*KTO, "data.train_files=[{d}/labelled_bad.jsonl]"],
+     "{d}/labelled_bad.jsonl, line 2: key 'label' must be bool or int, got str"),
     ("bad row in the held-out data", [*SFT, "data.eval_files=[{d}/wrong_type.jsonl]"],
      "{d}/wrong_type.jsonl, line 1: key 'prompt' must be str, got int"),
     ("chat message without a role", [*SFT, "data.train_files=[{d}/chat_no_role.jsonl]",

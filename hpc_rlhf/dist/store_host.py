@@ -38,7 +38,7 @@ from hpc_rlhf.dist import liveness
 LOOPBACK = "127.0.0.1"
 CLOSE_KEY = "hpc_rlhf/store_host/close"
 POLL_S = 0.1
-QUIET_S = 5.0        # a live rank beats at least once a second (watchdog.default_interval)
+QUIET_S = 5.0        # a live rank beats at least once a second (failures.default_interval)
 LINGER_MAX_S = 60.0
 READY_TIMEOUT_S = 60.0
 IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)

@@ -38,17 +38,15 @@ The store connection is a client of its own: the default store's client is used 
 groups, which can block for minutes. Per step the recipes only call `phase()` and `set_step()`, which set two
 attributes; all store traffic happens in the thread.
 
-Why one module of 700 lines: the beat, the store-timing thread, the failure verdicts and the report path share
-one state (who is watched, what was seen, which record is the cause) and only make sense read together; the
-protocol they speak, which other processes read, is apart in liveness.py.
-
 Timeout: `dist.heartbeat_timeout_s` (default 45 s, so that a frozen rank's job, reported and ended, is gone
 within a minute; 0 turns the watchdog off), or the environment variable HPC_RLHF_HEARTBEAT_TIMEOUT_S, which
 wins (handy to switch it off while a debugger holds a rank).
 
-Length: this module is over 600 lines because `Watchdog` is one state machine (beat, judge, report, linger,
+Length: this module is over 500 lines because `Watchdog` is one state machine (beat, judge, report, linger,
 stop) whose two threads and the main thread share its state and locks; cut into modules, one decision would be
-spread over several. Its data (heartbeats, records, keys) is apart, in hpc_rlhf.dist.liveness.
+spread over several. What is not that state machine lives apart: its data (heartbeats, records, keys) in
+dist/liveness.py, the step and phase it reports in dist/progress.py, its pure helpers (who watches whom, is a
+process alive, is an exception a consequence) in dist/failures.py.
 """
 
 from __future__ import annotations
@@ -61,153 +59,20 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from hpc_rlhf.dist import liveness
+from hpc_rlhf.dist import liveness, progress
+from hpc_rlhf.dist.failures import (_alive_a_moment_later, _pid_namespace, default_interval, describe_exception,
+                                     exit_with_message, is_consequence, process_alive, watched_ranks)
 from hpc_rlhf.dist.liveness import (FAILED, RUNNING, STOPPED, TERMINATED, failure_record, format_failure,
                                     key_prefix, publish)
-from hpc_rlhf.utils import console, faults
+from hpc_rlhf.dist.progress import Progress, current_phase, current_step, phase, set_step  # noqa: F401  (the API)
+from hpc_rlhf.utils import faults
 
 log = logging.getLogger("hpc_rlhf")
 
 HEARTBEAT_TIMEOUT_ENV = "HPC_RLHF_HEARTBEAT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 45.0
-RING_WATCHED = 8
-
-# Errors a collective or the store raises because a peer went away: effects of a failure elsewhere.
-CONSEQUENCE_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
-                       "timed out waiting", "pair closure", "connection refused", "socket timeout",
-                       "communicator was aborted", "nccl error", "remote process exited")
-
-
-# ============================================================================================= progress
-class Progress:
-    """What this rank is doing: written by the main thread (phase(), set_step()), read by the watchdog."""
-
-    __slots__ = ("stack", "name", "step")
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.stack: list[str] = []
-        self.name = "setup"
-        self.step = 0
-
-
-class _Phase:
-    __slots__ = ("progress", "name")
-
-    def __init__(self, progress: Progress, name: str):
-        self.progress, self.name = progress, name
-
-    def __enter__(self) -> "_Phase":
-        progress = self.progress
-        progress.stack.append(self.name)
-        progress.name = self.name
-        try:
-            if faults.active() and _ACTIVE is not None and faults.matching(self.name, progress.step):
-                # An injected death would otherwise be reported with the phase of the last regular heartbeat.
-                _ACTIVE.publish_now()
-            faults.point(self.name, progress.step)
-        except BaseException:
-            progress.stack.pop()  # the name stays: the failure happened in this phase
-            raise
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        progress = self.progress
-        progress.stack.pop()
-        # Leaving an inner phase returns to the outer one. At the top level, and when leaving by an exception,
-        # the name stays, so that a failure report says where it happened.
-        if exc_type is None and progress.stack:
-            progress.name = progress.stack[-1]
-        return False
-
-
-# ============================================================================================= pure helpers
-def default_interval(timeout_s: float) -> float:
-    """Beat often enough to notice a stale peer several beats before the timeout, but at most once a second."""
-    return min(1.0, max(0.05, timeout_s / 8))
-
-
-def watched_ranks(rank: int, world_size: int, store_host_rank: int | None) -> list[int]:
-    """The next RING_WATCHED ranks on the ring, plus the rank hosting the store (its death takes the store)."""
-    count = min(world_size - 1, RING_WATCHED)
-    ranks = [(rank + i) % world_size for i in range(1, count + 1)]
-    if store_host_rank is not None and store_host_rank != rank and store_host_rank not in ranks:
-        ranks.append(store_host_rank)
-    return ranks
-
-
-def describe_exception(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:400]}" if text else type(exc).__name__
-
-
-def is_consequence(exc: BaseException) -> bool:
-    """True for communication errors that a peer's failure causes (the exception or what it wraps)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if type(exc).__name__ == "DistNetworkError":
-            return True
-        message = str(exc).lower()
-        if any(marker in message for marker in CONSEQUENCE_MARKERS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` on this host still runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
-
-
-def _alive_a_moment_later(pid: int, wait_s: float) -> bool:
-    """A dying process closes its sockets before it is gone: give it `wait_s` to finish dying."""
-    deadline = time.monotonic() + wait_s
-    while process_alive(pid):
-        if time.monotonic() >= deadline:
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def _pid_namespace() -> str:
-    # Ranks in separate containers can share a host name but not their pids.
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def exit_with_message(message: str, end_pid: int | None = None) -> None:
-    """Print the line, record it for the local launcher, end the process at once.
-
-    end_pid: a frozen peer on this host, killed only now, after the record: the local launcher names the rank
-    whose failure it learnt of first, and that is this rank's line, not the death of the peer it killed."""
-    try:
-        console.say(message)
-        liveness.record_failure(message.removeprefix("hpc_rlhf: "))
-        if end_pid is not None:
-            try:
-                os.kill(end_pid, signal.SIGKILL)
-            except OSError:
-                pass  # gone already, or killed by another rank that found it too
-    finally:
-        os._exit(1)
 
 
 class _PeerView:
@@ -592,7 +457,6 @@ class Watchdog:
 
 
 # ============================================================================================= module API
-_PROGRESS = Progress()
 _ACTIVE: Watchdog | None = None
 _ATEXIT_REGISTERED = False
 
@@ -633,7 +497,7 @@ def start(role_names: Sequence[str] | Callable[[], Sequence[str] | None] | None 
     import torch.distributed as dist
 
     stop()
-    _PROGRESS.reset()
+    progress.reset()
     faults.active()  # a malformed HPC_RLHF_FAULT fails here, before the first step
     if timeout_s <= 0 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
@@ -646,11 +510,12 @@ def start(role_names: Sequence[str] | Callable[[], Sequence[str] | None] | None 
     client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                            timeout=timedelta(seconds=timeout_s))
     _ACTIVE = Watchdog(dist.PrefixStore(key_prefix(), client), dist.get_rank(), dist.get_world_size(), timeout_s,
-                       progress=_PROGRESS, roles=role_names, interval_s=interval_s,
+                       progress=progress.current(), roles=role_names, interval_s=interval_s,
                        store_host_rank=store_host_rank, store_address=f"{host}:{port}")
     if not _ATEXIT_REGISTERED:
         atexit.register(stop)  # a normal exit must not look like a death to the peers
         _ATEXIT_REGISTERED = True
+    progress.before_fault(_ACTIVE.publish_now)  # an injected death is reported with the phase it happened in
     _note_sigterm()
     return _ACTIVE.start()
 
@@ -676,24 +541,6 @@ def _on_sigterm(signum, _frame) -> None:
     os.kill(os.getpid(), signum)
 
 
-def phase(name: str) -> _Phase:
-    """`with watchdog.phase("scoring"): ...` - published in the heartbeat; fault injection point."""
-    return _Phase(_PROGRESS, name)
-
-
-def set_step(step: int) -> None:
-    """The optimizer step in progress, counted from 1 (as in metrics.jsonl)."""
-    _PROGRESS.step = int(step)
-
-
-def current_phase() -> str:
-    return _PROGRESS.name
-
-
-def current_step() -> int:
-    return _PROGRESS.step
-
-
 def report_failure(exc: BaseException) -> None:
     """Tell the other ranks that this rank's run failed with `exc` (no-op without a watchdog)."""
     if _ACTIVE is not None:
@@ -710,5 +557,6 @@ def stop() -> None:
     if _ACTIVE is not None:
         _ACTIVE.stop()
         _ACTIVE = None
+        progress.before_fault(None)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is _on_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

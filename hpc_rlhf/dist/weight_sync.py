@@ -37,6 +37,9 @@ the next one is requested. Names should already be Hugging Face names
 (`hpc_rlhf.engines.rollout.base.hf_named_tensors`).
 
 Hybrid placement (rollout on the actor's own ranks) uses `load_local_weights`: the same buckets, no broadcast.
+
+Length: over 500 lines because it is one protocol, the sender's framing and the receiver's reading of it side by
+side (a change on one side is a change on the other), with the bucket buffers both sides reuse.
 """
 
 from __future__ import annotations

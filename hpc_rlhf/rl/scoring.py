@@ -90,8 +90,9 @@ def scores_of(model, normalize: bool) -> Callable[[SampleBatch], list[torch.Tens
 
 
 @torch.no_grad()
-def score_roles(scorers: dict[str, Callable[[SampleBatch], list[torch.Tensor]]], sample_prompts: Sequence[Sequence[int]],
-                responses: Sequence[torch.Tensor], pad_id: int, micro: int, device: Any) -> dict[str, list | None]:
+def score_roles(scorers: dict[str, Callable[[SampleBatch], list[torch.Tensor]]],
+                sample_prompts: Sequence[Sequence[int]], responses: Sequence[torch.Tensor], pad_id: int, micro: int,
+                device: Any) -> dict[str, list | None]:
     """Each role this rank holds (`scorers`: role -> what it computes for a micro-batch) on its shard of the
     samples (prompt ids and responses per sample); per role, every rank's results on the role's leader, None on
     its other ranks."""

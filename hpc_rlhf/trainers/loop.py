@@ -17,7 +17,8 @@ from hpc_rlhf.data.order import rank_micro_batches, step_indices
 from hpc_rlhf.dist import watchdog
 from hpc_rlhf.trainers.checkpointing import (NonFiniteGuard, StopSignal, checkpoint_or_stop, resume_if_possible,
                                              save_final_model)
-from hpc_rlhf.trainers.run import Run, eval_before_training, eval_due, log_due, open_logger, reduce_sum, step_figures
+from hpc_rlhf.trainers.run import (Run, eval_before_training, eval_due, log_due, open_logger, reduce_sum,
+                                   window_means)
 from hpc_rlhf.utils import faults
 
 
@@ -89,6 +90,14 @@ class MeanWindow:
         means = window_means(self.values)
         self.values = {}
         return means
+
+
+def step_figures(info, tokens: float, seconds: float, bad_steps: NonFiniteGuard) -> dict[str, float]:
+    """The figures every mode logs after its own: the last optimizer step's learning rate and gradient norm
+    (`info`, a StepInfo), the tokens (of all ranks) trained on per second of the logging window, and the number
+    of steps skipped for non-finite values so far."""
+    return {"lr": info.lr, "grad_norm": info.grad_norm, "tokens_per_s": tokens / max(seconds, 1e-9),
+            "skipped_steps": bad_steps.total}
 
 
 def step_share(micro_tokens: int, step_tokens: int, micro_batches_in_step: int) -> float:

@@ -154,14 +154,6 @@ def eval_due(cfg, step: int) -> bool:
     return (every > 0 and step % every == 0) or step == cfg.train.max_steps
 
 
-def step_figures(info, tokens: float, seconds: float, bad_steps: "NonFiniteGuard") -> dict[str, float]:
-    """The figures every mode logs after its own: the last optimizer step's learning rate and gradient norm
-    (`info`, a StepInfo), the tokens (of all ranks) trained on per second of the logging window, and the number
-    of steps skipped for non-finite values so far."""
-    return {"lr": info.lr, "grad_norm": info.grad_norm, "tokens_per_s": tokens / max(seconds, 1e-9),
-            "skipped_steps": bad_steps.total}
-
-
 def window_means(window: dict[str, list[float]]) -> dict[str, float]:
     """Each figure's mean over the micro-batches of the logging window (non-finite values left out), averaged
     over the ranks."""

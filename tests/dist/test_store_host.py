@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import pytest
 
-from hpc_rlhf.dist import liveness, store_host, watchdog
+from hpc_rlhf.dist import failures, liveness, store_host, watchdog
 from tests.distributed import REPO, worker_env
 
 
@@ -67,7 +67,7 @@ def rank0_cleanup():
     for rank0 in started:
         if rank0.proc.poll() is None:
             rank0.kill()
-        if watchdog.process_alive(rank0.host_pid):
+        if failures.process_alive(rank0.host_pid):
             os.kill(rank0.host_pid, signal.SIGKILL)
 
 
@@ -90,11 +90,11 @@ def test_a_killed_rank_0_is_published_with_its_phase_and_the_store_serves_until_
     for seq in range(2, 2 + int(store_host.QUIET_S) + 2):
         time.sleep(0.5)
         records.set("hb/1", _beat(1, seq=seq, role="critic"))
-    assert watchdog.process_alive(rank0.host_pid)
+    assert failures.process_alive(rank0.host_pid)
     assert records.check(["hb/1"])
 
     records.set("hb/1", _beat(1, seq=99, state=liveness.FAILED, role="critic"))
-    _wait_for(lambda: not watchdog.process_alive(rank0.host_pid), 5, "the store's process to leave")
+    _wait_for(lambda: not failures.process_alive(rank0.host_pid), 5, "the store's process to leave")
 
 
 def test_a_rank_that_stops_beating_does_not_keep_the_store_forever(rank0_cleanup):
@@ -104,7 +104,7 @@ def test_a_rank_that_stops_beating_does_not_keep_the_store_forever(rank0_cleanup
     records.set("hb/1", _beat(1, seq=1))  # rank 1 dies too, without a word
     rank0.kill()
     started = time.monotonic()
-    _wait_for(lambda: not watchdog.process_alive(rank0.host_pid), store_host.QUIET_S + 5,
+    _wait_for(lambda: not failures.process_alive(rank0.host_pid), store_host.QUIET_S + 5,
               "the store's process to leave")
     assert time.monotonic() - started >= store_host.QUIET_S - 1
 
@@ -114,7 +114,7 @@ def test_a_rank_0_gone_before_its_watchdog_closes_the_store_at_once(rank0_cleanu
     rank0_cleanup.append(rank0)
     store, _ = _client(rank0.port)
     rank0.kill()
-    _wait_for(lambda: not watchdog.process_alive(rank0.host_pid), 3, "the store's process to leave")
+    _wait_for(lambda: not failures.process_alive(rank0.host_pid), 3, "the store's process to leave")
     with pytest.raises(Exception):
         store.check(["anything"])  # so a rank still joining fails now, not at its timeout
 

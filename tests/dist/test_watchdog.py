@@ -12,10 +12,12 @@ from datetime import timedelta
 
 import pytest
 
-from hpc_rlhf.dist import watchdog
+from hpc_rlhf.dist import progress, watchdog
 from hpc_rlhf.dist.bootstrap import store_host_rank
 from hpc_rlhf.dist.liveness import STOPPED
-from hpc_rlhf.dist.watchdog import Progress, Watchdog, is_consequence, process_alive, watched_ranks
+from hpc_rlhf.dist.failures import is_consequence, process_alive, watched_ranks
+from hpc_rlhf.dist.progress import Progress
+from hpc_rlhf.dist.watchdog import Watchdog
 from hpc_rlhf.utils.faults import FAULT_ENV, InjectedFault
 
 TIMEOUT = 0.5     # heartbeat timeout of the in-process watchdogs
@@ -65,17 +67,17 @@ def test_process_alive_sees_a_reaped_and_a_zombie_process():
 
 
 def test_phases_nest_and_a_failure_keeps_its_phase():
-    progress = Progress()
-    with watchdog._Phase(progress, "training"):
-        assert progress.name == "training"
-        with watchdog._Phase(progress, "exchange"):
-            assert progress.name == "exchange"
-        assert progress.name == "training"
-    assert progress.name == "training"  # stays until the next phase starts
+    state = Progress()
+    with progress._Phase(state, "training"):
+        assert state.name == "training"
+        with progress._Phase(state, "exchange"):
+            assert state.name == "exchange"
+        assert state.name == "training"
+    assert state.name == "training"  # stays until the next phase starts
     with pytest.raises(KeyError):
-        with watchdog._Phase(progress, "scoring"):
+        with progress._Phase(state, "scoring"):
             raise KeyError("x")
-    assert progress.name == "scoring" and progress.stack == []
+    assert state.name == "scoring" and state.stack == []
 
 
 def test_phase_runs_the_fault_point_with_the_step(monkeypatch):

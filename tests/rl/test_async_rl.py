@@ -18,7 +18,7 @@ from hpc_rlhf.rl.rollout import STATE_KEY, RolloutPipeline
 from hpc_rlhf.rl.metrics import sample_figures
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
-from tests.recipes import QUIET, learning, record_figures
+from tests.recipes import QUIET, Curve, assert_rl_beats_the_plateau, learning
 
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 
@@ -170,20 +170,12 @@ def test_two_steps_of_staleness_follow_the_schedule_and_resume_exactly(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------ learning
-def eval_curve(out) -> list[float]:
-    return [r["eval_accuracy"] for r in read_metrics(out) if isinstance(r.get("eval_accuracy"), float)]
-
-
 def check_learning(test: str, out, gain: float) -> None:
-    curve, rows = eval_curve(out), read_metrics(out)
-    stale = [r["staleness"] for r in rows if "staleness" in r]
-    max_kl = max(r["kl_k1"] for r in rows if "kl_k1" in r)
-    record_figures(test, curve=curve, gain=curve[-1] - curve[0], max_kl=max_kl,
-                   max_tis_weight=max(r["tis_weight_max"] for r in rows if "tis_weight_max" in r),
-                   max_tis_clipped=max(r["tis_clipped"] for r in rows if "tis_clipped" in r))
+    run = Curve(out)
+    assert_rl_beats_the_plateau(test, out, gain, MAX_KL, max_tis_weight=run.max("tis_weight_max"),
+                                max_tis_clipped=run.max("tis_clipped"))
+    stale = run.values("staleness")
     assert stale == [0] + [1] * (len(stale) - 1)
-    assert curve[-1] >= curve[0] + gain, f"{test}: held-out exact match {curve} (from the SFT model at {curve[0]})"
-    assert max_kl < MAX_KL
 
 
 @pytest.mark.learning

@@ -9,22 +9,17 @@ the KL to the SFT model bounded. Several reward models and a rule are combined w
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
 from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
-from tests.recipes import QUIET, learning, record_figures
+from tests.recipes import QUIET, Curve, assert_rl_beats_the_plateau, learning
 
 EVAL_ROWS = "eval.max_rows=300"
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"  # the built-in random model, for the tests of mechanics
 hpc_rlhf = hpc_rlhf_cli
-
-
-def eval_curve(out: Path) -> list[float]:
-    return [r["eval_accuracy"] for r in read_metrics(out) if isinstance(r.get("eval_accuracy"), float)]
 
 
 @pytest.mark.learning
@@ -33,11 +28,7 @@ def test_grpo_rule_reward_beats_the_sft_plateau_colocated(tmp_path, sft_base):
     hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
              "placement=actor+ref=1,rollout@actor", *learning("train.max_steps=30", "log.eval_every_steps=30"),
              EVAL_ROWS, *QUIET)
-    curve = eval_curve(out)
-    rows = read_metrics(out)
-    record_figures("grpo", curve=curve, gain=curve[-1] - curve[0], max_kl=max(r["kl_k1"] for r in rows if "kl_k1" in r))
-    assert curve[-1] >= curve[0] + GAIN, f"GRPO held-out exact match {curve} (from the SFT model at {curve[0]})"
-    assert max(r["kl_k1"] for r in rows if "kl_k1" in r) < MAX_KL
+    assert_rl_beats_the_plateau("grpo", out, GAIN, MAX_KL)
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -45,19 +36,13 @@ def test_grpo_rule_reward_beats_the_sft_plateau_colocated(tmp_path, sft_base):
 def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(tmp_path, sft_base, ppo_reward_model):
     """All five roles on their own ranks (actor, critic, ref, reward, two rollout engines), rewarded by the
     learned reward model alone: held-out exact match rises, and every figure of the step is logged."""
-    rm_rows = read_metrics(ppo_reward_model.parent)
+    rm_accuracy = Curve(ppo_reward_model.parent).end["eval_accuracy"]
     out = tmp_path / "ppo6"
     hpc_rlhf("ppo", "--config", "examples/tiny/ppo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
              f"critic.path={ppo_reward_model}", f"reward.models=[{ppo_reward_model}]", "reward.functions=[]",
              *learning("train.max_steps=40", "log.eval_every_steps=20"), EVAL_ROWS, *QUIET)
-    curve = eval_curve(out)
-    rows = read_metrics(out)
-    record_figures("ppo_rm", rm_accuracy=rm_rows[-1]["eval_accuracy"], curve=curve, gain=curve[-1] - curve[0],
-                   max_kl=max(r["kl_k1"] for r in rows if "kl_k1" in r))
-    assert rm_rows[-1]["eval_accuracy"] >= RM_ACCURACY, \
-        "the reward model this test relies on ranks held-out pairs badly"
-    assert curve[-1] >= curve[0] + RM_PPO_GAIN, f"PPO held-out exact match {curve} (from the SFT model at {curve[0]})"
-    assert max(r["kl_k1"] for r in rows if "kl_k1" in r) < MAX_KL
+    assert rm_accuracy >= RM_ACCURACY, "the reward model this test relies on ranks held-out pairs badly"
+    rows = assert_rl_beats_the_plateau("ppo_rm", out, RM_PPO_GAIN, MAX_KL, rm_accuracy=rm_accuracy).rows
     for key in ("reward", "kl_k1", "entropy", "policy_loss", "value_loss", "clip_fraction", "value_clip_fraction",
                 "response_length", "time_generate", "time_score", "time_train", "time_sync", "samples_per_s",
                 "weight_sync_mb"):

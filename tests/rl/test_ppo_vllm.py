@@ -21,7 +21,7 @@ import pytest
 from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import REPO, hpc_rlhf_cli, worker_env
-from tests.recipes import QUIET, learning, record_figures
+from tests.recipes import QUIET, assert_rl_beats_the_plateau, learning
 
 EVAL_ROWS = "eval.max_rows=300"
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
@@ -42,10 +42,6 @@ LOGPROB_GAP_MEAN = 1e-4
 LOGPROB_GAP_MAX = 1e-2
 
 
-def eval_curve(out) -> list[float]:
-    return [r["eval_accuracy"] for r in read_metrics(out) if isinstance(r.get("eval_accuracy"), float)]
-
-
 def assert_engine_matches_actor(rows: list[dict]) -> None:
     steps = [r for r in rows if "rollout_logprob_abs_diff" in r]
     assert steps, "no RL step logged the rollout log-prob gap"
@@ -60,10 +56,7 @@ def test_grpo_with_vllm_beats_the_sft_plateau_hybrid(sft_base, tmp_path):
     hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
              "placement=actor+ref=1,rollout@actor", VLLM, *learning("train.max_steps=30", "log.eval_every_steps=30"),
              EVAL_ROWS, *QUIET)
-    curve, rows = eval_curve(out), read_metrics(out)
-    record_figures("grpo_vllm", curve=curve, gain=curve[-1] - curve[0])
-    assert curve[-1] >= curve[0] + GRPO_GAIN, f"GRPO (vLLM) held-out exact match {curve} (SFT model at {curve[0]})"
-    assert max(r["kl_k1"] for r in rows if "kl_k1" in r) < MAX_KL
+    rows = assert_rl_beats_the_plateau("grpo_vllm", out, GRPO_GAIN, MAX_KL).rows
     assert_engine_matches_actor(rows)
 
 
@@ -79,10 +72,7 @@ def test_ppo_with_vllm_beats_the_sft_plateau_on_five_ranks(sft_base, ppo_reward_
     hpc_rlhf("ppo", "--config", "examples/tiny/ppo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
              f"critic.path={ppo_reward_model}", "reward.models=[]", "placement=actor=1,critic=1,ref=1,rollout=2", VLLM,
              "rl.tis_cap=2.0", *learning("train.max_steps=60", "log.eval_every_steps=30"), EVAL_ROWS, *QUIET)
-    curve, rows = eval_curve(out), read_metrics(out)
-    record_figures("ppo_vllm", curve=curve, gain=curve[-1] - curve[0])
-    assert curve[-1] >= curve[0] + PPO_GAIN, f"PPO (vLLM) held-out exact match {curve} (SFT model at {curve[0]})"
-    assert max(r["kl_k1"] for r in rows if "kl_k1" in r) < MAX_KL
+    rows = assert_rl_beats_the_plateau("ppo_vllm", out, PPO_GAIN, MAX_KL).rows
     assert_engine_matches_actor(rows)
     assert all(abs(r["tis_weight"] - 1.0) < 1e-3 for r in rows if "tis_weight" in r)
     assert rows[-1]["weight_sync_mb"] > 0

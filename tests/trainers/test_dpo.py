@@ -7,7 +7,6 @@ bottom of this file.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
@@ -17,7 +16,7 @@ import torch
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.trainers.reference import balanced_chunks, response_logps
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.recipes import QUIET, learning, record_figures
+from tests.recipes import QUIET, Curve, learning, record_figures
 
 
 def dpo_config(out, *overrides):
@@ -102,8 +101,8 @@ def test_dpo_raises_held_out_preference_accuracy_and_margin(world, tmp_path, sft
                        *learning("train.max_steps=80", "train.batch_size=32", "train.micro_batch_size=32",
                                  "train.lr=5e-4", "train.warmup_steps=5", "log.every_steps=20",
                                  "log.eval_every_steps=80", "data.max_eval_rows=256", "eval.prompt_files=[]")))
-    rows = read_metrics(out)
-    start, end = rows[0], rows[-1]
+    run = Curve(out)
+    start, end = run.start, run.end
     record_figures("dpo", accuracy=end["eval_accuracy"], margin=end["eval_margin"], eval_loss=end["eval_loss"],
                    loss_last=end["loss"])
     # The policy starts as the reference: every implied reward is 0, so no pair is ranked right yet.
@@ -142,19 +141,6 @@ def test_ipo_and_cdpo_losses_fall(world, tmp_path, sft_base, variant, first_loss
     # of the first for IPO and 0.74-0.78 of log 2 for cDPO; 1.0 for both with train.lr=0.
     assert rows[-1]["loss"] < 0.9 * first_loss
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["margin"] > 0
-
-
-def test_cli_names_a_bad_key_and_a_bad_row(world, tmp_path, capsys):
-    from hpc_rlhf.cli import main
-
-    assert main(["dpo", "dpo.betta=0.2"]) == 2
-    assert "did you mean 'dpo.beta'" in capsys.readouterr().err
-
-    bad = tmp_path / "pairs.jsonl"
-    bad.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "12"}) + "\n"
-                   + json.dumps({"prompt": "2+2=", "chosen": ["4"], "rejected": "14"}) + "\n")
-    assert main(["dpo", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]", *QUIET]) != 0
-    assert f"{bad}, line 2: key 'chosen' must be str, got list" in capsys.readouterr().err
 
 
 def test_two_ranks_zero3_with_a_sharded_reference(tmp_path):

@@ -3,7 +3,6 @@ The two-rank run (ZeRO-2, precomputed reference) goes through torchrun (worker c
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from hpc_rlhf.config import load_config
 from hpc_rlhf.trainers.kto import kl_partners, mismatched_example
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.recipes import QUIET, learning, record_figures
+from tests.recipes import QUIET, Curve, learning, record_figures
 
 
 def kto_config(out, *overrides):
@@ -62,8 +61,8 @@ def test_kto_loss_falls_and_held_out_reward_gap_opens(world, tmp_path, sft_base)
                        *learning("train.max_steps=80", "train.batch_size=32", "train.micro_batch_size=32",
                                  "train.lr=1e-4", "train.warmup_steps=5", "log.every_steps=20",
                                  "log.eval_every_steps=80", "data.max_eval_rows=256", "eval.prompt_files=[]")))
-    rows = read_metrics(out)
-    start, end = rows[0], rows[-1]
+    run = Curve(out)
+    rows, start, end = run.rows, run.start, run.end
     record_figures("kto", eval_reward_gap=end["eval_reward_gap"], eval_desirable=end["eval_desirable_reward"],
                    eval_undesirable=end["eval_undesirable_reward"], loss_first=rows[1]["loss"], loss_last=end["loss"],
                    desirable=end["desirable_reward"], undesirable=end["undesirable_reward"])
@@ -76,19 +75,6 @@ def test_kto_loss_falls_and_held_out_reward_gap_opens(world, tmp_path, sft_base)
     assert end["loss"] < 0.495 and end["loss"] < rows[1]["loss"]
     assert end["desirable_reward"] > end["undesirable_reward"]
     assert all(r["kl"] >= 0 for r in rows[1:])
-
-
-def test_cli_names_a_bad_key_and_a_bad_row(world, tmp_path, capsys):
-    from hpc_rlhf.cli import main
-
-    assert main(["kto", "kto.desirable=2"]) == 2
-    assert "did you mean 'kto.desirable_weight'" in capsys.readouterr().err
-
-    bad = tmp_path / "labelled.jsonl"
-    bad.write_text(json.dumps({"prompt": "1+1=", "completion": "2", "label": True}) + "\n"
-                   + json.dumps({"prompt": "2+2=", "completion": "14", "label": "no"}) + "\n")
-    assert main(["kto", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]", *QUIET]) != 0
-    assert f"{bad}, line 2: key 'label' must be bool or int, got str" in capsys.readouterr().err
 
 
 def test_two_ranks_zero2_with_a_precomputed_reference(tmp_path):

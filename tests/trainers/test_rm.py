@@ -11,7 +11,7 @@ import torch
 
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.recipes import QUIET, record_figures
+from tests.recipes import QUIET, Curve, record_figures
 
 
 def rm_config(out, *overrides):
@@ -39,9 +39,8 @@ def test_reward_model_ranks_held_out_pairs_and_final_reloads(world, tmp_path, pp
     from hpc_rlhf.models.value_model import reward_normalization, sequence_scores
     from hpc_rlhf.trainers import rm
 
-    rows = read_metrics(ppo_reward_model.parent)
-    first, last = rows[0], rows[-1]
-    losses = [r["loss"] for r in rows if "loss" in r]
+    run = Curve(ppo_reward_model.parent)
+    first, last, losses = run.start, run.end, run.values("loss")
     record_figures("rm_ranks_pairs", accuracy_start=first["eval_accuracy"], accuracy=last["eval_accuracy"],
                    margin=last["eval_margin"], loss_first=losses[0], loss_last=losses[-1])
     assert first["step"] == 0 and 0.35 < first["eval_accuracy"] < 0.65  # a new head ranks pairs by chance

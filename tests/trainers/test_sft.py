@@ -6,7 +6,6 @@ bottom of this file).
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from hpc_rlhf.config import load_config
 from hpc_rlhf.data import order
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.recipes import QUIET, learning, record_figures, sft_config
+from tests.recipes import QUIET, Curve, learning, record_figures, sft_config
 
 
 @pytest.mark.learning
@@ -31,8 +30,8 @@ def test_sft_learns_and_final_model_generates(world, tmp_path):
                                     "train.lr=3e-3", "train.warmup_steps=10", "log.every_steps=60",
                                     "log.eval_every_steps=120", "data.max_eval_rows=128", "eval.max_rows=100"))
     sft.run(cfg)
-    rows = read_metrics(out)
-    start, end = rows[0], rows[-1]
+    run = Curve(out)
+    rows, start, end = run.rows, run.start, run.end
     record_figures("sft_learns", eval_loss_start=start["eval_loss"], eval_loss_end=end["eval_loss"],
                    eval_accuracy_end=end["eval_accuracy"])
     assert start["step"] == 0 and end["step"] == 120
@@ -112,20 +111,6 @@ def test_resume_from_a_checkpoint_repeats_the_uninterrupted_run(world, tmp_path)
     assert got == expected  # bit for bit: fp32 on the CPU
     final_eval = {k: v for k, v in read_metrics(whole)[-1].items() if k.startswith("eval_")}
     assert final_eval and final_eval == {k: v for k, v in read_metrics(resumed)[-1].items() if k.startswith("eval_")}
-
-
-def test_cli_names_a_bad_key_and_a_bad_row(world, tmp_path, capsys):
-    from hpc_rlhf.cli import main
-
-    assert main(["sft", "train.lrr=1e-3"]) == 2
-    assert "did you mean 'train.lr'" in capsys.readouterr().err
-
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
-    code = main(["sft", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]", *QUIET])
-    assert code != 0
-    err = capsys.readouterr().err
-    assert f"{bad}, line 2: key 'response' is missing" in err
 
 
 def test_two_ranks_zero2(tmp_path):
