@@ -410,8 +410,8 @@ def test_gspo_hand_computed():
     logps = gspo_logps()
     loss, clip_fraction, approx_kl = gspo_loss(logps, GSPO_OLD, GSPO_ADVANTAGES, GSPO_MASK, clip_eps=0.05,
                                                clip_eps_high=0.05)
-    # s_0 = exp((0.1 - 0.3) / 2) = exp(-0.1) = 0.90483742, inside [0.95, 1.05]? No, below, but A > 0 so
-    # -min(0.9048 * 1, 0.95 * 1) = -0.90483742 (unclipped). s_1 = exp(0.6 / 3) = exp(0.2) = 1.22140276 > 1.05:
+    # s_0 = exp((0.1 - 0.3) / 2) = exp(-0.1) = 0.90483742, below 0.95, but with A > 0 the min takes the unclipped
+    # term: -min(0.9048 * 1, 0.95 * 1) = -0.90483742. s_1 = exp(0.6 / 3) = exp(0.2) = 1.22140276 > 1.05:
     # -min(2.4428, 1.05 * 2) = -2.1 (clipped). Mean over the two answers: (-0.90483742 - 2.1) / 2.
     torch.testing.assert_close(loss, torch.tensor(-1.50241871))
     # answer 1 clipped: its 3 tokens of 5
