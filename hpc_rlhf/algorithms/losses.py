@@ -1,4 +1,5 @@
-"""Training losses of every mode: SFT, reward model, DPO/cDPO/IPO, KTO, and PPO's policy and value losses.
+"""Training losses of every mode: SFT, reward model, DPO/cDPO/IPO, KTO, and RL's policy losses (PPO's clipped
+token surrogate, GSPO's sequence-level one, CISPO's clipped-weight policy gradient) and PPO's value loss.
 
 Each is a pure function of tensors. Inputs that are targets or come from a frozen model (reference log-probs,
 old log-probs, advantages, returns) are detached here, so a caller cannot leak gradients into them by mistake.
@@ -19,6 +20,12 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo")
 # ratio that far from 1 is clipped away anyway.
 LOG_RATIO_LIMIT = 20.0
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+# GSPO's clip range (Zheng et al. 2025, their experiments): the sequence ratio is a geometric mean of token ratios,
+# so it stays much closer to 1 than a token ratio does, and PPO's 0.2 would clip nothing.
+GSPO_CLIP_EPS = 3e-4
+GSPO_CLIP_EPS_HIGH = 4e-4
+GSPO_LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
 
 
 # ------------------------------------------------------------------------------------------------------- SFT
@@ -171,6 +178,36 @@ def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> float:
     return float((mask != 0).any(-1).sum())
 
 
+def loss_mask(action_mask: torch.Tensor, keep_tokens: torch.Tensor | None = None,
+              keep_sequences: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens a policy loss trains on: the response tokens of `action_mask` (batch, seq) that `keep_tokens`
+    (batch, seq) and `keep_sequences` (batch,) both keep (bool, or 0/1; None keeps everything). Returns bool.
+
+    Masked importance sampling (`importance.off_policy_correction`, mis_token and mis_seq) and DAPO's overlong
+    filter (`overlong.truncated_responses`) drop tokens or whole answers this way. A dropped token leaves the
+    mean, not only its numerator: pass this mask as the loss's `mask` AND compute the step's `loss_normalizer`
+    from it. Keeping dropped tokens in the denominator would shrink every step's update by the share dropped,
+    a learning-rate change that follows the engine mismatch or the share of cut answers from step to step; both
+    DAPO (Yu et al. 2025) and masked IS define the loss as the mean over the tokens kept. A sequence with no
+    token left counts in no sequence mean (see `aggregate_loss`).
+    """
+    kept = action_mask != 0
+    if keep_tokens is not None:
+        _check_shapes(action_mask=action_mask, keep_tokens=keep_tokens)
+        kept = kept & (keep_tokens != 0)
+    if keep_sequences is not None:
+        if keep_sequences.shape != action_mask.shape[:1]:
+            raise ValueError(f"keep_sequences must be (batch,) = ({action_mask.shape[0]},) for action_mask "
+                             f"{tuple(action_mask.shape)}, got {tuple(keep_sequences.shape)}")
+        kept = kept & (keep_sequences != 0).unsqueeze(-1)
+    return kept
+
+
+def _check_clip(clip_eps: float, clip_eps_high: float | None) -> None:
+    if clip_eps <= 0 or (clip_eps_high is not None and clip_eps_high <= 0):
+        raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps} and {clip_eps_high}")
+
+
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_eps: float = 0.2, clip_eps_high: float | None = None, dual_clip: float | None = None,
                 loss_agg: str = "token-mean", normalizer: float | None = None,
@@ -193,8 +230,7 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     `normalizer` is passed to `aggregate_loss`.
     """
     _check_shapes(logps=logps, old_logps=old_logps, advantages=advantages, mask=mask)
-    if clip_eps <= 0 or (clip_eps_high is not None and clip_eps_high <= 0):
-        raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps} and {clip_eps_high}")
+    _check_clip(clip_eps, clip_eps_high)
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1 (it bounds the loss at dual_clip * |A|), got {dual_clip}")
     valid = mask != 0
@@ -219,6 +255,114 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.
     with torch.no_grad():
         clip_fraction = masked_mean(was_clipped.to(log_ratio.dtype), mask)
         # Tokens were sampled from pi_old, so KL(pi_old || pi) is the direction k3 estimates without bias.
+        approx_kl = masked_mean(kl_estimate(old_logps, logps.detach(), "k3"), mask)
+    return loss, clip_fraction, approx_kl
+
+
+def gspo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_eps: float = GSPO_CLIP_EPS, clip_eps_high: float | None = GSPO_CLIP_EPS_HIGH,
+              loss_agg: str = "seq-mean-token-mean", normalizer: float | None = None,
+              token_weights: torch.Tensor | None = None, token_level: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO's clipped surrogate on one importance
+    ratio per answer, the geometric mean of its token ratios over its |y_i| response tokens:
+
+        s_i    = (pi(y_i) / pi_old(y_i))^(1/|y_i|) = exp(1/|y_i| sum_t log(pi(y_i,t) / pi_old(y_i,t)))
+        loss_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+        loss   = 1/G sum_i loss_i                                          (G answers)
+
+    One clipping decision per answer: a clipped answer gives none of its tokens a gradient; an unclipped one gives
+    each token -A_i s_i / |y_i| times its log-prob gradient, however far that token's own ratio moved. Because
+    s_i is a mean in log space it stays near 1, hence the paper's narrow default range (3e-4, 4e-4).
+
+    token_level=True is GSPO-token: s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)], the same value as s_i with the
+    gradient of each token's own log-prob only, so per-token advantages A_i,t can differ within an answer
+    (with A_i,t = A_i the gradient is GSPO's). Without it, advantages that differ within an answer each enter
+    -min(s_i A_i,t, clip(s_i) A_i,t), whose gradient reaches every token of the answer through s_i.
+
+    loss_agg: "seq-mean-token-mean" (default) is the paper's mean over answers (every token of answer i holds
+    loss_i, so its token mean is loss_i). "token-mean" weighs each answer's loss by its length, the token mean
+    of GSPO-token's per-token terms (DAPO's token-level weighting). "seq-mean-token-sum" is refused: it multiplies
+    each answer's length-normalised loss by its length again, so the sequence-level clip range would bound
+    updates whose size grows with the answer. `normalizer` has `aggregate_loss`'s meaning (answers with a
+    response token, or tokens, of the whole optimizer step: `loss_normalizer(step_mask, loss_agg)`).
+    `token_weights` (constants) multiply each token's loss; for a sequence-level weight give the same weight to
+    every token of the answer (what `importance.off_policy_correction` returns for tis_seq and mis_seq).
+    The mean inside s_i runs over `mask`: with masked IS or the overlong filter pass `loss_mask(...)` here.
+
+    Returns (loss, clip_fraction, approx_kl) as `policy_loss`: clip_fraction is the share of response tokens whose
+    gradient clipping removed (whole answers here, the quantity the paper compares with GRPO's), approx_kl the k3
+    estimate of KL(pi_old || pi) per token. log s_i is clamped to [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT].
+    """
+    _check_shapes(logps=logps, old_logps=old_logps, advantages=advantages, mask=mask)
+    _check_clip(clip_eps, clip_eps_high)
+    if loss_agg == "seq-mean-token-sum":
+        raise ValueError("GSPO takes loss_agg seq-mean-token-mean (the paper's mean over answers) or token-mean, not "
+                         "seq-mean-token-sum: a sum over tokens multiplies each answer's length-normalised loss by its "
+                         "length again")
+    if loss_agg not in GSPO_LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_agg must be one of {', '.join(GSPO_LOSS_AGGREGATIONS)} for GSPO, got {loss_agg!r}")
+    valid = mask != 0
+    token_log_ratio = (logps - old_logps.detach()).masked_fill(~valid, 0)
+    # The mean first, then the clamp: clamping each token would change s_i, not only guard the exp.
+    sequence_log_ratio = masked_mean(token_log_ratio, mask, dim=-1).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if token_level:
+        own = logps.masked_fill(~valid, 0)  # padding may hold inf or NaN: keep it out of own - sg[own]
+        log_ratio = sequence_log_ratio.detach().unsqueeze(-1) + (own - own.detach())
+    else:
+        log_ratio = sequence_log_ratio.unsqueeze(-1).expand_as(logps)
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.detach().masked_fill(~valid, 0)
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_high) * advantages
+    token_loss = -torch.min(unclipped, clipped)
+    if token_weights is not None:
+        _check_shapes(logps=logps, token_weights=token_weights)
+        token_loss = token_loss * token_weights.detach().masked_fill(~valid, 0)
+    loss = aggregate_loss(token_loss, mask, loss_agg, normalizer)
+    with torch.no_grad():
+        clip_fraction = masked_mean((clipped < unclipped).to(ratio.dtype), mask)
+        approx_kl = masked_mean(kl_estimate(old_logps, logps.detach(), "k3"), mask)
+    return loss, clip_fraction, approx_kl
+
+
+def cispo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               clip_eps: float = 0.2, clip_eps_high: float | None = None, loss_agg: str = "token-mean",
+               normalizer: float | None = None, token_weights: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention"): clip the
+    importance weight, not the update, per token:
+
+        r_t    = pi(y_t) / pi_old(y_t)
+        loss_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] * A_t * log pi(y_t)
+
+    sg = stop-gradient. Every token keeps a gradient, -clip(r_t) A_t times that of its log-prob: a token that PPO's
+    clip would silence (often a rare "fork" token whose ratio moved most) is only down- or up-weighted. The paper
+    normalises by the batch's response tokens (loss_agg="token-mean", the default); the other aggregations of
+    `aggregate_loss` apply as for `policy_loss`, and `normalizer` likewise. eps_high = clip_eps_high, or clip_eps
+    when None; clip_eps >= 1 removes the lower bound (r_t > 0), which is how the paper runs it (upper bound only).
+    `token_weights` (constants, e.g. importance weights pi_old / pi_rollout) multiply each token's loss.
+
+    The loss's value contains log pi, so it is not comparable with PPO's surrogate: only its gradient is the
+    objective's. Returns (loss, clip_fraction, approx_kl): clip_fraction here is the share of response tokens whose
+    weight the clip changed (no gradient is removed), approx_kl the k3 estimate of KL(pi_old || pi).
+    """
+    _check_shapes(logps=logps, old_logps=old_logps, advantages=advantages, mask=mask)
+    _check_clip(clip_eps, clip_eps_high)
+    valid = mask != 0
+    log_ratio = (logps.detach() - old_logps.detach()).masked_fill(~valid, 0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    clip_high = clip_eps if clip_eps_high is None else clip_eps_high
+    weight = ratio.clamp(1 - clip_eps, 1 + clip_high)
+    advantages = advantages.detach().masked_fill(~valid, 0)
+    token_loss = -weight * advantages * logps.masked_fill(~valid, 0)
+    if token_weights is not None:
+        _check_shapes(logps=logps, token_weights=token_weights)
+        token_loss = token_loss * token_weights.detach().masked_fill(~valid, 0)
+    loss = aggregate_loss(token_loss, mask, loss_agg, normalizer)
+    with torch.no_grad():
+        clip_fraction = masked_mean((weight != ratio).to(ratio.dtype), mask)
         approx_kl = masked_mean(kl_estimate(old_logps, logps.detach(), "k3"), mask)
     return loss, clip_fraction, approx_kl
 

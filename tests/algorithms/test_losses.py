@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpc_rlhf.algorithms.losses import (aggregate_loss, dpo_loss, kto_loss, loss_normalizer, pairwise_reward_loss,
-                                        policy_loss, sft_loss, value_loss)
+from hpc_rlhf.algorithms.losses import (aggregate_loss, cispo_loss, dpo_loss, gspo_loss, kto_loss, loss_mask,
+                                        loss_normalizer, pairwise_reward_loss, policy_loss, sft_loss, value_loss)
 
 NAN = float("nan")
 
@@ -315,3 +315,303 @@ def test_value_loss_normalizer_gives_the_step_token_mean():
     values = torch.tensor([[1.0, 1.0]])
     loss, _ = value_loss(values, values, torch.zeros(1, 2), torch.ones(1, 2), clip_eps=None, normalizer=8)
     assert loss.item() == pytest.approx(0.5 * 2 / 8)
+
+
+# ----------------------------------------------------------------------------------------- loss mask
+def test_loss_mask_keeps_what_every_mask_keeps():
+    action_mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    keep_tokens = torch.tensor([[True, False, True], [True, True, True], [True, True, True]])
+    keep_sequences = torch.tensor([True, False, True])
+    assert loss_mask(action_mask).equal(action_mask.bool())
+    assert loss_mask(action_mask, keep_tokens).equal(torch.tensor([[1, 0, 1], [1, 1, 0], [0, 0, 0]]).bool())
+    assert loss_mask(action_mask, keep_tokens, keep_sequences).equal(
+        torch.tensor([[1, 0, 1], [0, 0, 0], [0, 0, 0]]).bool())
+    with pytest.raises(ValueError, match=r"keep_sequences must be \(batch,\) = \(3,\)"):
+        loss_mask(action_mask, keep_sequences=torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        loss_mask(action_mask, keep_tokens=torch.ones(3, 2))
+
+
+def random_batch(seed: int, batch: int = 6, seq: int = 7, spread: float = 0.1):
+    """Log-probs near the old ones, random right-padded lengths (row 1 empty), garbage in the padding."""
+    generator = torch.Generator().manual_seed(seed)
+    old = -torch.rand(batch, seq, generator=generator, dtype=torch.float64) * 3
+    logps = old + torch.randn(batch, seq, generator=generator, dtype=torch.float64) * spread
+    lengths = torch.randint(1, seq + 1, (batch,), generator=generator)
+    lengths[1] = 0
+    mask = (torch.arange(seq) < lengths.unsqueeze(-1)).long()
+    advantages = torch.randn(batch, seq, generator=generator, dtype=torch.float64)
+    sequence_advantages = advantages[:, :1].expand(batch, seq).clone()
+    garbage = mask == 0
+    logps = logps.masked_fill(garbage, NAN).requires_grad_()
+    return logps, old.masked_fill(garbage, float("inf")), advantages, sequence_advantages, mask
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_a_dropped_answer_counts_nowhere_in_the_policy_loss(loss_agg):
+    """Dropping answers with the loss mask gives the loss (and gradient) of the batch without them: they leave
+    the denominator as well as the numerator."""
+    logps, old, advantages, _, mask = random_batch(0)
+    keep = torch.tensor([True, True, False, True, False, True])
+    loss, _, _ = policy_loss(logps, old, advantages, loss_mask(mask, keep_sequences=keep), loss_agg=loss_agg)
+    loss.backward()
+    rows = keep.nonzero().squeeze(-1)
+    kept_logps = logps.detach()[rows].requires_grad_()
+    expected, _, _ = policy_loss(kept_logps, old[rows], advantages[rows], mask[rows], loss_agg=loss_agg)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(logps.grad[rows], kept_logps.grad)
+    assert (logps.grad[~keep] == 0).all()
+
+
+def test_dropped_tokens_leave_the_token_mean_and_the_step_normalizer():
+    """Two micro-batches with dropped tokens: with the normalizer counted on the step's loss mask, their losses add
+    up to the mean over the kept tokens only (hand-computed: per-token losses -A at the old policy)."""
+    action_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    keep_tokens = torch.tensor([[1, 0, 1], [0, 1, 1]])
+    advantages = torch.tensor([[1.0, 5.0, 2.0], [7.0, 3.0, 0.0]])
+    mask = loss_mask(action_mask, keep_tokens)
+    normalizer = loss_normalizer(mask, "token-mean")
+    assert normalizer == 3  # kept tokens: A = 1, 2, 3
+    total = 0.0
+    for rows in ([0], [1]):
+        logps = torch.zeros(1, 3)
+        loss, _, _ = policy_loss(logps, logps, advantages[rows], mask[rows], normalizer=normalizer)
+        total += loss.item()
+    assert total == pytest.approx(-(1.0 + 2.0 + 3.0) / 3)
+
+
+@pytest.mark.parametrize("loss_of", [policy_loss, gspo_loss, cispo_loss])
+def test_an_all_masked_batch_gives_zero_loss_and_zero_gradient(loss_of):
+    logps = torch.tensor([[NAN, -1.0], [float("inf"), -2.0]], requires_grad=True)
+    old = torch.tensor([[float("-inf"), 0.0], [NAN, -1.0]])
+    advantages = torch.tensor([[NAN, 1.0], [2.0, 3.0]])
+    mask = loss_mask(torch.ones(2, 2), keep_sequences=torch.tensor([False, False]))
+    loss, clip_fraction, approx_kl = loss_of(logps, old, advantages, mask)
+    loss.backward()
+    assert loss.item() == 0.0 and clip_fraction.item() == 0.0 and approx_kl.item() == 0.0
+    assert (logps.grad == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------------ GSPO
+# Row 0: token log-ratios 0.1, -0.3, A = +1. Row 1: 0.3, 0.0, 0.3, A = +2. Row 2: no response, garbage.
+GSPO_LOG_RATIOS = torch.tensor([[0.1, -0.3, 0.0], [0.3, 0.0, 0.3], [0.0, 0.0, 0.0]])
+GSPO_OLD = torch.tensor([[-1.0, -2.0, NAN], [-0.5, -0.25, -3.0], [NAN, 1.0, float("inf")]])
+GSPO_ADVANTAGES = torch.tensor([[1.0, 1.0, NAN], [2.0, 2.0, 2.0], [NAN, 5.0, 5.0]])
+GSPO_MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+
+
+def gspo_logps():
+    logps = (GSPO_OLD.nan_to_num(0.0, posinf=0.0) + GSPO_LOG_RATIOS).masked_fill(GSPO_MASK == 0, NAN)
+    return logps.requires_grad_()
+
+
+def test_gspo_hand_computed():
+    logps = gspo_logps()
+    loss, clip_fraction, approx_kl = gspo_loss(logps, GSPO_OLD, GSPO_ADVANTAGES, GSPO_MASK, clip_eps=0.05,
+                                               clip_eps_high=0.05)
+    # s_0 = exp((0.1 - 0.3) / 2) = exp(-0.1) = 0.90483742, below 0.95, but with A > 0 the min takes the unclipped
+    # term: -min(0.9048 * 1, 0.95 * 1) = -0.90483742. s_1 = exp(0.6 / 3) = exp(0.2) = 1.22140276 > 1.05:
+    # -min(2.4428, 1.05 * 2) = -2.1 (clipped). Mean over the two answers: (-0.90483742 - 2.1) / 2.
+    torch.testing.assert_close(loss, torch.tensor(-1.50241871))
+    # answer 1 clipped: its 3 tokens of 5
+    assert clip_fraction.item() == pytest.approx(0.6)
+    # k3 per token exp(x) - 1 - x for x = 0.1, -0.3, 0.3, 0, 0.3: 0.00517092 + 0.04081822 + 0.04985881 + 0 +
+    # 0.04985881 = 0.14570676, over 5 tokens
+    torch.testing.assert_close(approx_kl, torch.tensor(0.02914135))
+    loss.backward()
+    # Answer 0 unclipped: each token -A s_0 / (|y_0| G) = -0.90483742 / 4, token 0 included although its own ratio
+    # exp(0.1) = 1.105 is outside [0.95, 1.05]. Answer 1 clipped: no token gets a gradient, token 1 included
+    # although its own ratio is exactly 1.
+    torch.testing.assert_close(logps.grad, torch.tensor([[-0.22620935, -0.22620935, 0.0], [0.0, 0.0, 0.0],
+                                                         [0.0, 0.0, 0.0]]))
+    # PPO on the same tokens clips token (0, 0) by itself: GSPO's decision is the answer's, not the token's.
+    ppo_logps = gspo_logps()
+    ppo, _, _ = policy_loss(ppo_logps, GSPO_OLD, GSPO_ADVANTAGES, GSPO_MASK, clip_eps=0.05)
+    ppo.backward()
+    assert ppo_logps.grad[0, 0] == 0 and ppo_logps.grad[1, 1] != 0
+
+
+def test_gspo_token_mean_weighs_each_answer_by_its_length():
+    loss, _, _ = gspo_loss(gspo_logps(), GSPO_OLD, GSPO_ADVANTAGES, GSPO_MASK, clip_eps=0.05, clip_eps_high=0.05,
+                           loss_agg="token-mean")
+    # (2 * -0.90483742 + 3 * -2.1) / 5 tokens
+    torch.testing.assert_close(loss, torch.tensor(-1.62193497))
+
+
+def gspo_reference(logps, old, advantages, mask, eps_low, eps_high, loss_agg, weights=None, token_level=False):
+    """GSPO straight from the paper, one answer and one token at a time (autograd through the scalar ops)."""
+    total, count = 0.0, 0
+    for i in range(logps.shape[0]):
+        tokens = [t for t in range(logps.shape[1]) if mask[i, t]]
+        if not tokens:
+            continue
+        log_s = sum(logps[i, t] - old[i, t] for t in tokens) / len(tokens)
+        s = torch.exp(log_s)
+        terms = []
+        for t in tokens:
+            # GSPO-token: s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]
+            ratio = s.detach() * torch.exp(logps[i, t]) / torch.exp(logps[i, t]).detach() if token_level else s
+            a = advantages[i, t].item()
+            term = -torch.min(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+            terms.append(term * (1.0 if weights is None else weights[i, t].item()))
+        if loss_agg == "seq-mean-token-mean":
+            total, count = total + sum(terms) / len(tokens), count + 1
+        else:
+            total, count = total + sum(terms), count + len(tokens)
+    return total / count
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean"])
+@pytest.mark.parametrize("token_level", [False, True])
+@pytest.mark.parametrize("per_token_advantages", [False, True])
+def test_gspo_matches_the_reference_loop_with_weights(loss_agg, token_level, per_token_advantages):
+    logps, old, advantages, sequence_advantages, mask = random_batch(1)
+    advantages = advantages if per_token_advantages else sequence_advantages
+    weights = torch.rand(logps.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 2
+    loss, clip_fraction, _ = gspo_loss(logps, old, advantages, mask, clip_eps=0.03, clip_eps_high=0.05,
+                                       loss_agg=loss_agg, token_weights=weights, token_level=token_level)
+    assert 0 < clip_fraction.item() < 1  # both branches of the min are exercised
+    loss.backward()
+    reference_logps = logps.detach().clone().requires_grad_()
+    expected = gspo_reference(reference_logps, old, advantages, mask, 0.03, 0.05, loss_agg, weights, token_level)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(logps.grad, reference_logps.grad.nan_to_num(0.0))
+
+
+def test_gspo_all_tokens_of_an_answer_share_one_clipping_decision():
+    logps, old, _, advantages, mask = random_batch(3, batch=12, spread=0.2)
+    loss, clip_fraction, _ = gspo_loss(logps, old, advantages, mask, clip_eps=0.02, clip_eps_high=0.02)
+    assert 0 < clip_fraction.item() < 1
+    loss.backward()
+    for row in range(12):
+        grads = logps.grad[row][mask[row] != 0]
+        assert (grads == 0).all() or (grads != 0).all(), row
+        if len(grads):  # unclipped: every token the same gradient, -A s / (|y| G)
+            torch.testing.assert_close(grads, grads[:1].expand_as(grads))
+
+
+def test_gspo_token_with_sequence_advantages_is_gspo():
+    logps, old, _, advantages, mask = random_batch(4)
+    token_logps = logps.detach().clone().requires_grad_()
+    loss, clip_fraction, _ = gspo_loss(logps, old, advantages, mask, clip_eps=0.03, clip_eps_high=0.04)
+    token_loss, token_clip_fraction, _ = gspo_loss(token_logps, old, advantages, mask, clip_eps=0.03,
+                                                   clip_eps_high=0.04, token_level=True)
+    assert 0 < clip_fraction.item() < 1
+    assert loss.item() == token_loss.item() and clip_fraction.item() == token_clip_fraction.item()
+    loss.backward()
+    token_loss.backward()
+    torch.testing.assert_close(logps.grad, token_logps.grad)
+
+
+def test_gspo_micro_batches_add_up_to_the_step_mean():
+    logps, old, _, advantages, mask = random_batch(5)
+    full, _, _ = gspo_loss(logps, old, advantages, mask, clip_eps=0.03)
+    normalizer = loss_normalizer(mask, "seq-mean-token-mean")
+    assert normalizer == 5  # six answers, one empty
+    parts = sum(gspo_loss(logps[rows], old[rows], advantages[rows], mask[rows], clip_eps=0.03,
+                          normalizer=normalizer)[0] for rows in ([0, 1, 2], [3, 4, 5]))
+    torch.testing.assert_close(parts, full)
+
+
+def test_gspo_extreme_log_ratios_stay_finite():
+    logps = torch.tensor([[100.0, 90.0], [-100.0, -80.0], [0.0, 0.0]], requires_grad=True)
+    for token_level in (False, True):
+        for advantage in (1.0, -1.0):
+            logps.grad = None
+            loss, _, approx_kl = gspo_loss(logps, torch.zeros(3, 2), torch.full((3, 2), advantage),
+                                           torch.ones(3, 2), token_level=token_level)
+            loss.backward()
+            assert torch.isfinite(loss) and torch.isfinite(approx_kl) and torch.isfinite(logps.grad).all()
+
+
+def test_gspo_refuses_a_token_sum_and_bad_arguments():
+    args = (torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="not seq-mean-token-sum"):
+        gspo_loss(*args, loss_agg="seq-mean-token-sum")
+    with pytest.raises(ValueError, match="loss_agg must be one of seq-mean-token-mean, token-mean for GSPO"):
+        gspo_loss(*args, loss_agg="sum")
+    with pytest.raises(ValueError, match="clip_eps and clip_eps_high must be > 0"):
+        gspo_loss(*args, clip_eps=0.0)
+    with pytest.raises(ValueError, match=r"token_weights \(2, 2\)"):
+        gspo_loss(*args, token_weights=torch.ones(2, 2))
+
+
+# ----------------------------------------------------------------------------------------------------- CISPO
+def test_cispo_hand_computed():
+    logps = ppo_logps().detach().masked_fill(MASK == 0, NAN).requires_grad_()
+    loss, clip_fraction, approx_kl = cispo_loss(logps, OLD_LOGPS, ADVANTAGES, MASK, clip_eps=0.2)
+    # weights clip(r, 0.8, 1.2) of r = 1.5, 0.5, 1.1, 1.0: 1.2, 0.8, 1.1, 1.0; log pi = -1 + log 1.5 = -0.59453489,
+    # -2 + log 0.5 = -2.69314718, -0.5 + log 1.1 = -0.40468982, -0.7. Per token -w A log pi: 0.71344187,
+    # -2.15451774, 0.89031760, -0.35; sum -0.90075827, over 4 tokens.
+    torch.testing.assert_close(loss, torch.tensor(-0.22518957))
+    assert clip_fraction.item() == 0.5  # two weights clipped
+    torch.testing.assert_close(approx_kl, torch.tensor(0.07309297))  # as PPO's: same ratios
+    loss.backward()
+    # -w A / 4: the two clipped tokens keep a gradient (PPO gives them 0), scaled by the clipped weight.
+    torch.testing.assert_close(logps.grad, torch.tensor([[-0.3, 0.2, -0.55], [0.125, 0.0, 0.0]]))
+
+
+def cispo_reference(logps, old, advantages, mask, eps_low, eps_high, loss_agg):
+    """CISPO straight from the paper, one token at a time: -sg[clip(r_t)] A_t log pi(y_t)."""
+    total, count = 0.0, 0
+    for i in range(logps.shape[0]):
+        tokens = [t for t in range(logps.shape[1]) if mask[i, t]]
+        if not tokens:
+            continue
+        terms = []
+        for t in tokens:
+            ratio = math.exp(logps[i, t].item() - old[i, t].item())
+            weight = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            terms.append(-weight * advantages[i, t].item() * logps[i, t])
+        if loss_agg == "token-mean":
+            total, count = total + sum(terms), count + len(tokens)
+        elif loss_agg == "seq-mean-token-sum":
+            total, count = total + sum(terms), count + 1
+        else:
+            total, count = total + sum(terms) / len(tokens), count + 1
+    return total / count
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_cispo_matches_the_reference_loop(loss_agg):
+    logps, old, advantages, _, mask = random_batch(6, spread=0.3)
+    loss, clip_fraction, _ = cispo_loss(logps, old, advantages, mask, clip_eps=0.1, clip_eps_high=0.2,
+                                        loss_agg=loss_agg)
+    assert 0 < clip_fraction.item() < 1
+    loss.backward()
+    reference_logps = logps.detach().clone().requires_grad_()
+    expected = cispo_reference(reference_logps, old, advantages, mask, 0.1, 0.2, loss_agg)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(logps.grad, reference_logps.grad.nan_to_num(0.0))
+    # every response token keeps a gradient (no advantage here is 0)
+    assert (logps.grad[mask != 0] != 0).all()
+
+
+def test_cispo_on_policy_gradient_is_ppos_and_without_lower_bound_keeps_small_weights():
+    logps = torch.tensor([[-0.3, -1.2]], requires_grad=True)
+    advantages = torch.tensor([[2.0, -1.0]])
+    loss, _, _ = cispo_loss(logps, logps.detach(), advantages, torch.ones(1, 2))
+    loss.backward()
+    ppo_logps = logps.detach().clone().requires_grad_()
+    ppo, _, _ = policy_loss(ppo_logps, ppo_logps.detach(), advantages, torch.ones(1, 2))
+    ppo.backward()
+    torch.testing.assert_close(logps.grad, ppo_logps.grad)
+    # clip_eps >= 1: ratio 0.1 keeps weight 0.1 (only the upper bound acts), ratio 3 is cut to 1.2.
+    logps = torch.log(torch.tensor([[0.1, 3.0]])).requires_grad_()
+    loss, clip_fraction, _ = cispo_loss(logps, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), clip_eps=1.0,
+                                        clip_eps_high=0.2)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[-0.1 / 2, -1.2 / 2]]))
+    assert clip_fraction.item() == 0.5
+
+
+def test_cispo_extreme_log_ratios_stay_finite():
+    logps = torch.tensor([[100.0, -100.0, 0.0]], requires_grad=True)
+    for advantage in (1.0, -1.0):
+        logps.grad = None
+        loss, _, approx_kl = cispo_loss(logps, torch.zeros(1, 3), torch.full((1, 3), advantage), torch.ones(1, 3))
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(approx_kl) and torch.isfinite(logps.grad).all()
