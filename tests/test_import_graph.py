@@ -14,6 +14,8 @@ The layering, lowest first; an area may import itself and the areas listed for i
     data                         config, models, utils
     engines                      config, models, dist, algorithms, utils
     rewards                      data, config, utils
+    envs                         data, config, utils   (environments and the episode driver: engine-agnostic, they
+                                 get generation as a callable; data gives the chat templates and the tiny task)
     trainers                     everything above (never launch/ or the entry points)
     launch, cli, __main__, chat, demo   the entry points: anything
 
@@ -41,7 +43,8 @@ LOWER = {
     "data": {"config", "models", "utils"},
     "engines": {"config", "models", "dist", "algorithms", "utils"},
     "rewards": {"data", "config", "utils"},
-    "trainers": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards"},
+    "envs": {"data", "config", "utils"},
+    "trainers": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs"},
 }
 # The package root (hpc_rlhf/__init__.py) pins the CPU kernels before torch loads, and nothing more.
 ROOT_MAY_IMPORT = {"hpc_rlhf.utils.cpu_kernels"}
