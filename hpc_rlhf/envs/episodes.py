@@ -14,9 +14,10 @@ What an episode keeps, token for token:
 A model turn ends where the engine stopped (a stop token, or rollout.max_new_tokens) or, earlier, at the first
 stop string (env.stop and the environment's own): the sampled tokens up to the one that completes the stop string
 are kept, the rest are dropped with their log-probs. The environment gets the kept turn decoded (special tokens
-included). An episode ends when the environment says done, after env.max_turns model turns, or when its tokens
-would pass env.max_episode_tokens: then it is cut there (a model turn at the limit, an observation that does not
-fit is left out) and marked truncated, which is not an error.
+included). An episode ends when the environment says done (the observation that comes with done is not appended),
+after env.max_turns model turns (the last observation is not appended either: no model turn would follow it), or
+when its tokens would pass env.max_episode_tokens: then it is cut there (a model turn at the limit, an observation
+that does not fit is left out) and marked truncated, which is not an error.
 
 Samples are seeded per turn from `sampling.seed`, and environment calls are collected in a fixed order, so the
 same inputs, seed and environment give the same episodes bit for bit.
@@ -82,6 +83,19 @@ class EpisodeBatch:
     generate_s: float
     env_s: float          # wall time spent waiting for environment calls
     wall_s: float
+
+    def tokens(self) -> list[torch.Tensor]:
+        return [e.tokens for e in self.episodes]
+
+    def masks(self) -> list[torch.Tensor]:
+        return [e.mask for e in self.episodes]
+
+    def logprobs(self) -> list[torch.Tensor]:
+        return [e.logprobs for e in self.episodes]
+
+    def rewards(self) -> torch.Tensor:
+        """The environment's reward of each episode (the sum of its turns' rewards), float32 [episodes]."""
+        return torch.tensor([e.reward for e in self.episodes], dtype=torch.float32)
 
     def metrics(self) -> dict[str, float]:
         """Means over the episodes that were not dropped; counts over all of them."""
@@ -236,7 +250,8 @@ class _Player:
             return
         state.append(ids, None)
 
-    def take_turn(self, state: _State, ids: list[int], logprobs: list[float], stop_strings: Sequence[str]) -> str | None:
+    def take_turn(self, state: _State, ids: list[int], logprobs: list[float], stop_strings: Sequence[str]
+                  ) -> str | None:
         """Append the model's turn (cut at a stop string and at the episode's token limit); its text, or None when
         the limit cut it (the episode then ends truncated, without a step)."""
         keep = cut_at_stop_strings(ids, stop_strings, self.decode)
@@ -295,6 +310,9 @@ def run_episodes(rows: Sequence[dict], prompt_ids: Sequence[Sequence[int]], gene
     """
     if len(rows) != len(prompt_ids):
         raise ValueError(f"run_episodes: {len(rows)} rows but {len(prompt_ids)} prompts")
+    if sampling.temperature == 0 and sampling.n > 1:  # the engines refuse it too; here each call has n=1
+        raise ValueError(f"greedy decoding (temperature 0) gives n={sampling.n} identical episodes when the "
+                         f"environment is deterministic; use n=1 or a temperature > 0")
     begin = time.perf_counter()
     transcript = Transcript(tokenizer, chat=chat, observation_role=settings.observation_role)
     player = _Player(env, tokenizer, settings, transcript)

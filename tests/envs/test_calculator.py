@@ -26,6 +26,12 @@ def test_a_call_gets_the_result_and_the_answer_ends_the_episode_with_exact_match
     assert env.step("42 is it<eos>")[1] == 0.0
 
 
+def test_the_tiny_tokenizer_writes_the_tool_layout_one_character_per_token(tokenizer):
+    text = tool_task.tool_response(synthetic.Problem(99, 98)) + tool_task.result_text(None)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == text
+
+
 def episode(tokenizer, turns, max_turns=3):
     section = EnvSection(name="calculator", max_turns=max_turns, max_episode_tokens=64)
     factory = load_environment(section)
@@ -41,8 +47,8 @@ def test_an_episode_lays_out_tokens_exactly_as_the_tool_demonstration(tokenizer)
     demo = sft_example(tokenizer, prompt=ROW["prompt"], response=tool_task.tool_response(synthetic.Problem(17, 25)),
                        max_len=64, max_prompt_len=16)
     assert e.prompt_ids + e.tokens.tolist() == demo["input_ids"]
-    call, result, answer = "<calc>17+25</calc>", "=42\n", "42<eos>"
-    assert e.mask.tolist() == [True] * len(call) + [False] * len(result) + [True] * (len(answer) - 4)
+    call, result, answer = "<calc>17+25</calc>", "=42\n", ["4", "2", "<eos>"]
+    assert e.mask.tolist() == [True] * len(call) + [False] * len(result) + [True] * len(answer)
     assert e.turn_rewards == [0.0, 1.0] and e.reward == 1.0 and e.tool_calls == 1 and e.done
     assert torch.equal(e.logprobs, torch.where(e.mask, -1.0, 0.0))
 

@@ -71,6 +71,9 @@ def test_one_generate_call_per_turn_and_trajectories_as_sampled(engine, tokenize
         assert episode.turn_rewards == [0.25] * 3 and episode.reward == 0.75 and episode.tool_calls == 3
     # prompt-major: row i, sample j at i * n + j
     assert [(e.row_index, e.sample_index) for e in batch.episodes] == [(i, j) for i in range(3) for j in range(2)]
+    assert [t.tolist() for t in batch.tokens()] == [e.tokens.tolist() for e in batch.episodes]
+    assert batch.masks()[0] is batch.episodes[0].mask and batch.logprobs()[5] is batch.episodes[5].logprobs
+    assert batch.rewards().tolist() == [0.75] * 6
     metrics = batch.metrics()
     assert metrics["turns_mean"] == 3 and metrics["tool_calls_mean"] == 3 and metrics["episodes_truncated"] == 0
     assert 0 < metrics["env_time_share"] < 1
@@ -177,6 +180,12 @@ def test_lockstep_calls_generate_every_turn_even_with_no_episode_left(engine, to
                          env=factory(Ends), tokenizer=tokenizer, settings=settings(max_turns=4), lockstep=True)
     assert batch.generate_calls == len(recorder.calls) == 4
     assert [len(c["prompts"]) for c in recorder.calls][2:] == [0, 0]
+
+
+def test_greedy_decoding_with_several_samples_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="greedy decoding .* n=2 identical episodes"):
+        run_episodes(ROWS, [[1, 5]] * 3, Scripted(tokenizer, ["1"]), SamplingParams(n=2, temperature=0),
+                     env=factory(Echo), tokenizer=tokenizer, settings=settings())
 
 
 def test_the_model_turn_is_given_to_the_environment_as_decoded_text(tokenizer):

@@ -11,11 +11,12 @@ from tests.envs.conftest import Scripted, factory, settings
 
 # The tiny template with a `tool` role (written with the system marker and a label), and a variant whose
 # assistant turns end with <eos> and a line break, like ChatML's <|im_end|>\n.
-ROLE = "{%- if message['role'] == 'tool' -%}{{- '<|system|>tool: ' -}}{%- else -%}{{- '<|' + message['role'] + '|>' -}}" \
-       "{%- endif -%}"
+ROLE = ("{%- if message['role'] == 'tool' -%}{{- '<|system|>tool: ' -}}"
+        "{%- else -%}{{- '<|' + message['role'] + '|>' -}}{%- endif -%}")
 WITH_TOOL = ("{{- bos_token -}}{%- for message in messages -%}" + ROLE + "{{- message['content'] + eos_token -}}"
              "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}")
-LINE_AFTER_TURN = WITH_TOOL.replace("{{- message['content'] + eos_token -}}", "{{- message['content'] + eos_token + '\\n' -}}")
+LINE_AFTER_TURN = WITH_TOOL.replace("{{- message['content'] + eos_token -}}",
+                                    "{{- message['content'] + eos_token + '\\n' -}}")
 
 
 def ids(tokenizer, text):
