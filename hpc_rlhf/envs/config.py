@@ -21,6 +21,8 @@ class EnvSection:
     retries: int = field(2, min=0, help="HTTP: tries after a failed one (down, slow, 5xx), per call")
     on_error: str = field("fail", choices=["fail", "skip"],
                           help="a failing environment ends the job, or only its episode (counted as failed)")
+    reward_weight: float = field(1.0, help="weight of the environment's reward (the sum of its turns' rewards) "
+                                           "among the other rewards")
     observation_role: str = field("tool", help="chat data: the role of the environment's messages")
     stop: list[str] = field([], help="strings that end the model's turn (kept; what follows is dropped)")
 

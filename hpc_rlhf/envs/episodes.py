@@ -97,22 +97,48 @@ class EpisodeBatch:
         """The environment's reward of each episode (the sum of its turns' rewards), float32 [episodes]."""
         return torch.tensor([e.reward for e in self.episodes], dtype=torch.float32)
 
-    def metrics(self) -> dict[str, float]:
-        """Means over the episodes that were not dropped; counts over all of them."""
+    def metric_sums(self) -> dict[str, float]:
+        """Sums that add up over the shards of a step (one per rollout engine); `metrics_from_sums` turns their
+        total into the step's metrics."""
         kept = [e for e in self.episodes if not e.failed]
         return {
-            "turns_mean": _mean([e.turns for e in kept]),
-            "tool_calls_mean": _mean([e.tool_calls for e in kept]),
-            "episode_reward_mean": _mean([e.reward for e in kept]),
-            "episode_tokens_mean": _mean([len(e.tokens) for e in kept]),
+            "episodes": float(len(self.episodes)),
+            "episodes_kept": float(len(kept)),
+            "turns": float(sum(e.turns for e in kept)),
+            "tool_calls": float(sum(e.tool_calls for e in kept)),
+            "episode_reward": float(sum(e.reward for e in kept)),
+            "episode_tokens": float(sum(len(e.tokens) for e in kept)),
             "episodes_truncated": float(sum(e.truncated for e in self.episodes)),
-            "episodes_failed": float(sum(e.failed for e in self.episodes)),
-            "env_time_share": self.env_s / self.wall_s if self.wall_s > 0 else 0.0,
+            "episodes_failed": float(len(self.episodes) - len(kept)),
+            "env_s": self.env_s,
+            "wall_s": self.wall_s,
         }
 
+    def metrics(self) -> dict[str, float]:
+        return metrics_from_sums(self.metric_sums())
 
-def _mean(values: list[float]) -> float:
-    return float(sum(values) / len(values)) if values else 0.0
+
+METRIC_SUMS = ("episodes", "episodes_kept", "turns", "tool_calls", "episode_reward", "episode_tokens",
+               "episodes_truncated", "episodes_failed", "env_s", "wall_s")
+
+
+def metrics_from_sums(sums: dict[str, float]) -> dict[str, float]:
+    """Means over the episodes that were not dropped, counts over all of them, and the share of the rollout's
+    wall time spent waiting for the environment."""
+    kept = sums["episodes_kept"]
+
+    def mean(key: str) -> float:
+        return sums[key] / kept if kept else 0.0
+
+    return {
+        "turns_mean": mean("turns"),
+        "tool_calls_mean": mean("tool_calls"),
+        "episode_reward_mean": mean("episode_reward"),
+        "episode_tokens_mean": mean("episode_tokens"),
+        "episodes_truncated": sums["episodes_truncated"],
+        "episodes_failed": sums["episodes_failed"],
+        "env_time_share": sums["env_s"] / sums["wall_s"] if sums["wall_s"] > 0 else 0.0,
+    }
 
 
 @dataclass

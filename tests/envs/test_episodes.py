@@ -8,7 +8,7 @@ import pytest
 
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.envs.base import EnvError
-from hpc_rlhf.envs.episodes import cut_at_stop_strings, run_episodes
+from hpc_rlhf.envs.episodes import METRIC_SUMS, cut_at_stop_strings, metrics_from_sums, run_episodes
 from hpc_rlhf.envs.transcript import Transcript
 from tests.envs.conftest import Echo, Recorder, Scripted, factory, observation_for, settings
 
@@ -77,6 +77,12 @@ def test_one_generate_call_per_turn_and_trajectories_as_sampled(engine, tokenize
     metrics = batch.metrics()
     assert metrics["turns_mean"] == 3 and metrics["tool_calls_mean"] == 3 and metrics["episodes_truncated"] == 0
     assert 0 < metrics["env_time_share"] < 1
+    sums = batch.metric_sums()
+    assert list(sums) == list(METRIC_SUMS) and sums["turns"] == 18 and sums["episodes"] == 6
+    # two engines' shards add up to the metrics of the whole step
+    other = {**sums, "episodes": 2.0, "episodes_kept": 2.0, "turns": 2.0, "tool_calls": 0.0, "episodes_truncated": 1.0}
+    total = metrics_from_sums({k: sums[k] + other[k] for k in sums})
+    assert total["turns_mean"] == 20 / 8 and total["tool_calls_mean"] == 18 / 8 and total["episodes_truncated"] == 1
 
 
 def test_log_probs_are_those_of_the_model_at_its_own_tokens(engine, model, tokenizer):
