@@ -14,7 +14,9 @@ The layering, lowest first; an area may import itself and the areas listed for i
     data                         config, models, utils
     engines                      config, models, dist, algorithms, utils
     rewards                      data, config, utils
-    trainers                     everything above (the one-model recipes and what every recipe shares)
+    envs                         data, config, utils   (environments and the episode driver: engine-agnostic, they
+                                 get generation as a callable; data gives the chat templates and the tiny task)
+    trainers                     everything above but envs (the one-model recipes and what every recipe shares)
     rl                           everything above, trainers/ included (the RL recipe; trainers never import it)
     launch, cli, __main__, chat, demo   the entry points: anything
 
@@ -42,8 +44,9 @@ LOWER = {
     "data": {"config", "models", "utils"},
     "engines": {"config", "models", "dist", "algorithms", "utils"},
     "rewards": {"data", "config", "utils"},
+    "envs": {"data", "config", "utils"},
     "trainers": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards"},
-    "rl": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "trainers"},
+    "rl": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "trainers"},
 }
 # The package root (hpc_rlhf/__init__.py) pins the CPU kernels before torch loads, and nothing more.
 ROOT_MAY_IMPORT = {"hpc_rlhf.utils.cpu_kernels"}

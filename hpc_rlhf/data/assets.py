@@ -8,6 +8,7 @@
     OUT/data/kto_{train,eval}.jsonl  prompt/completion/label
     OUT/data/prompts_{train,eval}.jsonl  prompt/answer (RL and evaluation)
     OUT/data/chat_train.jsonl        multi-turn messages
+    OUT/data/sft_tool_train.jsonl    prompt/response demonstrations, a minority calling the calculator tool
     OUT/MANIFEST.json                what was generated and from what; written last
 
 The folder is built beside OUT under a temporary name and renamed into place when complete, so a run that is
@@ -27,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from hpc_rlhf.config import TINY_ASSETS
-from hpc_rlhf.data import synthetic
+from hpc_rlhf.data import synthetic, tool_task
 from hpc_rlhf.models import tiny
 
 # Raise when the layout or the meaning of the files changes; files from another version are regenerated.
@@ -41,6 +42,7 @@ def source_fingerprint() -> str:
     sources = {f"tiny/{path.relative_to(tiny.TINY_DIR).as_posix()}": path
                for path in sorted(tiny.TINY_DIR.rglob("*.json"))}
     sources["synthetic.py"] = Path(synthetic.__file__)
+    sources["tool_task.py"] = Path(tool_task.__file__)
     digest = hashlib.sha256()
     for name, path in sources.items():
         digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -100,6 +102,7 @@ def data_files(seed: int) -> dict[str, list[dict]]:
         "prompts_train.jsonl": synthetic.prompt_rows(split.train),
         "prompts_eval.jsonl": synthetic.prompt_rows(split.heldout),
         "chat_train.jsonl": synthetic.chat_rows(split.train, seed, mistake_rate=rate),
+        "sft_tool_train.jsonl": tool_task.tool_sft_rows(split.train, seed, mistake_rate=rate),
     }
 
 

@@ -24,6 +24,7 @@ DATA_COLUMNS = {
     "prompts_train.jsonl": ["prompt", "answer"],
     "prompts_eval.jsonl": ["prompt", "answer"],
     "chat_train.jsonl": ["messages"],
+    "sft_tool_train.jsonl": ["prompt", "response"],
 }
 
 
