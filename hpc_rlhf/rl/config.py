@@ -8,16 +8,18 @@ import dataclasses
 from dataclasses import dataclass
 
 from hpc_rlhf.algorithms.advantages import ESTIMATORS
+from hpc_rlhf.algorithms.importance import DEFAULT_IS_CAP, IS_CORRECTIONS, resolve_is_correction
+from hpc_rlhf.algorithms.losses import GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH, GSPO_LOSS_AGGREGATIONS, POLICY_LOSSES
 from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
                              ModelSection, TrainSection, field, section)
 from hpc_rlhf.dist.placement import PlacementError, make_plan, world_size_of
 
 ADVANTAGES = ESTIMATORS
-# The truncation of the importance weights pi_old / pi_rollout when batches come from older weights
-# (rl.max_staleness >= 1) and rl.tis_cap is not set: 2 is the usual upper bound of truncated and masked importance
-# sampling in other RL systems (e.g. ms-swift's default threshold, slime's upper bound). It bounds what one token
-# of a stale batch can weigh, and so the variance it adds, and leaves weights near 1 as they are.
-ASYNC_TIS_CAP = 2.0
+# The group estimators, under which a prompt whose samples all got the same reward has advantage 0: what dynamic
+# sampling filters for (algorithms/dynamic_sampling.py).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+# PPO's clip range, the default of the ppo and cispo policy losses (GSPO's is far narrower: algorithms/losses.py).
+PPO_CLIP_EPS = 0.2
 
 
 @dataclass
@@ -67,13 +69,27 @@ class RLSection:
     kl_estimator: str = field("k1", choices=["k1", "k2", "k3"],
                               help="k1 in the reward; in the loss k2 (gradient of KL(pi||ref)) or k3 (of KL(ref||pi))")
     kl_in_reward: bool = field(True, help="KL as a per-token reward penalty (true) or a loss term (false)")
-    clip_eps: float = field(0.2, min=0, help="PPO ratio clip, > 0")
-    clip_eps_high: float | None = field(None, min=0, help="asymmetric upper clip, > 0 (None = clip_eps)")
-    dual_clip: float | None = field(None, min=1, help="dual-clip constant c > 1 (None = off)")
+    policy_loss: str = field("ppo", choices=POLICY_LOSSES,
+                             help="ppo: clipped token ratio; gspo: clipped sequence ratio (geometric mean of token "
+                                  "ratios); cispo: clipped, detached importance weight on every token's log-prob")
+    clip_eps: float | None = field(None, min=0, help=f"ratio clip, > 0 (None = {PPO_CLIP_EPS} for ppo and cispo, "
+                                                      f"{GSPO_CLIP_EPS} for gspo)")
+    clip_eps_high: float | None = field(None, min=0, help=f"asymmetric upper clip (DAPO's clip-higher), > 0 (None = "
+                                                           f"clip_eps; {GSPO_CLIP_EPS_HIGH} for gspo)")
+    dual_clip: float | None = field(None, min=1, help="dual-clip constant c > 1 (None = off; ppo only)")
     value_clip_eps: float | None = field(0.2, min=0, help="critic value clip, > 0 (None = unclipped value loss)")
-    tis_cap: float | None = field(None, min=0, help="truncated importance sampling: weight each token's policy "
-                                                     "loss by min(pi_old / pi_rollout, cap) (None = off, or "
-                                                     f"{ASYNC_TIS_CAP} when rl.max_staleness >= 1)")
+    is_correction: str = field("auto", choices=("auto",) + IS_CORRECTIONS,
+                               help="importance sampling between the engine that sampled (pi_rollout) and the "
+                                    "trainer (pi_old): tis_token/tis_seq weight tokens by the truncated token or "
+                                    "sequence ratio, mis_token/mis_seq drop tokens or responses whose ratio leaves "
+                                    f"[is_low, is_high]; auto = tis_token with cap {DEFAULT_IS_CAP} when "
+                                    "rl.max_staleness >= 1 or rl.tis_cap is set (tis_seq for gspo), else none")
+    tis_cap: float | None = field(None, min=0, help="truncation cap of tis_token/tis_seq, > 0 (None = "
+                                                     f"{DEFAULT_IS_CAP}); setting it with is_correction=auto turns "
+                                                     "token TIS on")
+    is_low: float | None = field(None, min=0, help="mis_token/mis_seq: lowest kept ratio, < 1 (None = 1 / is_high)")
+    is_high: float | None = field(None, min=0, help=f"mis_token/mis_seq: highest kept ratio, > 1 (None = "
+                                                     f"{DEFAULT_IS_CAP})")
     max_staleness: int = field(0, min=0, help="asynchronous RL: the rollout engines generate K batches ahead "
                                               "while the actor trains, so a batch is trained on by weights up to K "
                                               "RL steps newer than those that generated it (0 = synchronous; "
@@ -83,6 +99,17 @@ class RLSection:
     loss_agg: str = field("token-mean", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
     whiten_advantages: bool = field(True, help="GAE/REINFORCE: whiten advantages over the batch")
     normalize_rewards: bool = field(False, help="normalise scores over the batch before advantages")
+    dynamic_sampling: bool = field(False, help="DAPO: drop prompts whose samples all got the same reward and fill "
+                                               "the batch from further generation rounds (group estimators only)")
+    dynamic_sampling_max_rounds: int = field(3, min=1, help="dynamic sampling: generation rounds per step at most "
+                                                            "(the first included); short of a full batch after them, "
+                                                            "the step trains on what there is")
+    overlong_buffer: int = field(0, min=0, help="DAPO's soft overlong penalty over the last N tokens before "
+                                                "rollout.max_new_tokens (0 = off)")
+    overlong_penalty: float = field(1.0, min=0, help="the overlong penalty at the length limit (it falls linearly "
+                                                     "from 0 to -this over rl.overlong_buffer tokens)")
+    overlong_filter: bool = field(False, help="DAPO: responses cut by the length limit (no end-of-sequence token) "
+                                              "are left out of the policy loss")
 
 
 @dataclass
@@ -154,14 +181,36 @@ class Config:
 
     def _check_rl_options(self) -> None:
         """Bounds stricter than a field's inclusive min, and combinations that would train something else than
-        what they say."""
+        what they say (each refused naming both keys)."""
         rl = self.rl
         for key, value, bound in (("clip_eps", rl.clip_eps, 0), ("clip_eps_high", rl.clip_eps_high, 0),
                                   ("value_clip_eps", rl.value_clip_eps, 0), ("dual_clip", rl.dual_clip, 1),
                                   ("tis_cap", rl.tis_cap, 0)):
             if value is not None and value <= bound:
-                off = "" if key == "clip_eps" else " (or leave it unset to turn it off)"
+                off = "" if key in ("clip_eps", "tis_cap") else " (or leave it unset to turn it off)"
                 raise ConfigError(f"rl.{key} must be > {bound}, got {value}{off}")
+        try:
+            mode, _ = is_correction(rl)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if rl.policy_loss == "gspo":
+            if mode in ("tis_token", "mis_token"):
+                raise ConfigError(f"rl.policy_loss=gspo weighs whole responses by their sequence ratio, but "
+                                  f"rl.is_correction={rl.is_correction} corrects token by token: use tis_seq or "
+                                  "mis_seq (or auto)")
+            if rl.loss_agg not in GSPO_LOSS_AGGREGATIONS:
+                raise ConfigError(f"rl.policy_loss=gspo takes rl.loss_agg {' or '.join(GSPO_LOSS_AGGREGATIONS)}, not "
+                                  f"{rl.loss_agg} (its loss is already length-normalised per response)")
+        if rl.dual_clip is not None and rl.policy_loss != "ppo":
+            raise ConfigError(f"rl.dual_clip bounds PPO's token loss; rl.policy_loss={rl.policy_loss} has none: "
+                              "unset rl.dual_clip")
+        if rl.dynamic_sampling and rl.advantage not in GROUP_ESTIMATORS:
+            raise ConfigError(f"rl.dynamic_sampling drops prompts whose samples share a reward, which carry no signal "
+                              f"only for group estimators ({', '.join(GROUP_ESTIMATORS)}), not "
+                              f"rl.advantage={rl.advantage}")
+        if rl.overlong_buffer > self.rollout.max_new_tokens:
+            raise ConfigError(f"rl.overlong_buffer={rl.overlong_buffer} is longer than rollout.max_new_tokens="
+                              f"{self.rollout.max_new_tokens}")
         if rl.kl_coef > 0 and not rl.kl_in_reward and rl.kl_estimator == "k1":
             raise ConfigError("rl.kl_estimator=k1 as a loss term (rl.kl_in_reward=false) has zero expected gradient: "
                               "it adds noise, not a pull towards the reference. Use rl.kl_estimator=k2 (gradient of "
@@ -190,12 +239,24 @@ class Config:
         return bool(self.reward.model_weights) and len(self.reward.model_weights) != len(self.reward.models)
 
 
-def tis_cap(rl: RLSection) -> float | None:
-    """The cap of the truncated importance weights the policy loss uses: rl.tis_cap, or ASYNC_TIS_CAP when it is
-    unset and batches may come from older weights (rl.max_staleness >= 1); None = no weights."""
-    if rl.tis_cap is not None:
-        return rl.tis_cap
-    return ASYNC_TIS_CAP if rl.max_staleness else None
+def is_correction(rl: RLSection) -> tuple[str, dict[str, float]]:
+    """The importance-sampling correction of the policy loss: (mode, parameters) of
+    `algorithms.importance.off_policy_correction` (ValueError naming the keys for a combination that says nothing).
+    `auto` is token TIS where batches may come from older weights or rl.tis_cap is set, and its sequence-level
+    form for GSPO, whose ratio is a sequence's."""
+    mode, params = resolve_is_correction(rl.is_correction, rl.tis_cap, rl.max_staleness, rl.is_low, rl.is_high)
+    if rl.is_correction == "auto" and rl.policy_loss == "gspo" and mode == "tis_token":
+        mode = "tis_seq"
+    return mode, params
+
+
+def clip_range(rl: RLSection) -> tuple[float, float | None]:
+    """(clip_eps, clip_eps_high) of the policy loss, with each loss's own defaults where the keys are unset."""
+    if rl.clip_eps is not None:
+        return rl.clip_eps, rl.clip_eps_high  # clip_eps_high None: symmetric
+    if rl.policy_loss == "gspo":
+        return GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH if rl.clip_eps_high is None else rl.clip_eps_high
+    return PPO_CLIP_EPS, rl.clip_eps_high
 
 
 def reward_role_names(count: int) -> list[str]:

@@ -24,7 +24,11 @@ from typing import Sequence
 import torch
 
 from hpc_rlhf.algorithms.advantages import assemble_advantages
+from hpc_rlhf.algorithms.importance import off_policy_correction
 from hpc_rlhf.algorithms.logprobs import token_logprobs
+from hpc_rlhf.algorithms.losses import loss_mask
+from hpc_rlhf.algorithms.overlong import overlong_penalty, truncated_responses, truncated_share
+from hpc_rlhf.rl.config import is_correction
 
 
 def shard_bounds(count: int, parts: int, index: int) -> tuple[int, int]:
@@ -62,7 +66,10 @@ class Experience:
 
     Per-token tensors are (B, T-1), aligned with `batch.action_mask`; `scores` is (B,). `kl` is the configured
     estimator's per-token KL of the actor (before the update) to the reference, 0 without a reference model.
-    `values` and `returns` exist with a critic. `rollout_logps` are the engines' sampling log-probs.
+    `values` and `returns` exist with a critic. `rollout_logps` are the engines' sampling log-probs. `loss_mask`
+    (0/1, float like the action mask) holds the response tokens the policy loss trains on: the action mask less what
+    importance sampling, the overlong filter or dynamic sampling dropped (equal to it when none is on);
+    `is_weights` the importance weights of the tokens (None without a correction).
     """
     batch: SampleBatch
     scores: torch.Tensor
@@ -71,6 +78,8 @@ class Experience:
     ref_logps: torch.Tensor
     kl: torch.Tensor
     advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    is_weights: torch.Tensor | None = None
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
@@ -98,7 +107,8 @@ class Experience:
 
 
 # The Experience fields that hold one row per sample (all but the batch), which a micro-batch selects
-PER_SAMPLE_FIELDS = ("scores", "rollout_logps", "old_logps", "ref_logps", "kl", "advantages", "values", "returns")
+PER_SAMPLE_FIELDS = ("scores", "rollout_logps", "old_logps", "ref_logps", "kl", "advantages", "loss_mask", "is_weights",
+                     "values", "returns")
 
 
 def make_batch(prompts: Sequence[Sequence[int]], responses: Sequence[torch.Tensor], pad_id: int) -> SampleBatch:
@@ -143,17 +153,48 @@ def response_logprobs(logits: torch.Tensor, batch: SampleBatch, temperature: flo
 
 
 def build_experience(cfg, batch: SampleBatch, scored: dict[str, torch.Tensor], rollout_logps: torch.Tensor,
-                     reward_roles: Sequence[str]) -> Experience:
+                     reward_roles: Sequence[str], eos_id: int, keep_samples: torch.Tensor | None = None
+                     ) -> tuple[Experience, dict[str, float]]:
     """Phase 6, advantages: the roles' results on the actor and critic ranks (`scored`, messages.share_scores) ->
-    the step's Experience. Weighted scores, the KL estimate and the advantage estimator are one pure function,
-    `algorithms.advantages.assemble_advantages`; `cfg` is the RL config (rl.config.Config)."""
+    the step's Experience, and what the assembly measured (logged by the step). `cfg` is the RL config
+    (rl.config.Config); `keep_samples` (B,) bool, with dynamic sampling: the samples that fill the batch (the others
+    are slots of prompts that carried no signal, left out of the advantages and the loss).
+
+    1. scores: the rule and remote rewards (already weighted), plus DAPO's overlong penalty where rl.overlong_buffer
+       is set, plus each reward model's weighted score; the KL estimate; advantages and returns with the estimator:
+       one pure function, `algorithms.advantages.assemble_advantages`;
+    2. the loss mask: the response tokens less those the importance-sampling correction drops (masked IS), less
+       the responses cut by the length limit (rl.overlong_filter), less the samples dynamic sampling leaves out;
+       the importance weights of the tokens (rl.is_correction).
+    """
     rl = cfg.rl
-    old_logps = scored["actor"]
+    old_logps, mask = scored["actor"], batch.action_mask
+    lengths = torch.tensor(batch.response_lens)
+    rules = scored["rules"]
+    if rl.overlong_buffer:
+        rules = rules + overlong_penalty(lengths, cfg.rollout.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
+    sample_mask = mask if keep_samples is None else mask * keep_samples.unsqueeze(-1).to(mask.dtype)
     assembled = assemble_advantages(
-        scored["rules"], [scored[name] for name in reward_roles],
+        rules, [scored[name] for name in reward_roles],
         cfg.reward.model_weights or [1.0] * len(reward_roles), old_logps, scored.get("ref"),
-        batch.action_mask, kl_estimator=rl.kl_estimator, estimator=rl.advantage, n=cfg.rollout.n_samples,
+        sample_mask, kl_estimator=rl.kl_estimator, estimator=rl.advantage, n=cfg.rollout.n_samples,
         kl_coef=rl.kl_coef, kl_in_reward=rl.kl_in_reward, gamma=rl.gamma, lam=rl.lam, values=scored.get("critic"),
         whiten=rl.whiten_advantages, normalize_scores=rl.normalize_rewards, score_clip=cfg.reward.clip)
-    return Experience(batch, assembled.scores, rollout_logps, old_logps, scored.get("ref", old_logps), assembled.kl,
-                      assembled.advantages, scored.get("critic"), assembled.returns)
+
+    mode, params = is_correction(rl)
+    correction = off_policy_correction(old_logps, rollout_logps, mask, mode, **params)
+    last_tokens = torch.tensor([int(batch.input_ids[i, p + r - 1]) if r else -1
+                                for i, (p, r) in enumerate(zip(batch.prompt_lens, batch.response_lens))])
+    truncated = truncated_responses(lengths, last_tokens, [eos_id], cfg.rollout.max_new_tokens)
+    keep = ~truncated if rl.overlong_filter else torch.ones(len(lengths), dtype=torch.bool)
+    if keep_samples is not None:
+        keep = keep & keep_samples
+    trained = loss_mask(correction.mask, keep_sequences=keep).to(mask.dtype)
+    figures = {"truncated_share": truncated_share(truncated).item()}
+    if mode != "none":
+        figures.update(is_masked_share=correction.masked_share.item(),
+                       is_truncated_share=correction.truncated_share.item())
+    experience = Experience(batch, assembled.scores, rollout_logps, old_logps, scored.get("ref", old_logps),
+                            assembled.kl, assembled.advantages, trained, correction.weights, scored.get("critic"),
+                            assembled.returns)
+    return experience, figures

@@ -16,7 +16,8 @@ def sample_figures(exp: Experience, kl_estimator: str, has_ref: bool, tis_cap: f
     response length, how far the engines' sampling log-probs are from the actor's (`rollout_logprob_abs_diff`:
     mean over response tokens; `_max`: the largest), and with truncated importance sampling the weights
     pi_old / pi_rollout of the tokens: `tis_weight` the mean of the truncated weights the loss uses,
-    `tis_weight_max` the largest weight before truncation, `tis_clipped` the share of tokens truncated."""
+    `tis_weight_max` the largest weight before truncation, `tis_clipped` the share of tokens truncated (the same as
+    `is_truncated_share`, which the Experience's assembly logs for every correction)."""
     mask = exp.batch.action_mask
     scores = exp.scores
     figures = {"reward": scores.mean().item(), "reward_std": scores.std().item() if len(scores) > 1 else 0.0,

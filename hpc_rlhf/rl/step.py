@@ -22,7 +22,7 @@ is a collective or point-to-point message that all its ranks enter in the same o
 Asynchronous RL (`rl.max_staleness` K >= 1, disjoint placements): at step t batch t, generated at most K policy
 versions ago, is exchanged, then the engines generate batch t+K (phase 2 after 3) while phases 4-7 run on the
 other ranks, and join the sync when done. The policy loss weights each token by the truncated importance weight
-pi_old / pi_rollout (`rl.tis_cap`). The schedule, and the batches in flight in checkpoints: rollout.py.
+pi_old / pi_rollout (`rl.is_correction`, `rl.tis_cap`). The schedule, and the batches in flight in checkpoints: rollout.py.
 
 No phase holds a whole model on a rank under ZeRO-3 (one module gathered at a time in forwards, engines/train.py;
 weight sync streams, dist/weight_sync.py).
@@ -48,7 +48,7 @@ from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.dropout import disable_dropout
 from hpc_rlhf.models.value_model import build_value_model
 from hpc_rlhf.rl import messages, scoring
-from hpc_rlhf.rl.config import Config, check_plan_against_config, reward_role_names, tis_cap
+from hpc_rlhf.rl.config import Config, check_plan_against_config, is_correction, reward_role_names
 from hpc_rlhf.rl.experience import SampleBatch, build_experience, from_ragged, make_batch
 from hpc_rlhf.rl.metrics import sample_figures, step_timing
 from hpc_rlhf.rl.roles import batch_rows, build_rollout_engine, load_prompts, ranks_per_node
@@ -174,7 +174,8 @@ class RLRecipe:
             exp = None
             with watchdog.phase("training"):
                 if self.actor is not None or self.critic is not None:
-                    exp = build_experience(cfg, batch, scored, rollout_logps, self.reward_roles)
+                    exp, assembly_figures = build_experience(cfg, batch, scored, rollout_logps, self.reward_roles,
+                                                             self.tokenizer.eos_token_id)
                     if self.actor is not None:
                         metrics.update(train_actor(self.actor, cfg, step, exp, run.device,
                                                    self.sampling.logprob_temperature))
@@ -194,7 +195,10 @@ class RLRecipe:
             skipped, stopping = run_setup.any_rank([skipped, self.stop.received is not None])
             self.bad_steps.update(skipped, done)
             if dist.get_rank() == messages.LOGGING_RANK:  # the actor's leader (checked in setup): it holds `exp`
-                metrics.update(sample_figures(exp, cfg.rl.kl_estimator, "ref" in scored, tis_cap(cfg.rl)))
+                mode, params = is_correction(cfg.rl)
+                metrics.update(sample_figures(exp, cfg.rl.kl_estimator, "ref" in scored,
+                                              params["cap"] if mode == "tis_token" else None))
+                metrics.update(assembly_figures)
                 metrics.update(step_timing(t0, t_generate, t_score, t_train, t_sync, len(responses)))
                 metrics.update({"weight_sync_mb": sync_mb, "skipped_steps": self.bad_steps.total,
                                 "staleness": staleness})

@@ -16,12 +16,12 @@ import torch.distributed as dist
 
 from hpc_rlhf.algorithms.kl import kl_estimate
 from hpc_rlhf.algorithms.logprobs import entropy_from_logits, masked_sum
-from hpc_rlhf.algorithms.losses import loss_normalizer, policy_loss, value_loss
+from hpc_rlhf.algorithms.losses import cispo_loss, gspo_loss, loss_normalizer, policy_loss, value_loss
 from hpc_rlhf.config import TrainSection
 from hpc_rlhf.dist import exchange, groups
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.value_model import token_values
-from hpc_rlhf.rl.config import Config, tis_cap
+from hpc_rlhf.rl.config import Config, clip_range
 from hpc_rlhf.rl.experience import Experience, response_logprobs, shard_bounds
 from hpc_rlhf.utils import faults
 
@@ -43,21 +43,25 @@ CRITIC_SHUFFLE = Shuffle(seed_stride=37, step_stride=11)
 
 def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, device, temperature: float
                 ) -> dict[str, float]:
-    """One PPO policy update of the actor on the step's experience (its figures, the same on its ranks)."""
-    rl, cap = cfg.rl, tis_cap(cfg.rl)
+    """One policy update of the actor on the step's experience (its figures, the same on its ranks): the loss of
+    rl.policy_loss on the tokens of the loss mask, each weighted by its importance weight (rl.is_correction)."""
+    rl = cfg.rl
+    clip_eps, clip_eps_high = clip_range(rl)
 
-    def loss_of(micro: Experience, tokens: float, policy_normalizer: float):
-        mask = micro.batch.action_mask
+    def loss_of(micro: Experience, tokens: float, policy_normalizer: float, share: float):
+        mask = micro.loss_mask
         logits = actor(input_ids=micro.batch.input_ids, attention_mask=micro.batch.attention_mask,
                        use_cache=False).logits.float()
         logps = response_logprobs(logits, micro.batch, temperature)
-        weights = None
-        if cap is not None:  # truncated importance sampling: the batch's behaviour policy is the engine's
-            weights = torch.exp(micro.old_logps - micro.rollout_logps).clamp(max=cap)
-        policy, clip_fraction, approx_kl = policy_loss(
-            logps, micro.old_logps, micro.advantages, mask, clip_eps=rl.clip_eps, clip_eps_high=rl.clip_eps_high,
-            dual_clip=rl.dual_clip, loss_agg=rl.loss_agg, normalizer=policy_normalizer, token_weights=weights)
-        share = sum(micro.batch.response_lens) / tokens  # its part of the step's token means (no host sync)
+        common = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, loss_agg=rl.loss_agg,
+                      normalizer=policy_normalizer, token_weights=micro.is_weights)
+        if rl.policy_loss == "gspo":
+            policy, clip_fraction, approx_kl = gspo_loss(logps, micro.old_logps, micro.advantages, mask, **common)
+        elif rl.policy_loss == "cispo":
+            policy, clip_fraction, approx_kl = cispo_loss(logps, micro.old_logps, micro.advantages, mask, **common)
+        else:
+            policy, clip_fraction, approx_kl = policy_loss(logps, micro.old_logps, micro.advantages, mask,
+                                                           dual_clip=rl.dual_clip, **common)
         with torch.set_grad_enabled(rl.entropy_coef > 0):
             entropy = masked_sum(entropy_from_logits(logits[:, :-1] / temperature), mask)
         loss = policy - rl.entropy_coef * entropy / tokens
@@ -69,35 +73,35 @@ def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, dev
             figures["kl_loss"] = kl.detach()
         return loss, figures
 
-    return train_role("actor", actor, cfg.train, rl.ppo_epochs, rl.loss_agg, step, exp, loss_of, ACTOR_SHUFFLE,
-                      device)
+    return train_role("actor", actor, cfg.train, rl.ppo_epochs, rl.loss_agg, step, exp, exp.loss_mask, loss_of,
+                      ACTOR_SHUFFLE, device)
 
 
 def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, device) -> dict[str, float]:
     """One clipped value-loss update of the critic on the step's experience (its figures, the same on its ranks)."""
     clip = cfg.rl.value_clip_eps
 
-    def loss_of(micro: Experience, tokens: float, policy_normalizer: float):
+    def loss_of(micro: Experience, tokens: float, policy_normalizer: float, share: float):
         mask = micro.batch.action_mask
         values = token_values(critic.module, micro.batch.input_ids, micro.batch.attention_mask)[:, :-1]
         loss, clip_fraction = value_loss(values.float(), micro.values, micro.returns, mask, clip_eps=clip,
                                          normalizer=tokens)
-        share = sum(micro.batch.response_lens) / tokens
         return loss, {"value_loss": loss.detach(), "value_clip_fraction": clip_fraction * share}
 
-    return train_role("critic", critic, cfg.critic_train, cfg.rl.ppo_epochs, cfg.rl.loss_agg, step, exp, loss_of,
-                      CRITIC_SHUFFLE, device)
+    return train_role("critic", critic, cfg.critic_train, cfg.rl.ppo_epochs, cfg.rl.loss_agg, step, exp,
+                      exp.batch.action_mask, loss_of, CRITIC_SHUFFLE, device)
 
 
 def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: int, loss_agg: str, step: int,
-               exp: Experience, loss_of, shuffle: Shuffle, device) -> dict[str, float]:
+               exp: Experience, token_mask: torch.Tensor, loss_of, shuffle: Shuffle, device) -> dict[str, float]:
     """PPO's mini-batch loop for one trained role: `ppo_epochs` passes over the step's samples in a seeded
     order, one optimizer step per `train.batch_size` samples, each rank of the role taking its contiguous
     share in micro-batches (on `device`).
 
-    `loss_of(micro, tokens, policy_normalizer)` returns (loss, figures) where the loss and each figure are
-    this micro-batch's part of a mean over the optimizer step's `tokens` response tokens (or its
-    `policy_normalizer` sequences or tokens, for the policy loss): summed over the step's micro-batches and
+    `loss_of(micro, tokens, policy_normalizer, share)` returns (loss, figures) where the loss and each figure are
+    this micro-batch's part of a mean over the optimizer step's `tokens` tokens of `token_mask` (B, T-1: the loss
+    mask for the actor, the response tokens for the critic), or its `policy_normalizer` sequences or tokens, for
+    the policy loss (`share`: the micro-batch's tokens / `tokens`): summed over the step's micro-batches and
     ranks they are that mean. DeepSpeed divides each backward by the accumulation steps and averages the
     gradients over the role's ranks, so the loss is scaled back by both before backward. Figures stay
     tensors until the end: one host transfer and one all-reduce per RL step.
@@ -111,14 +115,16 @@ def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: 
         order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(seed))
         for start in range(0, len(exp), train.batch_size):
             chosen = order[start:start + train.batch_size].tolist()
-            chosen_mask = exp.batch.action_mask[chosen]
+            chosen_mask = token_mask[chosen]
             tokens = max(float(chosen_mask.sum()), 1.0)
             policy_normalizer = loss_normalizer(chosen_mask, loss_agg)
             lo, hi = shard_bounds(len(chosen), size, index)
             mine = chosen[lo:hi]
             for m in range(0, len(mine), train.micro_batch_size):
-                micro = exp.select(mine[m:m + train.micro_batch_size], device=device)
-                loss, figures = loss_of(micro, tokens, policy_normalizer)
+                rows = mine[m:m + train.micro_batch_size]
+                micro = exp.select(rows, device=device)
+                share = float(token_mask[rows].sum()) / tokens  # counted on the host: no device sync
+                loss, figures = loss_of(micro, tokens, policy_normalizer, share)
                 loss = faults.poison(loss, step + 1)  # failure handling: HPC_RLHF_FAULT kind=nan
                 engine.backward(loss * gradient_scale)
                 infos.append(engine.step())
