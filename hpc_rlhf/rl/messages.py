@@ -241,6 +241,12 @@ def share_generated(mine: list[torch.Tensor] | None, mine_logps: list[torch.Tens
 
 
 # ------------------------------------------------------------------------------------------------ scores
+def per_sample_role(role: str) -> bool:
+    """Whether a scoring role's result is one number per sample (reward models, the rule rewards) rather than one
+    per response token (actor, critic, ref)."""
+    return role.startswith("reward") or role == "rules"
+
+
 def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], rules: list[torch.Tensor] | None,
                  with_rules: bool, batch: SampleBatch | None) -> dict[str, torch.Tensor]:
     """Every scoring role's results (`local[role]`, on its leader) and the rule rewards (`rules`, on their rank)
@@ -250,7 +256,7 @@ def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], 
     def lengths_of(role):
         if batch is None:
             return None
-        return [1] * len(batch.response_lens) if role.startswith("reward") or role == "rules" else batch.response_lens
+        return [1] * len(batch.response_lens) if per_sample_role(role) else batch.response_lens
 
     messages = {f"scores/{role}": (local.get(role), lengths_of(role)) for role in roles}
     if with_rules:
@@ -259,8 +265,7 @@ def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], 
     for key, full in share_known(messages).items():
         role = key.removeprefix("scores/")
         if full is not None:
-            per_sample = role.startswith("reward") or role == "rules"
-            scored[role] = torch.cat(full) if per_sample else from_ragged(full, batch)
+            scored[role] = torch.cat(full) if per_sample_role(role) else from_ragged(full, batch)
     if not with_rules and batch is not None:
         scored["rules"] = torch.zeros(len(batch.response_lens))
     return scored

@@ -34,11 +34,16 @@ def load_prompts(cfg: Config, tokenizer, paths, where: str, max_rows) -> list[di
     return out
 
 
+# Round r > 0 of dynamic sampling draws its prompts from the permutation of train.seed + r * ROUND_PROMPT_SEED_OFFSET,
+# far from any seed a user picks, so no round repeats another's order.
+ROUND_PROMPT_SEED_OFFSET = 1_000_000_007
+
+
 @functools.lru_cache(maxsize=16)  # a batch's prompts are needed at its rollout, its exchange and its scoring
-def batch_rows(num_rows: int, per_batch: int, index: int, seed: int) -> tuple[int, ...]:
+def batch_rows(num_rows: int, per_batch: int, index: int, seed: int, round_index: int = 0) -> tuple[int, ...]:
     """The prompt rows of RL batch `index` (the same on every rank; each call draws a permutation of the whole
-    prompt set, so it is drawn once per batch)."""
-    return tuple(step_indices(num_rows, per_batch, index, seed))
+    prompt set, so it is drawn once per batch), and of its dynamic-sampling round `round_index`."""
+    return tuple(step_indices(num_rows, per_batch, index, seed + round_index * ROUND_PROMPT_SEED_OFFSET))
 
 
 def ranks_per_node(world_size: int) -> int:

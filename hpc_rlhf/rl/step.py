@@ -13,6 +13,7 @@ is the step; read it top to bottom. Each phase is one module of this package:
   7. training    training.py    actor (clipped policy loss) and critic (clipped value loss), at the same time, each
                                 on its own group with DeepSpeed
   8. sync        sync.py        the actor's leader streams the new weights to the rollout ranks in buckets
+     rounds      dynamic_sampling.py  (rl.dynamic_sampling) 2-5 again until the batch holds prompts with signal
      logging     metrics.py     what rank 0 logs about the step
      config      config.py      the keys, and the checks that run before any rank starts
 
@@ -49,6 +50,7 @@ from hpc_rlhf.models.dropout import disable_dropout
 from hpc_rlhf.models.value_model import build_value_model
 from hpc_rlhf.rl import messages, scoring
 from hpc_rlhf.rl.config import Config, check_plan_against_config, is_correction, reward_role_names
+from hpc_rlhf.rl.dynamic_sampling import Rounds, agree_on_more, round_seed
 from hpc_rlhf.rl.experience import SampleBatch, build_experience, from_ragged, make_batch
 from hpc_rlhf.rl.metrics import sample_figures, step_timing
 from hpc_rlhf.rl.roles import batch_rows, build_rollout_engine, load_prompts, ranks_per_node
@@ -167,6 +169,11 @@ class RLRecipe:
             # 4-5. scoring and exchange
             with watchdog.phase("scoring"):
                 scored = self._score(batch, self._prompts_of(step), responses)
+            # 2-5 again (rl.dynamic_sampling): further rounds until the batch holds only prompts that carry signal
+            keep_samples, round_figures = None, {}
+            if cfg.rl.dynamic_sampling:
+                batch, responses, rollout_logps, scored, keep_samples, round_figures = self._fill_from_rounds(
+                    step, batch, responses, rollout_logps, scored)
             t_score = time.perf_counter()
             # 6-7. advantages and training, actor and critic at the same time on their own ranks
             metrics: dict[str, float] = {}
@@ -175,7 +182,7 @@ class RLRecipe:
             with watchdog.phase("training"):
                 if self.actor is not None or self.critic is not None:
                     exp, assembly_figures = build_experience(cfg, batch, scored, rollout_logps, self.reward_roles,
-                                                             self.tokenizer.eos_token_id)
+                                                             self.tokenizer.eos_token_id, keep_samples)
                     if self.actor is not None:
                         metrics.update(train_actor(self.actor, cfg, step, exp, run.device,
                                                    self.sampling.logprob_temperature))
@@ -199,6 +206,7 @@ class RLRecipe:
                 metrics.update(sample_figures(exp, cfg.rl.kl_estimator, "ref" in scored,
                                               params["cap"] if mode == "tis_token" else None))
                 metrics.update(assembly_figures)
+                metrics.update(round_figures)
                 metrics.update(step_timing(t0, t_generate, t_score, t_train, t_sync, len(responses)))
                 metrics.update({"weight_sync_mb": sync_mb, "skipped_steps": self.bad_steps.total,
                                 "staleness": staleness})
@@ -221,9 +229,11 @@ class RLRecipe:
         return result
 
     # ------------------------------------------------------------------------------------------ phase 1-3
-    def _prompts_of(self, index: int) -> list[dict]:
-        """The prompts of batch `index`, the same on every rank (seeded)."""
-        rows = batch_rows(len(self.prompts), self.cfg.rollout.prompts_per_step, index, self.cfg.train.seed)
+    def _prompts_of(self, index: int, round_index: int = 0) -> list[dict]:
+        """The prompts of batch `index` (of its dynamic-sampling round `round_index`), the same on every rank
+        (seeded)."""
+        rows = batch_rows(len(self.prompts), self.cfg.rollout.prompts_per_step, index, self.cfg.train.seed,
+                          round_index)
         return [self.prompts[i] for i in rows]
 
     def _per_sample(self, prompts: list[dict], key: str) -> list:
@@ -251,6 +261,43 @@ class RLRecipe:
         batch = make_batch(self._per_sample(self._prompts_of(index), "input_ids"), responses,
                            self.tokenizer.pad_token_id)
         return batch, responses, from_ragged(logps, batch) if logps is not None else None, staleness
+
+    def _fill_from_rounds(self, step: int, batch, responses, rollout_logps, scored):
+        """Dynamic sampling (rl/dynamic_sampling.py): round 0 is the step's batch as exchanged and scored; while the
+        logging rank finds the batch short of prompts that carry signal, the engines generate another round with
+        the weights they hold, which is exchanged and scored like the first. Every rank takes part in every round.
+        Returns the batch to train on (batch, responses, sampling log-probs, scores, keep_samples) and the figures
+        (on the trained ranks; what every other rank passed in, and None, {} elsewhere)."""
+        cfg = self.cfg
+        trained = self.actor is not None or self.critic is not None
+        rounds = Rounds(cfg, self.reward_roles) if trained else None
+        if trained:
+            rounds.add(self._per_sample(self._prompts_of(step), "input_ids"), responses, batch, rollout_logps, scored)
+        for round_index in range(1, cfg.rl.dynamic_sampling_max_rounds):
+            more = None if rounds is None else not rounds.full()
+            if not agree_on_more(more, messages.LOGGING_RANK):
+                break
+            prompts = self._prompts_of(step, round_index)
+            sampling = dataclasses.replace(self.sampling, seed=round_seed(cfg.train.seed, step, round_index))
+            with watchdog.phase("rollout"):
+                mine, mine_logps = engine_generate(self.rollout, [p["input_ids"] for p in prompts], sampling,
+                                                   self.weights.engine_awake)
+            with watchdog.phase("exchange"):
+                got, logps = messages.share_generated(mine, mine_logps, "responses", len(prompts),
+                                                      cfg.rollout.n_samples, cfg.rollout.max_new_tokens,
+                                                      with_logprobs=True)
+            round_batch = None
+            if got is not None:
+                round_batch = make_batch(self._per_sample(prompts, "input_ids"), got, self.tokenizer.pad_token_id)
+            with watchdog.phase("scoring"):
+                round_scored = self._score(round_batch, prompts, got)
+            if trained:
+                rounds.add(self._per_sample(prompts, "input_ids"), got, round_batch, from_ragged(logps, round_batch),
+                           round_scored)
+        if not trained:
+            return batch, responses, rollout_logps, scored, None, {}
+        batch, responses, rollout_logps, scored, keep = rounds.assemble(self.tokenizer.pad_token_id)
+        return batch, responses, rollout_logps, scored, keep, rounds.figures()
 
     # ------------------------------------------------------------------------------------------ phase 4-5
     def _score(self, batch: SampleBatch, step_prompts: list[dict], responses) -> dict:

@@ -1,4 +1,4 @@
-"""What the RL recipe (trainers/ppo.py) optimises and logs, checked against the formulas it claims: the
+"""What the RL recipe (rl/step.py) optimises and logs, checked against the formulas it claims: the
 options that would train something other than they say are refused, the actor scores at the sampling
 temperature (so its log-probs equal the engine's), and the figures are logged apart and by name."""
 
@@ -25,6 +25,78 @@ TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 def test_bounds_the_losses_would_reject_are_refused_at_configuration(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(ppo.Config, None, [override])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rl.policy_loss=gspo", "rl.is_correction=tis_token"],
+     "rl.policy_loss=gspo weighs whole responses by their sequence ratio, but rl.is_correction=tis_token"),
+    (["rl.policy_loss=gspo", "rl.loss_agg=seq-mean-token-sum"], "rl.policy_loss=gspo takes rl.loss_agg"),
+    (["rl.policy_loss=cispo", "rl.dual_clip=3"], "rl.dual_clip bounds PPO's token loss; rl.policy_loss=cispo"),
+    (["rl.dynamic_sampling=true", "rl.advantage=reinforce_pp"], "rl.dynamic_sampling drops prompts .* not "
+                                                                "rl.advantage=reinforce_pp"),
+    (["rl.is_correction=mis_seq", "rl.tis_cap=2"], "rl.tis_cap=2.0 truncates importance weights, which "
+                                                   "rl.is_correction=mis_seq does not do"),
+    (["rl.is_correction=tis_seq", "rl.is_high=3"], "rl.is_low/rl.is_high bound masked importance sampling"),
+    (["rl.is_correction=mis_token", "rl.is_high=0.5"], "needs 0 <= rl.is_low < 1 < rl.is_high"),
+    (["rl.overlong_buffer=9"], "rl.overlong_buffer=9 is longer than rollout.max_new_tokens=6"),
+])
+def test_rlvr_combinations_that_say_nothing_are_refused_naming_both_keys(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(grpo.Config, None, ["rollout.max_new_tokens=6", *overrides])
+
+
+def test_dynamic_sampling_with_a_critic_is_refused():
+    with pytest.raises(ConfigError, match="not rl.advantage=gae"):
+        load_config(ppo.Config, None, ["rl.dynamic_sampling=true"])
+
+
+def test_auto_correction_is_todays_token_tis_and_its_sequence_form_for_gspo():
+    from hpc_rlhf.rl.config import clip_range, is_correction
+
+    def rl(*overrides):
+        return load_config(grpo.Config, None, list(overrides)).rl
+
+    assert is_correction(rl()) == ("none", {})
+    assert is_correction(rl("rl.max_staleness=1")) == ("tis_token", {"cap": 2.0})
+    assert is_correction(rl("rl.tis_cap=1.5")) == ("tis_token", {"cap": 1.5})
+    assert is_correction(rl("rl.max_staleness=1", "rl.policy_loss=gspo")) == ("tis_seq", {"cap": 2.0})
+    assert is_correction(rl("rl.is_correction=mis_token")) == ("mis_token", {"is_low": 0.5, "is_high": 2.0})
+    assert clip_range(rl()) == (0.2, None)
+    assert clip_range(rl("rl.policy_loss=gspo")) == (3e-4, 4e-4)
+    assert clip_range(rl("rl.policy_loss=gspo", "rl.clip_eps=1e-3")) == (1e-3, None)
+    assert clip_range(rl("rl.clip_eps_high=0.28")) == (0.2, 0.28)
+
+
+# Each RLVR option on a one-rank GRPO run (the actor generating: rollout@actor), three runs covering them all.
+RLVR_RUNS = {
+    "dapo_gspo": ["rl.policy_loss=gspo", "rl.loss_agg=seq-mean-token-mean", "rl.dynamic_sampling=true",
+                  "rl.dynamic_sampling_max_rounds=3", "rl.overlong_buffer=3", "rl.overlong_filter=true",
+                  "rl.is_correction=tis_seq"],
+    "cispo_mis_token": ["rl.policy_loss=cispo", "rl.clip_eps_high=0.28", "rl.is_correction=mis_token"],
+    "ppo_mis_seq": ["rl.is_correction=mis_seq", "rl.is_high=1.5"],
+}
+
+
+@pytest.mark.parametrize("run", list(RLVR_RUNS))
+def test_every_rlvr_option_runs_end_to_end_and_logs_its_figures(tmp_path, run):
+    out = tmp_path / run
+    hpc_rlhf_cli("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={TINY_MODEL}",
+                 "placement=actor+ref=1,rollout@actor", "rollout.prompts_per_step=4", "rollout.n_samples=4",
+                 "rollout.max_new_tokens=4", "train.batch_size=16", "train.micro_batch_size=8", "train.max_steps=2",
+                 "log.eval_every_steps=0", *RLVR_RUNS[run], *QUIET)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert 0 <= row["truncated_share"] <= 1
+        if run != "dapo_gspo":
+            assert 0 <= row["is_masked_share"] <= 1 and row["is_truncated_share"] == 0  # masking truncates nothing
+        else:
+            assert row["is_masked_share"] == 0 and 0 <= row["is_truncated_share"] <= 1
+            # a random model's answers: every group differs or most do, so rounds run and the figures add up
+            assert 1 <= row["generation_rounds"] <= 3 and 0 <= row["groups_filtered_share"] <= 1
+            assert row["groups_unfilled"] >= 0 and row["extra_samples_per_trained"] >= 0
+            # a random model runs into the 4-token limit: the overlong filter has something to drop
+            assert row["truncated_share"] > 0
 
 
 def test_k1_as_a_loss_term_is_refused_with_what_to_use_instead():
