@@ -90,13 +90,20 @@ def _by_group(rewards: torch.Tensor, n: int) -> torch.Tensor:
 def grpo_advantages(rewards: torch.Tensor, n: int, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
     """GRPO's group-relative advantage (Shao et al. 2024, "DeepSeekMath"): A_i = (r_i - mean_g) / (std_g + eps)
     over the n samples of the same prompt, std with Bessel's correction (n - 1). scale=False leaves out the
-    division (that is Dr. GRPO). A group whose rewards are all equal gets advantage 0: it teaches nothing.
+    division (that is Dr. GRPO). A group whose rewards are all equal gets advantage 0: it teaches nothing. That is
+    set exactly: the float32 mean of equal rewards can be off by a rounding error, which the division by their std
+    (then of the same size) would blow up (16 rewards of 0.7 gave |A| = 0.056).
     """
     groups = _by_group(rewards, n)
     centred = groups - groups.mean(-1, keepdim=True)
     if scale:
         centred = centred / (groups.std(-1, keepdim=True) + eps)
-    return centred.reshape(rewards.shape)
+    return centred.masked_fill(_uniform(groups), 0.0).reshape(rewards.shape)
+
+
+def _uniform(groups: torch.Tensor) -> torch.Tensor:
+    """(num_prompts, 1) bool: the groups whose rewards are all exactly equal."""
+    return (groups == groups[:, :1]).all(-1, keepdim=True)
 
 
 def dr_grpo_advantages(rewards: torch.Tensor, n: int) -> torch.Tensor:
@@ -115,7 +122,7 @@ def rloo_advantages(rewards: torch.Tensor, n: int) -> torch.Tensor:
     """
     groups = _by_group(rewards, n)
     others_mean = (groups.sum(-1, keepdim=True) - groups) / (n - 1)
-    return (groups - others_mean).reshape(rewards.shape)
+    return (groups - others_mean).masked_fill(_uniform(groups), 0.0).reshape(rewards.shape)
 
 
 def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,

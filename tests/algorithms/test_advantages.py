@@ -289,3 +289,13 @@ def test_advantage_assembly_is_what_its_steps_give_one_by_one():
     kl = kl_estimate(ASM_REF + ASM_GAP, ASM_REF, kind="k3") * ASM_MASK
     advantages, _ = rl_advantages(scores, kl, ASM_MASK, **options)
     assert torch.equal(out.scores, scores) and torch.equal(out.kl, kl) and torch.equal(out.advantages, advantages)
+
+
+@pytest.mark.parametrize("estimator", [grpo_advantages, dr_grpo_advantages, rloo_advantages])
+def test_a_group_of_equal_rewards_gets_exactly_zero_whatever_the_rounding(estimator):
+    # 16 rewards of 0.7: their float32 mean is off by a rounding error, which GRPO's division by the std (then of
+    # the same size) blew up to |A| = 0.056 before; 0/1 rewards were exact already.
+    rewards = torch.cat([torch.full((16,), 0.7), torch.tensor([0.1, 0.9] * 8)])
+    advantages = estimator(rewards, 16)
+    assert torch.equal(advantages[:16], torch.zeros(16))
+    assert advantages[16:].abs().min() > 0.1
