@@ -13,6 +13,7 @@ from hpc_rlhf.algorithms.losses import GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH, GSPO_L
 from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
                              ModelSection, TrainSection, field, section)
 from hpc_rlhf.dist.placement import PlacementError, make_plan, world_size_of
+from hpc_rlhf.envs.config import EnvSection
 
 ADVANTAGES = ESTIMATORS
 # The group estimators, under which a prompt whose samples all got the same reward has advantage 0: what dynamic
@@ -150,6 +151,7 @@ class Config:
     train: TrainSection = dataclasses.field(default_factory=_actor_train)
     critic_train: TrainSection = dataclasses.field(default_factory=_critic_train)
     eval: RLEvalSection = section(RLEvalSection)
+    env: EnvSection = section(EnvSection)
     log: LogSection = dataclasses.field(default_factory=lambda: LogSection(every_steps=1, eval_every_steps=20))
     checkpoint: CheckpointSection = section(CheckpointSection)
     dist: DistSection = section(DistSection)
@@ -174,8 +176,10 @@ class Config:
         if self.reward.function_weights and len(self.reward.function_weights) != len(self.reward.functions):
             raise ConfigError(f"reward.function_weights has {len(self.reward.function_weights)} entries for "
                               f"{len(self.reward.functions)} reward.functions")
-        if not (self.reward.models or self.reward.functions or self.reward.http_url):
-            raise ConfigError("no reward: set reward.models, reward.functions or reward.http_url")
+        self.env.validate()
+        if not (self.reward.models or self.reward.functions or self.reward.http_url or self.env.enabled):
+            raise ConfigError("no reward: set reward.models, reward.functions, reward.http_url, or an environment "
+                              "(env.name, env.http_url)")
         self._check_rl_options()
         self._check_placement()
 
@@ -208,9 +212,10 @@ class Config:
             raise ConfigError(f"rl.dynamic_sampling drops prompts whose samples share a reward, which carry no signal "
                               f"only for group estimators ({', '.join(GROUP_ESTIMATORS)}), not "
                               f"rl.advantage={rl.advantage}")
-        if rl.overlong_buffer > self.rollout.max_new_tokens:
-            raise ConfigError(f"rl.overlong_buffer={rl.overlong_buffer} is longer than rollout.max_new_tokens="
-                              f"{self.rollout.max_new_tokens}")
+        limit, key = ((self.env.max_episode_tokens, "env.max_episode_tokens") if self.env.enabled
+                      else (self.rollout.max_new_tokens, "rollout.max_new_tokens"))
+        if rl.overlong_buffer > limit:
+            raise ConfigError(f"rl.overlong_buffer={rl.overlong_buffer} is longer than {key}={limit}")
         if rl.kl_coef > 0 and not rl.kl_in_reward and rl.kl_estimator == "k1":
             raise ConfigError("rl.kl_estimator=k1 as a loss term (rl.kl_in_reward=false) has zero expected gradient: "
                               "it adds noise, not a pull towards the reference. Use rl.kl_estimator=k2 (gradient of "

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from hpc_rlhf.algorithms.advantages import combine_scores
 from hpc_rlhf.algorithms.dynamic_sampling import dynamic_sampling_figures, fill_batch, uniform_groups
 from hpc_rlhf.dist.exchange import comm_device
-from hpc_rlhf.rl.experience import SampleBatch, from_ragged, make_batch, to_ragged
+from hpc_rlhf.rl.experience import Generated, SampleBatch, from_ragged, make_batch, to_ragged
 from hpc_rlhf.rl.messages import per_sample_role
 from hpc_rlhf.rl.rollout import batch_seed
 
@@ -48,10 +48,11 @@ def agree_on_more(more: bool | None, decider: int) -> bool:
 
 @dataclass
 class Round:
-    """One generation round as the trained ranks hold it: per sample its prompt ids, response, sampling log-probs
-    and every role's results (ragged: one tensor per sample), and which of its groups carry signal."""
+    """One generation round as the trained ranks hold it: per sample its prompt ids, what the engines generated,
+    the sampling log-probs and every role's results (ragged: one tensor per sample), and which of its groups carry
+    signal."""
     prompt_ids: list
-    responses: list
+    generated: Generated
     rollout_logps: list[torch.Tensor]
     scored: dict[str, list[torch.Tensor]]
     kept: torch.Tensor  # (prompts,) bool
@@ -68,7 +69,7 @@ class Rounds:
         self.reward_roles = reward_roles
         self.rounds: list[Round] = []
 
-    def add(self, prompt_ids: list, responses: list, batch: SampleBatch, rollout_logps: torch.Tensor,
+    def add(self, prompt_ids: list, generated: Generated, batch: SampleBatch, rollout_logps: torch.Tensor,
             scored: dict[str, torch.Tensor]) -> None:
         """A scored round (dense, in `batch`'s layout). Its groups carry signal unless their task scores (the rule
         and remote rewards plus the weighted reward models: before any KL or length shaping) are all equal."""
@@ -76,7 +77,7 @@ class Rounds:
         kept = ~uniform_groups(task, self.n)
         ragged = {role: list(values.reshape(-1, 1)) if per_sample_role(role) else to_ragged(values, batch)
                   for role, values in scored.items()}
-        self.rounds.append(Round(list(prompt_ids), list(responses), to_ragged(rollout_logps, batch), ragged, kept))
+        self.rounds.append(Round(list(prompt_ids), generated, to_ragged(rollout_logps, batch), ragged, kept))
 
     def chosen(self) -> list[torch.Tensor]:
         return fill_batch([r.kept for r in self.rounds], self.groups_wanted)
@@ -91,20 +92,25 @@ class Rounds:
         figures["groups_unfilled"] = float(self.groups_wanted - sum(int(c.sum()) for c in chosen))
         return figures
 
-    def assemble(self, pad_id: int) -> tuple[SampleBatch, list, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """The batch to train on: (batch, responses, sampling log-probs (B, T-1), every role's results in the
-        layout `share_scores` gives, keep_samples (B,) bool)."""
+    def assemble(self, pad_id: int
+                 ) -> tuple[SampleBatch, Generated, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The batch to train on: (batch, what the engines generated for it, sampling log-probs (B, T-1), every
+        role's results in the layout `share_scores` gives, keep_samples (B,) bool)."""
         picks = [(r, g) for r, chosen in zip(self.rounds, self.chosen()) for g in chosen.nonzero().flatten().tolist()]
         kept_count = len(picks)
         first = self.rounds[0]
         picks += [(first, g) for g in (~first.kept).nonzero().flatten().tolist()][:self.groups_wanted - kept_count]
         rows = [(r, g * self.n + i) for r, g in picks for i in range(self.n)]
-        batch = make_batch([r.prompt_ids[s] for r, s in rows], [r.responses[s] for r, s in rows], pad_id)
-        responses = [r.responses[s] for r, s in rows]
+        generated = Generated([r.generated.responses[s] for r, s in rows],
+                              [r.generated.logprobs[s] for r, s in rows])
+        if first.generated.masks is not None:  # episodes
+            generated.masks = [r.generated.masks[s] for r, s in rows]
+            generated.episodes = torch.stack([r.generated.episodes[s] for r, s in rows])
+        batch = make_batch([r.prompt_ids[s] for r, s in rows], generated.responses, pad_id, generated.masks)
         rollout_logps = from_ragged([r.rollout_logps[s] for r, s in rows], batch)
         scored = {}
         for role in first.scored:
             per_sample = [r.scored[role][s] for r, s in rows]
             scored[role] = torch.cat(per_sample) if per_sample_role(role) else from_ragged(per_sample, batch)
         keep = torch.tensor([i < kept_count * self.n for i in range(len(rows))])
-        return batch, responses, rollout_logps, scored, keep
+        return batch, generated, rollout_logps, scored, keep

@@ -38,6 +38,43 @@ def shard_bounds(count: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
+# What travels with each episode (multi-turn samples, rl/episodes.py), as float32: its environment's reward, its
+# turns and tool calls, whether it was truncated or dropped (env.on_error=skip), and its engine's time in the
+# environment and in the whole rollout, spread over the engine's episodes so that sums over samples are totals.
+EPISODE_FIELDS = ("env_reward", "turns", "tool_calls", "truncated", "failed", "env_s", "wall_s")
+
+
+@dataclass
+class Generated:
+    """What the rollout engines generated for a batch, prompt-major: one engine's share on its first rank, or the
+    whole batch where the exchange delivered it.
+
+    responses  token ids after the prompt, one 1-D tensor per sample (an episode's: every model turn and every
+               observation, in order)
+    logprobs   the engine's sampling log-prob of each response token (0 at observation tokens); None where not
+               asked for (evaluation)
+    masks      episodes only: bool, True at the tokens the model generated
+    episodes   episodes only: (samples, len(EPISODE_FIELDS)) float32
+    """
+    responses: list[torch.Tensor]
+    logprobs: list[torch.Tensor] | None = None
+    masks: list[torch.Tensor] | None = None
+    episodes: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.responses)
+
+    @staticmethod
+    def concatenated(parts: Sequence["Generated"]) -> "Generated":
+        """The engines' shares, in engine order, as one batch."""
+        def joined(name):
+            values = [getattr(p, name) for p in parts]
+            return None if any(v is None for v in values) else [t for v in values for t in v]
+        episodes = [p.episodes for p in parts]
+        return Generated(joined("responses"), joined("logprobs"), joined("masks"),
+                         None if any(e is None for e in episodes) else torch.cat(episodes))
+
+
 @dataclass
 class SampleBatch:
     input_ids: torch.Tensor
@@ -111,10 +148,13 @@ PER_SAMPLE_FIELDS = ("scores", "rollout_logps", "old_logps", "ref_logps", "kl", 
                      "values", "returns")
 
 
-def make_batch(prompts: Sequence[Sequence[int]], responses: Sequence[torch.Tensor], pad_id: int) -> SampleBatch:
-    """Prompt + response token ids per sample -> a right-padded batch with its action mask."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+def make_batch(prompts: Sequence[Sequence[int]], responses: Sequence[torch.Tensor], pad_id: int,
+               masks: Sequence[torch.Tensor] | None = None) -> SampleBatch:
+    """Prompt + response token ids per sample -> a right-padded batch with its action mask: every response token,
+    or where `masks` are given (episodes), the response tokens the model generated (observations are holes)."""
+    if len(prompts) != len(responses) or (masks is not None and len(masks) != len(responses)):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses"
+                         + ("" if masks is None else f" and {len(masks)} masks"))
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     width = max(max(lengths), 2)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -124,7 +164,12 @@ def make_batch(prompts: Sequence[Sequence[int]], responses: Sequence[torch.Tenso
         row = torch.cat([torch.as_tensor(list(p), dtype=torch.long), torch.as_tensor(r, dtype=torch.long)])
         input_ids[i, :len(row)] = row
         attention_mask[i, :len(row)] = 1
-        action_mask[i, len(p) - 1:len(p) - 1 + len(r)] = 1
+        if masks is None:
+            action_mask[i, len(p) - 1:len(p) - 1 + len(r)] = 1
+        else:
+            if len(masks[i]) != len(r):
+                raise ValueError(f"sample {i}: a mask of {len(masks[i])} for a response of {len(r)} tokens")
+            action_mask[i, len(p) - 1:len(p) - 1 + len(r)] = masks[i].to(action_mask.dtype)
     return SampleBatch(input_ids, attention_mask, action_mask, [len(p) for p in prompts],
                        [len(r) for r in responses])
 
@@ -153,12 +198,14 @@ def response_logprobs(logits: torch.Tensor, batch: SampleBatch, temperature: flo
 
 
 def build_experience(cfg, batch: SampleBatch, scored: dict[str, torch.Tensor], rollout_logps: torch.Tensor,
-                     reward_roles: Sequence[str], eos_id: int, keep_samples: torch.Tensor | None = None
-                     ) -> tuple[Experience, dict[str, float]]:
+                     reward_roles: Sequence[str], eos_id: int, keep_samples: torch.Tensor | None = None,
+                     truncated: torch.Tensor | None = None) -> tuple[Experience, dict[str, float]]:
     """Phase 6, advantages: the roles' results on the actor and critic ranks (`scored`, messages.share_scores) ->
     the step's Experience, and what the assembly measured (logged by the step). `cfg` is the RL config
     (rl.config.Config); `keep_samples` (B,) bool, with dynamic sampling: the samples that fill the batch (the others
-    are slots of prompts that carried no signal, left out of the advantages and the loss).
+    are slots of prompts that carried no signal, left out of the advantages and the loss); `truncated` (B,) bool,
+    with episodes: those cut at env.max_episode_tokens (else a response is cut when it is rollout.max_new_tokens
+    long without an end-of-sequence token).
 
     1. scores: the rule and remote rewards (already weighted), plus DAPO's overlong penalty where rl.overlong_buffer
        is set, plus each reward model's weighted score; the KL estimate; advantages and returns with the estimator:
@@ -170,9 +217,10 @@ def build_experience(cfg, batch: SampleBatch, scored: dict[str, torch.Tensor], r
     rl = cfg.rl
     old_logps, mask = scored["actor"], batch.action_mask
     lengths = torch.tensor(batch.response_lens)
+    limit = cfg.env.max_episode_tokens if cfg.env.enabled else cfg.rollout.max_new_tokens
     rules = scored["rules"]
     if rl.overlong_buffer:
-        rules = rules + overlong_penalty(lengths, cfg.rollout.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
+        rules = rules + overlong_penalty(lengths, limit, rl.overlong_buffer, rl.overlong_penalty)
     sample_mask = mask if keep_samples is None else mask * keep_samples.unsqueeze(-1).to(mask.dtype)
     assembled = assemble_advantages(
         rules, [scored[name] for name in reward_roles],
@@ -183,9 +231,10 @@ def build_experience(cfg, batch: SampleBatch, scored: dict[str, torch.Tensor], r
 
     mode, params = is_correction(rl)
     correction = off_policy_correction(old_logps, rollout_logps, mask, mode, **params)
-    last_tokens = torch.tensor([int(batch.input_ids[i, p + r - 1]) if r else -1
-                                for i, (p, r) in enumerate(zip(batch.prompt_lens, batch.response_lens))])
-    truncated = truncated_responses(lengths, last_tokens, [eos_id], cfg.rollout.max_new_tokens)
+    if truncated is None:
+        last_tokens = torch.tensor([int(batch.input_ids[i, p + r - 1]) if r else -1
+                                    for i, (p, r) in enumerate(zip(batch.prompt_lens, batch.response_lens))])
+        truncated = truncated_responses(lengths, last_tokens, [eos_id], limit)
     keep = ~truncated if rl.overlong_filter else torch.ones(len(lengths), dtype=torch.bool)
     if keep_samples is not None:
         keep = keep & keep_samples

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from hpc_rlhf.dist import exchange, groups
 from hpc_rlhf.dist.placement import Plan, role_kind
-from hpc_rlhf.rl.experience import SampleBatch, from_ragged, shard_bounds
+from hpc_rlhf.rl.experience import EPISODE_FIELDS, Generated, SampleBatch, from_ragged, shard_bounds
 
 LOGGING_RANK = 0  # the actor's leader (placement puts the actor first), which logs the step's figures
 CRITIC_FIGURES = ("value_loss", "value_clip_fraction", "critic_grad_norm", "critic_skipped")
@@ -162,82 +162,122 @@ def share_known(messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequ
 
 
 # ------------------------------------------------------------------------------------------------ responses
-def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[torch.Tensor] | None, kind: str,
-                    counts: Sequence[int], max_len: int, with_logprobs: bool = False
-                    ) -> tuple[list[list[torch.Tensor] | None], list[list[torch.Tensor] | None]]:
-    """Every engine's responses (`mine`: token ids, on the engine's first rank; engine E generated `counts[E]`
-    responses of at most `max_len` tokens) along the routes `kind/E`, with `with_logprobs` their sampling
-    log-probs (`mine_logps`) too: per engine, (token ids, log-probs) on the ranks of its route, None elsewhere.
-    Every rank calls it.
+def _layout(count: int, max_len: int, with_logprobs: bool, with_episodes: bool) -> dict[str, tuple[int, int]]:
+    """Where each part of an engine's message lies, in 4-byte words: (start, length) by name."""
+    room = count * max_len
+    parts = {"lengths": count, "tokens": room}
+    if with_logprobs:
+        parts["logprobs"] = room
+    if with_episodes:
+        parts["masks"] = (room + 3) // 4  # one byte per token slot
+        parts["episodes"] = count * len(EPISODE_FIELDS)
+    layout, start = {}, 0
+    for name, size in parts.items():
+        layout[name] = (start, size)
+        start += size
+    return layout
+
+
+def _pack(share: Generated | None, key: str, count: int, max_len: int, layout: dict[str, tuple[int, int]]
+          ) -> torch.Tensor:
+    """One engine's share as the words of its message (see `share_responses`), checked against what its consumers
+    expect."""
+    words = torch.zeros(sum(size for _, size in layout.values()), dtype=torch.int32)
+    lengths = None if share is None else [len(t) for t in share.responses]
+    if lengths is None or len(lengths) != count or (lengths and max(lengths) > max_len):
+        raise exchange.ExchangeError(f"share_responses('{key}'): the engine has {len(lengths or [])} responses of "
+                                     f"up to {max(lengths or [0])} tokens; the ranks of the route expect {count} "
+                                     f"of at most {max_len}")
+    for name in ("logprobs", "masks"):
+        values = getattr(share, name)
+        if name in layout and (values is None or [len(t) for t in values] != lengths):
+            raise exchange.ExchangeError(f"share_responses('{key}'): {name} missing or not as long as the responses")
+    if "episodes" in layout and (share.episodes is None or tuple(share.episodes.shape) != (count, len(EPISODE_FIELDS))):
+        raise exchange.ExchangeError(f"share_responses('{key}'): no episode figures for its {count} episodes")
+    flat, _ = exchange.pack_ragged(share.responses, torch.long)
+    if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < 2**31):
+        raise exchange.ExchangeError(f"share_responses('{key}'): token ids outside int32")
+    total = flat.numel()
+    words[:count] = torch.tensor(lengths, dtype=torch.int32)
+    start = layout["tokens"][0]
+    words[start:start + total] = flat.to(torch.int32)
+    if "logprobs" in layout:
+        start = layout["logprobs"][0]
+        words[start:start + total] = exchange.pack_ragged(share.logprobs, torch.float32)[0].view(torch.int32)
+    if "masks" in layout:
+        start, size = layout["masks"]
+        masks = torch.zeros(size * 4, dtype=torch.uint8)
+        masks[:total] = exchange.pack_ragged([m.bool() for m in share.masks], torch.bool)[0].to(torch.uint8)
+        words[start:start + size] = masks.view(torch.int32)
+        start, size = layout["episodes"]
+        words[start:start + size] = share.episodes.float().reshape(-1).view(torch.int32)
+    return words
+
+
+def _unpack(words: torch.Tensor, count: int, layout: dict[str, tuple[int, int]]) -> Generated:
+    words = words.cpu()
+    lengths = words[:count].tolist()
+    total = sum(lengths)
+
+    def part(name: str) -> torch.Tensor:
+        start, _ = layout[name]
+        return words[start:start + total]
+
+    out = Generated(list(torch.split(part("tokens").long(), lengths)))
+    if "logprobs" in layout:
+        out.logprobs = list(torch.split(part("logprobs").view(torch.float32).clone(), lengths))
+    if "masks" in layout:
+        start, size = layout["masks"]
+        masks = words[start:start + size].view(torch.uint8)[:total].bool()
+        out.masks = list(torch.split(masks, lengths))
+        start, size = layout["episodes"]
+        out.episodes = words[start:start + size].view(torch.float32).clone().reshape(count, len(EPISODE_FIELDS))
+    return out
+
+
+def share_responses(mine: Generated | None, kind: str, counts: Sequence[int], max_len: int,
+                    with_logprobs: bool = False, with_episodes: bool = False) -> list[Generated | None]:
+    """Every engine's share of a batch (`mine`, on the engine's first rank; engine E generated `counts[E]` responses
+    of at most `max_len` tokens) along the routes `kind/E`: per engine, what it generated on the ranks of its route,
+    None elsewhere. `with_logprobs`: their sampling log-probs too; `with_episodes`: the episodes' masks and figures
+    too (multi-turn samples). Every rank calls it.
 
     One message per engine, all in flight at once, of a size every rank knows: 4-byte words, the lengths, then
     room for `max_len` token ids (int32: vocabularies are far below 2^31) per response, then as much for the
-    log-probs' bits. Padding to the longest possible batch costs bytes, which are cheap next to the round trip
-    that announcing the size would cost; the log-probs ride in the room int64 ids would have taken, so the
-    ranks that do not need them (ref, reward) get no more bytes than the ids alone would have cost them."""
+    log-probs' bits, then (episodes) a byte per token slot for the mask and each episode's EPISODE_FIELDS. Padding
+    to the longest possible batch costs bytes, which are cheap next to the round trip that announcing the size would
+    cost; the log-probs ride in the room int64 ids would have taken, so the ranks that do not need them (ref,
+    reward) get no more bytes than the ids alone would have cost them."""
     device, me = exchange.comm_device(), dist.get_rank()
-    width = 2 if with_logprobs else 1
-    tokens: list[list[torch.Tensor] | None] = [None] * len(counts)
-    logps: list[list[torch.Tensor] | None] = [None] * len(counts)
-    words, works = {}, []
+    out: list[Generated | None] = [None] * len(counts)
+    words, works, layouts = {}, [], {}
     for e, count in enumerate(counts):
         key = f"{kind}/{e}"
         path = route(key)
         if me not in path.ranks:
             continue
-        room = count * max_len
-        words[e] = torch.zeros(count + width * room, dtype=torch.int32)
+        layouts[e] = layout = _layout(count, max_len, with_logprobs, with_episodes)
         if me == path.src:
-            lengths = [len(t) for t in mine] if mine is not None else None
-            if lengths is None or len(lengths) != count or (lengths and max(lengths) > max_len):
-                raise exchange.ExchangeError(f"share_responses('{key}'): the engine has {len(lengths or [])} "
-                                             f"responses of up to {max(lengths or [0])} tokens; the ranks of the "
-                                             f"route expect {count} of at most {max_len}")
-            if with_logprobs and (mine_logps is None or [len(t) for t in mine_logps] != lengths):
-                raise exchange.ExchangeError(f"share_responses('{key}'): log-probs missing or not as long as the "
-                                             "responses")
-            flat, _ = exchange.pack_ragged(mine, torch.long)
-            if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < 2**31):
-                raise exchange.ExchangeError(f"share_responses('{key}'): token ids outside int32")
-            total = flat.numel()
-            words[e][:count] = torch.tensor(lengths, dtype=torch.int32)
-            words[e][count:count + total] = flat.to(torch.int32)
-            if with_logprobs:
-                logp_bits = exchange.pack_ragged(mine_logps, torch.float32)[0].view(torch.int32)
-                words[e][count + room:count + room + total] = logp_bits
-        words[e] = words[e].to(device)
+            words[e] = _pack(mine, key, count, max_len, layout).to(device)
+        else:
+            words[e] = torch.zeros(sum(size for _, size in layout.values()), dtype=torch.int32, device=device)
         works += _post(words[e], path, tag=e)
     exchange.wait(works)
     for e, flat in words.items():
-        count, room = counts[e], counts[e] * max_len
-        flat = flat.cpu()
-        lengths = flat[:count].tolist()
-        total = sum(lengths)
-        tokens[e] = list(torch.split(flat[count:count + total].long(), lengths))
-        if with_logprobs:
-            logps[e] = list(torch.split(flat[count + room:count + room + total].view(torch.float32).clone(), lengths))
-    return tokens, logps
+        out[e] = _unpack(flat, counts[e], layouts[e])
+    return out
 
 
-def concatenated(per_engine: list[list[torch.Tensor] | None]) -> list[torch.Tensor] | None:
-    """The engines' lists in engine order, on the ranks that got every one of them; None elsewhere."""
-    if any(part is None for part in per_engine):
-        return None
-    return [t for part in per_engine for t in part]
-
-
-def share_generated(mine: list[torch.Tensor] | None, mine_logps: list[torch.Tensor] | None, to: str, prompts: int,
-                    n: int, max_len: int, with_logprobs: bool = False
-                    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+def share_generated(mine: Generated | None, to: str, prompts: int, n: int, max_len: int, with_logprobs: bool = False,
+                    with_episodes: bool = False) -> Generated | None:
     """Each engine's share of a batch of `prompts` prompts x `n` samples of at most `max_len` tokens (`mine`, on
-    the engine's first rank) along the routes `to/E`: every response, prompt-major, on the ranks of all those
-    routes (the scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), and with `with_logprobs`
-    their sampling log-probs on the same ranks (in the same messages: `share_responses`); None elsewhere. Every
-    rank calls it."""
+    the engine's first rank) along the routes `to/E`: the whole batch, prompt-major, on the ranks of all those
+    routes (the scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), None elsewhere; with the parts
+    `share_responses` is asked for. Every rank calls it."""
     engines = len(groups.plan().role("rollout").engines)
     counts = [n * (end - start) for start, end in (shard_bounds(prompts, engines, e) for e in range(engines))]
-    responses, logps = share_responses(mine, mine_logps, to, counts, max_len, with_logprobs)
-    return concatenated(responses), concatenated(logps) if with_logprobs else None
+    parts = share_responses(mine, to, counts, max_len, with_logprobs, with_episodes)
+    return None if any(p is None for p in parts) else Generated.concatenated(parts)
 
 
 # ------------------------------------------------------------------------------------------------ scores

@@ -16,21 +16,30 @@ from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.data.order import step_indices
 from hpc_rlhf.dist import groups
 from hpc_rlhf.dist.bootstrap import current_launch
+from hpc_rlhf.envs.transcript import Transcript
 from hpc_rlhf.models.builders import build_causal_lm
 from hpc_rlhf.rl.config import Config
 
 
 def load_prompts(cfg: Config, tokenizer, paths, where: str, max_rows) -> list[dict]:
-    """Prompt rows as {"input_ids", "text", "answer"} (answer None where the row has none)."""
+    """Prompt rows as {"input_ids", "text", "answer", "row"} (answer None where the row has none; row: the data
+    row, which starts an episode when there is an environment). With an environment and chat data the prompt ends
+    without the assistant's turn: the episode's transcript adds it after each observation (envs/transcript.py)."""
     data = cfg.data
     rows, _ = load_rows(paths, required={data.prompt_key: str}, where=where, on_bad_row=data.on_bad_row,
                         max_rows=max_rows)
+    transcript = (Transcript(tokenizer, chat=True, observation_role=cfg.env.observation_role)
+                  if cfg.env.enabled and data.apply_chat_template else None)
     out = []
     for row in rows:
-        ids = prompt_example(tokenizer, prompt=row[data.prompt_key], max_prompt_len=data.max_prompt_len,
-                             chat_template=data.apply_chat_template, where=row["_source"])["input_ids"]
+        if transcript is not None:
+            ids = transcript.prompt_ids(row[data.prompt_key], data.max_prompt_len)
+        else:
+            ids = prompt_example(tokenizer, prompt=row[data.prompt_key], max_prompt_len=data.max_prompt_len,
+                                 chat_template=data.apply_chat_template, where=row["_source"])["input_ids"]
         answer = row.get(data.answer_key)
-        out.append({"input_ids": ids, "text": row[data.prompt_key], "answer": None if answer is None else str(answer)})
+        out.append({"input_ids": ids, "text": row[data.prompt_key], "answer": None if answer is None else str(answer),
+                    "row": row})
     return out
 
 

@@ -48,7 +48,7 @@ from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.dropout import disable_dropout
 from hpc_rlhf.models.value_model import build_value_model
-from hpc_rlhf.rl import messages, scoring
+from hpc_rlhf.rl import episodes, messages, scoring
 from hpc_rlhf.rl.config import Config, check_plan_against_config, is_correction, reward_role_names
 from hpc_rlhf.rl.dynamic_sampling import Rounds, agree_on_more, round_seed
 from hpc_rlhf.rl.experience import SampleBatch, build_experience, from_ragged, make_batch
@@ -83,8 +83,10 @@ class RLRecipe:
             log.info("placement:\n%s", plan.format_table())
         groups.initialize(plan, messages.message_groups(plan), timeout_s=cfg.dist.timeout_s)
         run_setup.ensure_tiny_assets_if_used(cfg.data.train_files, cfg.data.eval_files, cfg.actor.path)
-        run_setup.check_fits_model(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, cfg.actor.path,
-                                   "data.max_prompt_len + rollout.max_new_tokens")  # input validation up front
+        longest = ("env.max_episode_tokens", cfg.env.max_episode_tokens) if cfg.env.enabled else \
+            ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)
+        run_setup.check_fits_model(cfg.data.max_prompt_len + longest[1], cfg.actor.path,
+                                   f"data.max_prompt_len + {longest[0]}")  # input validation up front
         self.tokenizer = load_tokenizer(cfg.actor.tokenizer or cfg.actor.path)
         self.prompts = load_prompts(cfg, self.tokenizer, cfg.data.train_files, "data.train_files",
                                     cfg.data.max_train_rows)
@@ -124,6 +126,10 @@ class RLRecipe:
             self.rollout = build_rollout_engine(cfg, plan, self.tokenizer, run.device, actor=self.actor)
         self.weights = WeightSync(plan, self.actor, self.rollout, cfg.rollout.backend,
                                   cfg.rollout.weight_sync_bucket_mb)
+        # multi-turn episodes (env.name, env.http_url): played where generation runs (rl/episodes.py)
+        self.play = (episodes.EpisodePlayer(cfg.env, self.tokenizer, cfg.data.apply_chat_template)
+                     if cfg.env.enabled and engine_led_here() is not None else None)
+        self.max_response_tokens = cfg.env.max_episode_tokens if cfg.env.enabled else cfg.rollout.max_new_tokens
 
         state = checkpointing.resume_if_possible(run, self._my_engines())
         if run.start_step > 0 and not plan.is_hybrid:
@@ -149,8 +155,8 @@ class RLRecipe:
         result = {}
         if run.start_step == 0 and cfg.log.eval_every_steps > 0:
             with watchdog.phase("eval"):  # failure handling: each phase of the loop is named for the watchdog
-                result["eval_accuracy"] = self.evaluate()
-            run.logger.log(0, {"eval_accuracy": result["eval_accuracy"]})
+                result.update(self.evaluate())
+            run.logger.log(0, dict(result))
         watchdog.set_step(run.start_step + 1)
         for index in self.pipeline.to_prefill(run.start_step):  # asynchronous RL: the first K batches
             self._rollout(index, version=run.start_step, phase="rollout_prefill")
@@ -161,19 +167,20 @@ class RLRecipe:
             if self.pipeline.max_staleness == 0:
                 self._rollout(step, version=step)
             # 3. exchange: this step's batch (with K >= 1 generated earlier, at most K versions ago)
-            batch, responses, rollout_logps, staleness = self._exchange(step)
+            batch, generated, rollout_logps, staleness = self._exchange(step)
             t_generate = time.perf_counter()
             # 2'. K >= 1: the engines generate batch step + K from this step's weights while 4-7 run elsewhere
             if self.pipeline.ahead_of(step) is not None:
                 self._rollout(self.pipeline.ahead_of(step), version=step)
             # 4-5. scoring and exchange
             with watchdog.phase("scoring"):
-                scored = self._score(batch, self._prompts_of(step), responses)
+                scored = self._score(batch, self._prompts_of(step), generated)
+            episode_figures = self._episode_figures(generated)
             # 2-5 again (rl.dynamic_sampling): further rounds until the batch holds only prompts that carry signal
             keep_samples, round_figures = None, {}
             if cfg.rl.dynamic_sampling:
-                batch, responses, rollout_logps, scored, keep_samples, round_figures = self._fill_from_rounds(
-                    step, batch, responses, rollout_logps, scored)
+                batch, generated, rollout_logps, scored, keep_samples, round_figures = self._fill_from_rounds(
+                    step, batch, generated, rollout_logps, scored)
             t_score = time.perf_counter()
             # 6-7. advantages and training, actor and critic at the same time on their own ranks
             metrics: dict[str, float] = {}
@@ -182,7 +189,8 @@ class RLRecipe:
             with watchdog.phase("training"):
                 if self.actor is not None or self.critic is not None:
                     exp, assembly_figures = build_experience(cfg, batch, scored, rollout_logps, self.reward_roles,
-                                                             self.tokenizer.eos_token_id, keep_samples)
+                                                             self.tokenizer.eos_token_id, keep_samples,
+                                                             episodes.truncated(generated))
                     if self.actor is not None:
                         metrics.update(train_actor(self.actor, cfg, step, exp, run.device,
                                                    self.sampling.logprob_temperature))
@@ -207,12 +215,14 @@ class RLRecipe:
                                               params["cap"] if mode == "tis_token" else None))
                 metrics.update(assembly_figures)
                 metrics.update(round_figures)
-                metrics.update(step_timing(t0, t_generate, t_score, t_train, t_sync, len(responses)))
+                metrics.update(episode_figures)
+                metrics.update(step_timing(t0, t_generate, t_score, t_train, t_sync, len(generated)))
                 metrics.update({"weight_sync_mb": sync_mb, "skipped_steps": self.bad_steps.total,
                                 "staleness": staleness})
             if cfg.log.eval_every_steps and (done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps):
                 with watchdog.phase("eval"):
-                    metrics["eval_accuracy"] = result["eval_accuracy"] = self.evaluate()
+                    result.update(self.evaluate())
+                metrics.update(result)
             if done % cfg.log.every_steps == 0 or "eval_accuracy" in metrics:
                 run.logger.log(done, metrics)
             run.logger.advance()
@@ -244,35 +254,47 @@ class RLRecipe:
         rank keeps its share until the batch's exchange. Every rank calls it (the others only note the version)."""
         sampling = dataclasses.replace(self.sampling, seed=batch_seed(self.cfg.train.seed, index))
         with watchdog.phase(phase):
-            mine, mine_logps = engine_generate(self.rollout, [p["input_ids"] for p in self._prompts_of(index)],
-                                               sampling, self.weights.engine_awake)
-        self.pipeline.put(index, version, mine, mine_logps)
+            share = engine_generate(self.rollout, self._prompts_of(index), sampling, self.weights.engine_awake,
+                                    self.play)
+        self.pipeline.put(index, version, share)
 
     def _exchange(self, index: int):
-        """Batch `index` leaves the pipeline and travels: (padded batch, responses, sampling log-probs (B, T-1))
-        where they are consumed, else None; and the batch's staleness in policy versions."""
-        rollout = self.cfg.rollout
-        mine, mine_logps, staleness = self.pipeline.take(index)
-        with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
-            responses, logps = messages.share_generated(mine, mine_logps, "responses", len(self._prompts_of(index)),
-                                                        rollout.n_samples, rollout.max_new_tokens, with_logprobs=True)
-        if responses is None:  # ranks that consume no responses (rollout-only ranks)
-            return None, None, None, staleness
-        batch = make_batch(self._per_sample(self._prompts_of(index), "input_ids"), responses,
-                           self.tokenizer.pad_token_id)
-        return batch, responses, from_ragged(logps, batch) if logps is not None else None, staleness
+        """Batch `index` leaves the pipeline and travels: (padded batch, what the engines generated, sampling
+        log-probs (B, T-1)) where they are consumed, else None; and the batch's staleness in policy versions."""
+        share, staleness = self.pipeline.take(index)
+        return (*self._share(share, self._prompts_of(index)), staleness)
 
-    def _fill_from_rounds(self, step: int, batch, responses, rollout_logps, scored):
+    def _share(self, share, prompts: list[dict]):
+        """The engines' shares of a batch of `prompts` to the ranks that consume them: (batch, generated, sampling
+        log-probs (B, T-1)) there, Nones elsewhere (rollout-only ranks)."""
+        rollout = self.cfg.rollout
+        with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
+            generated = messages.share_generated(share, "responses", len(prompts), rollout.n_samples,
+                                                 self.max_response_tokens, with_logprobs=True,
+                                                 with_episodes=self.cfg.env.enabled)
+        if generated is None:
+            return None, None, None
+        batch = make_batch(self._per_sample(prompts, "input_ids"), generated.responses, self.tokenizer.pad_token_id,
+                           generated.masks)
+        return batch, generated, from_ragged(generated.logprobs, batch)
+
+    def _episode_figures(self, generated) -> dict[str, float]:
+        """The figures of a batch's episodes, on the logging rank (which gets every engine's share)."""
+        if not self.cfg.env.enabled or dist.get_rank() != messages.LOGGING_RANK:
+            return {}
+        return episodes.episode_figures(generated)
+
+    def _fill_from_rounds(self, step: int, batch, generated, rollout_logps, scored):
         """Dynamic sampling (rl/dynamic_sampling.py): round 0 is the step's batch as exchanged and scored; while the
         logging rank finds the batch short of prompts that carry signal, the engines generate another round with
         the weights they hold, which is exchanged and scored like the first. Every rank takes part in every round.
-        Returns the batch to train on (batch, responses, sampling log-probs, scores, keep_samples) and the figures
+        Returns the batch to train on (batch, generated, sampling log-probs, scores, keep_samples) and the figures
         (on the trained ranks; what every other rank passed in, and None, {} elsewhere)."""
         cfg = self.cfg
         trained = self.actor is not None or self.critic is not None
         rounds = Rounds(cfg, self.reward_roles) if trained else None
         if trained:
-            rounds.add(self._per_sample(self._prompts_of(step), "input_ids"), responses, batch, rollout_logps, scored)
+            rounds.add(self._per_sample(self._prompts_of(step), "input_ids"), generated, batch, rollout_logps, scored)
         for round_index in range(1, cfg.rl.dynamic_sampling_max_rounds):
             more = None if rounds is None else not rounds.full()
             if not agree_on_more(more, messages.LOGGING_RANK):
@@ -280,29 +302,24 @@ class RLRecipe:
             prompts = self._prompts_of(step, round_index)
             sampling = dataclasses.replace(self.sampling, seed=round_seed(cfg.train.seed, step, round_index))
             with watchdog.phase("rollout"):
-                mine, mine_logps = engine_generate(self.rollout, [p["input_ids"] for p in prompts], sampling,
-                                                   self.weights.engine_awake)
-            with watchdog.phase("exchange"):
-                got, logps = messages.share_generated(mine, mine_logps, "responses", len(prompts),
-                                                      cfg.rollout.n_samples, cfg.rollout.max_new_tokens,
-                                                      with_logprobs=True)
-            round_batch = None
-            if got is not None:
-                round_batch = make_batch(self._per_sample(prompts, "input_ids"), got, self.tokenizer.pad_token_id)
+                share = engine_generate(self.rollout, prompts, sampling, self.weights.engine_awake, self.play)
+            round_batch, round_generated, round_logps = self._share(share, prompts)
             with watchdog.phase("scoring"):
-                round_scored = self._score(round_batch, prompts, got)
+                round_scored = self._score(round_batch, prompts, round_generated)
             if trained:
-                rounds.add(self._per_sample(prompts, "input_ids"), got, round_batch, from_ragged(logps, round_batch),
+                rounds.add(self._per_sample(prompts, "input_ids"), round_generated, round_batch, round_logps,
                            round_scored)
         if not trained:
-            return batch, responses, rollout_logps, scored, None, {}
-        batch, responses, rollout_logps, scored, keep = rounds.assemble(self.tokenizer.pad_token_id)
-        return batch, responses, rollout_logps, scored, keep, rounds.figures()
+            return batch, generated, rollout_logps, scored, None, {}
+        batch, generated, rollout_logps, scored, keep = rounds.assemble(self.tokenizer.pad_token_id)
+        return batch, generated, rollout_logps, scored, keep, rounds.figures()
 
     # ------------------------------------------------------------------------------------------ phase 4-5
-    def _score(self, batch: SampleBatch, step_prompts: list[dict], responses) -> dict:
+    def _score(self, batch: SampleBatch, step_prompts: list[dict], generated) -> dict:
         """Each scoring role on its shard, then every role's results on the trained roles' ranks, dense: (B, T-1)
-        per-token tensors for actor, critic and ref, (B,) scores of each reward model and "rules" (rule/remote)."""
+        per-token tensors for actor, critic and ref, (B,) scores of each reward model and "rules" (rule/remote, and
+        with episodes the environment's reward, weighted by env.reward_weight)."""
+        responses = None if generated is None else generated.responses
         cfg = self.cfg
         temperature = self.sampling.logprob_temperature
         scorers = {}  # in role order: a rank holding colocated roles scores them in the same order as its peers
@@ -324,24 +341,33 @@ class RLRecipe:
                                         self._per_sample(step_prompts, "answer"))
         roles = [r for r in ["actor", "critic", "ref", *self.reward_roles] if self.plan.has(r)]
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
-            return messages.share_scores(local, roles, rules, with_rules, batch)
+            scored = messages.share_scores(local, roles, rules, with_rules, batch)
+        if generated is not None and generated.episodes is not None and "rules" in scored:
+            scored["rules"] = scored["rules"] + cfg.env.reward_weight * episodes.field(generated, "env_reward")
+        return scored
 
     # -------------------------------------------------------------------------------------------- eval
-    def evaluate(self) -> float:
-        """Greedy held-out exact match, the rollout engines sharing the prompts (on rank 0; nan elsewhere)."""
+    def evaluate(self) -> dict[str, float]:
+        """Greedy held-out figures, the rollout engines sharing the prompts (on rank 0; nan elsewhere): exact match
+        of the answers, or with an environment the mean reward of greedy episodes (and their tool calls)."""
         if not self.eval_prompts:
-            return float("nan")
+            return {"eval_accuracy": float("nan")}
+        env = self.cfg.env.enabled
+        max_tokens = self.cfg.env.max_episode_tokens if env else self.cfg.eval.max_new_tokens
         sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens)
-        mine, _ = engine_generate(self.rollout, [p["input_ids"] for p in self.eval_prompts], sampling,
-                                  self.weights.engine_awake)
+        share = engine_generate(self.rollout, self.eval_prompts, sampling, self.weights.engine_awake, self.play)
         with watchdog.phase("exchange"):
-            responses, _ = messages.share_generated(mine, None, "eval", len(self.eval_prompts), 1,
-                                                    sampling.max_new_tokens)
-        if responses is None:  # only rank 0 gets the responses, decodes and logs the figure
-            return float("nan")
-        texts = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
+            generated = messages.share_generated(share, "eval", len(self.eval_prompts), 1, max_tokens,
+                                                 with_episodes=env)
+        if generated is None:  # only rank 0 gets the responses, decodes and logs the figure
+            return {"eval_accuracy": float("nan")}
+        if env:
+            return {"eval_accuracy": float(episodes.field(generated, "env_reward").mean()),
+                    "eval_tool_calls_mean": float(episodes.field(generated, "tool_calls").mean())}
+        texts = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in generated.responses]
+        answered = [p for p in self.eval_prompts if p["answer"] is not None]
         correct = sum(exact_match(t, p["answer"]) for t, p in zip(texts, self.eval_prompts) if p["answer"] is not None)
-        return correct / max(1, sum(p["answer"] is not None for p in self.eval_prompts))
+        return {"eval_accuracy": correct / max(1, len(answered))}
 
 
 def run(cfg: Config, mode: str = "ppo") -> dict[str, float]:

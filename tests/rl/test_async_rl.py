@@ -10,12 +10,13 @@ import shutil
 import pytest
 import torch
 
+from hpc_rlhf.algorithms.importance import DEFAULT_IS_CAP
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, format_help, load_config
 from hpc_rlhf.rl import grpo, ppo
-from hpc_rlhf.rl.experience import Experience, make_batch
-from hpc_rlhf.rl.config import ASYNC_TIS_CAP, tis_cap
-from hpc_rlhf.rl.rollout import STATE_KEY, RolloutPipeline
+from hpc_rlhf.rl.config import is_correction
+from hpc_rlhf.rl.experience import EPISODE_FIELDS, Experience, Generated, make_batch
 from hpc_rlhf.rl.metrics import sample_figures
+from hpc_rlhf.rl.rollout import STATE_KEY, RolloutPipeline
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
 from tests.recipes import QUIET, Curve, assert_rl_beats_the_plateau, learning
@@ -24,10 +25,15 @@ TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 
 
 # ------------------------------------------------------------------------------------------------ the schedule
-def generated(pipeline: RolloutPipeline, index: int, version: int) -> None:
-    """What an engine's first rank keeps of batch `index`: two responses and their log-probs."""
+def generated(pipeline: RolloutPipeline, index: int, version: int, episodes: bool = False) -> None:
+    """What an engine's first rank keeps of batch `index`: two responses and their log-probs (episodes: and their
+    masks and figures)."""
     responses = [torch.tensor([index, 7, 2]), torch.tensor([index])]
-    pipeline.put(index, version, responses, [r.float() / 10 for r in responses])
+    share = Generated(responses, [r.float() / 10 for r in responses])
+    if episodes:
+        share.masks = [torch.tensor([True, False, True]), torch.tensor([True])]
+        share.episodes = torch.arange(2 * len(EPISODE_FIELDS), dtype=torch.float32).reshape(2, -1) + index
+    pipeline.put(index, version, share)
 
 
 def run_schedule(max_staleness: int, steps: int) -> list[int]:
@@ -39,8 +45,8 @@ def run_schedule(max_staleness: int, steps: int) -> list[int]:
     for step in range(steps):
         if max_staleness == 0:
             generated(pipeline, step, version=step)
-        responses, _, staleness = pipeline.take(step)
-        assert int(responses[0][0]) == step  # the batch of this step, not another
+        share, staleness = pipeline.take(step)
+        assert int(share.responses[0][0]) == step  # the batch of this step, not another
         seen.append(staleness)
         if pipeline.ahead_of(step) is not None:
             generated(pipeline, pipeline.ahead_of(step), version=step)
@@ -56,17 +62,18 @@ def test_each_batch_is_as_stale_as_the_schedule_says(max_staleness, expected):
 
 def test_a_batch_older_than_the_bound_is_refused():
     pipeline = RolloutPipeline(1, 10, engine=None)
-    pipeline.put(5, 3, None, None)
+    pipeline.put(5, 3, None)
     with pytest.raises(RuntimeError, match="batch 5 is 2 policy versions old, beyond rl.max_staleness=1"):
         pipeline.take(5)
     with pytest.raises(RuntimeError, match="batch 6 was never generated"):
         pipeline.take(6)
 
 
-def test_batches_in_flight_survive_a_checkpoint_and_another_k_drops_them(tmp_path):
+@pytest.mark.parametrize("episodes", [False, True], ids=["single-turn", "episodes"])
+def test_batches_in_flight_survive_a_checkpoint_and_another_k_drops_them(tmp_path, episodes):
     pipeline = RolloutPipeline(2, 10, engine=1)
-    generated(pipeline, 4, version=2)
-    generated(pipeline, 5, version=3)
+    generated(pipeline, 4, version=2, episodes=episodes)
+    generated(pipeline, 5, version=3, episodes=episodes)
     state = pipeline.save(tmp_path)
     assert state == {STATE_KEY: {"max_staleness": 2, "versions": {"4": 2, "5": 3}}}
     assert (tmp_path / "rollout" / "engine001.pt").is_file()
@@ -75,8 +82,12 @@ def test_batches_in_flight_survive_a_checkpoint_and_another_k_drops_them(tmp_pat
     back.restore(tmp_path, json.loads(json.dumps(state)))  # as read back from trainer_state.json
     assert back.versions == {4: 2, 5: 3} and back.to_prefill(4) == []
     for index in (4, 5):
-        for mine, theirs in zip(back.shares[index], pipeline.shares[index]):
-            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(mine, theirs))
+        mine, theirs = back.shares[index], pipeline.shares[index]
+        for name in ("responses", "logprobs") + (("masks",) if episodes else ()):
+            assert all(torch.equal(a, b) and a.dtype == b.dtype
+                       for a, b in zip(getattr(mine, name), getattr(theirs, name), strict=True)), name
+        assert (mine.masks is None) == (not episodes)
+        assert not episodes or torch.equal(mine.episodes, theirs.episodes)
     other_rank = RolloutPipeline(2, 10, engine=None)  # no engine of its own: the versions only
     other_rank.restore(tmp_path, state)
     assert other_rank.versions == {4: 2, 5: 3} and not other_rank.shares
@@ -98,7 +109,7 @@ def test_importance_weight_figures():
     old[0, 1:3] = torch.log(torch.tensor([1.0, 3.0]))
     old[1, 1] = torch.log(torch.tensor(0.5))
     exp = Experience(batch, torch.tensor([1.0, 0.0]), rollout, old, old, torch.zeros_like(mask),
-                     torch.zeros_like(mask))
+                     torch.zeros_like(mask), mask)
     figures = sample_figures(exp, "k1", has_ref=False, tis_cap=2.0)
     assert figures["tis_weight"] == pytest.approx(3.5 / 3)
     assert figures["tis_weight_max"] == pytest.approx(3.0)
@@ -117,10 +128,11 @@ def test_staleness_is_refused_with_the_hybrid_engine_and_listed_in_help():
 
 def test_truncated_importance_weights_default_on_with_staleness():
     def cap(*overrides):
-        return tis_cap(load_config(grpo.Config, None, list(overrides)).rl)
+        mode, params = is_correction(load_config(grpo.Config, None, list(overrides)).rl)
+        return params["cap"] if mode == "tis_token" else None
 
     assert cap() is None
-    assert cap("rl.max_staleness=1") == ASYNC_TIS_CAP == 2.0
+    assert cap("rl.max_staleness=1") == DEFAULT_IS_CAP == 2.0
     assert cap("rl.max_staleness=1", "rl.tis_cap=5") == 5.0
     assert cap("rl.tis_cap=1.5") == 1.5
 
@@ -158,7 +170,7 @@ def test_two_steps_of_staleness_follow_the_schedule_and_resume_exactly(tmp_path)
     # importance weights (on by default with staleness) are logged; the first batch is on-policy.
     assert rows[0]["rollout_logprob_abs_diff"] < 1e-4
     assert all(r["rollout_logprob_abs_diff"] > 100 * rows[0]["rollout_logprob_abs_diff"] for r in rows[1:])
-    assert all(0 < r["tis_weight"] <= ASYNC_TIS_CAP and r["tis_weight_max"] > 0 for r in rows)
+    assert all(0 < r["tis_weight"] <= DEFAULT_IS_CAP and r["tis_weight_max"] > 0 for r in rows)
 
     def figures(out):
         return [{k: v for k, v in r.items() if k != "time" and not k.startswith("time_") and k != "samples_per_s"}

@@ -9,7 +9,7 @@ from hpc_rlhf.config import load_config
 from hpc_rlhf.data.order import step_indices
 from hpc_rlhf.rl import grpo
 from hpc_rlhf.rl.dynamic_sampling import ROUND_SEED_OFFSET, Rounds, round_seed
-from hpc_rlhf.rl.experience import make_batch, to_ragged
+from hpc_rlhf.rl.experience import Generated, make_batch, to_ragged
 from hpc_rlhf.rl.roles import batch_rows
 from hpc_rlhf.rl.rollout import batch_seed
 
@@ -28,7 +28,7 @@ def a_round(first_id: int, rules: list[float], reward: list[float]):
         dense[i] = marks[i] * batch.action_mask[i]
     scored = {"actor": dense.clone(), "ref": dense.clone() - 1, "rules": torch.tensor(rules),
               "reward": torch.tensor(reward)}
-    return prompt_ids, responses, batch, dense.clone(), scored
+    return prompt_ids, Generated(responses, [torch.zeros(len(r)) for r in responses]), batch, dense.clone(), scored
 
 
 def rounds_of(cfg_overrides=()):
@@ -47,7 +47,8 @@ def test_the_batch_fills_with_signal_in_round_then_prompt_order_and_what_travels
     # round 1: prompt 0 differs, prompt 1 differs, prompt 2 uniform
     rounds.add(*a_round(10, rules=[0, 1, 1, 0, 0, 0], reward=[0, 0, 0, 0, 0, 0]))
     assert rounds.full()
-    batch, responses, rollout_logps, scored, keep = rounds.assemble(pad_id=0)
+    batch, generated, rollout_logps, scored, keep = rounds.assemble(pad_id=0)
+    responses = generated.responses
     # chosen: round 0 prompt 1, round 1 prompts 0 and 1; no slot left empty
     assert [int(batch.input_ids[i, 0]) for i in range(6)] == [2, 2, 10, 10, 11, 11]
     assert [r.tolist() for r in responses] == [[10, 7], [11, 7], [0, 7], [1, 7], [10, 7], [11, 7]]
