@@ -96,5 +96,12 @@ def build_vllm_engine(cfg: Config, plan, eos: int):
                              dtype=dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                              kv_cache_mb=cfg.rollout.kv_cache_mb or None, enforce_eager=eager,
                              seed=cfg.train.seed, enable_sleep_mode=plan.is_hybrid,
-                             max_model_len=cfg.data.max_prompt_len + max(cfg.rollout.max_new_tokens,
-                                                                         cfg.eval.max_new_tokens))
+                             max_model_len=cfg.data.max_prompt_len + longest_response(cfg))
+
+
+def longest_response(cfg: Config) -> int:
+    """The most tokens after a prompt that a sequence of this job holds: an episode's limit with an environment (its
+    turns and observations), else the longer of a rollout's and an evaluation's."""
+    if cfg.env.enabled:
+        return cfg.env.max_episode_tokens
+    return max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)

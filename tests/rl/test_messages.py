@@ -44,6 +44,7 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     from hpc_rlhf.dist import exchange, groups
+    from hpc_rlhf.rl.experience import EPISODE_FIELDS, Generated
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -85,17 +86,25 @@ if __name__ == "__main__":
                 assert got[key] is None, (key, rank)
 
         # A batch's responses with their sampling log-probs (share_responses), from engine 0's first rank (4) to
-        # the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5.
-        g = torch.Generator().manual_seed(5)
-        want = [torch.randint(0, 2**31 - 1, (n,), generator=g) for n in (4, 0, 7, 1)]
-        want_logps = [-torch.rand(len(t), generator=g) * 9 for t in want]
-        got, got_logps = messages.share_responses(want if rank == 4 else None, want_logps if rank == 4 else None,
-                                                  "responses", counts=[4], max_len=7, with_logprobs=True)
-        if rank <= 4:
-            assert all(torch.equal(a, b) for a, b in zip(got[0], want, strict=True)), got
-            assert all(torch.equal(a, b) for a, b in zip(got_logps[0], want_logps, strict=True)), got_logps
-        else:
-            assert got == [None] and got_logps == [None]
+        # the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5. Episodes: with their
+        # model-token masks and figures, so that the trajectories rebuilt there are the engine's, token for token.
+        for episodes in (False, True):
+            g = torch.Generator().manual_seed(5)
+            want = Generated([torch.randint(0, 2**31 - 1, (n,), generator=g) for n in (4, 0, 7, 1)])
+            want.logprobs = [-torch.rand(len(t), generator=g) * 9 for t in want.responses]
+            if episodes:
+                want.masks = [torch.rand(len(t), generator=g) > 0.4 for t in want.responses]
+                want.episodes = torch.randn(4, len(EPISODE_FIELDS), generator=g)
+            got = messages.share_responses(want if rank == 4 else None, "responses", counts=[4], max_len=7,
+                                           with_logprobs=True, with_episodes=episodes)
+            if rank > 4:
+                assert got == [None]
+                continue
+            for name in ("responses", "logprobs") + (("masks",) if episodes else ()):
+                pairs = zip(getattr(got[0], name), getattr(want, name), strict=True)
+                assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in pairs), (name, got[0])
+            assert (got[0].masks is None) == (not episodes)
+            assert not episodes or torch.equal(got[0].episodes, want.episodes)
 
         # The critic's figures reach the logging rank (0) from the critic's leader (3), without its skip flag.
         figures = {"value_loss": 0.5, "value_clip_fraction": 0.25, "critic_grad_norm": 2.0, "critic_skipped": 1.0}
