@@ -65,7 +65,8 @@ class RoleLoad:
     keys: Mapping[str, str] = field(default_factory=dict)
 
 
-def _plan(placement, allocation: Allocation, placement_key: str) -> Plan:
+def plan_on(placement, allocation: Allocation, placement_key: str) -> Plan:
+    """The plan of `placement` on the allocation; a placement that does not fit it as an AllocationError."""
     try:
         return make_plan(placement, allocation.world_size, allocation.gpus_per_node)
     except PlacementError as exc:
@@ -84,7 +85,7 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
             raise AllocationError(allocation.keys[name], f"must be at least 1, got {value}")
     if allocation.gpu_memory_gb <= 0:
         raise AllocationError(allocation.keys["gpu_memory_gb"], f"must be positive, got {allocation.gpu_memory_gb}")
-    plan = _plan(placement, allocation, placement_key)
+    plan = plan_on(placement, allocation, placement_key)
     own: dict[str, dict[str, float]] = {}
     loads: dict[str, RoleLoad] = {}
     for name, role in plan.roles.items():

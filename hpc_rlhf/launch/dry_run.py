@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from hpc_rlhf.config import ConfigError
-from hpc_rlhf.dist.allocation import Allocation, AllocationError, RoleLoad, check_allocation, public, refusal
+from hpc_rlhf.dist.allocation import (Allocation, AllocationError, RoleLoad, check_allocation, plan_on, public,
+                                     refusal)
 from hpc_rlhf.dist.memory import ModelShape, ModelShapeError, load_shape
 from hpc_rlhf.dist.plan_cli import format_report, refuse
-from hpc_rlhf.dist.placement import make_plan
 
 ALLOCATION_FLAGS = {"world_size": "--world-size", "gpus_per_node": "--gpus-per-node",
                     "gpu_memory_gb": "--gpu-memory-gb"}
@@ -111,7 +111,7 @@ def _rl_loads(cfg: Any, plan, model: str | None):
     return load_of
 
 
-def _check_rl(cfg: Any, allocation: Allocation) -> None:
+def _check_rl(cfg: Any, plan, allocation: Allocation) -> None:
     """The RL checks that need the allocation's node size (the config loader checked the rest on one node)."""
     from hpc_rlhf.trainers.rl_config import check_plan_against_config  # trainers' code: only RL modes need it
 
@@ -119,7 +119,6 @@ def _check_rl(cfg: Any, allocation: Allocation) -> None:
         raise AllocationError("ranks_per_node", f"is {cfg.ranks_per_node} but the allocation has "
                                                 f"{allocation.gpus_per_node} ranks per node (--gpus-per-node); "
                                                 f"leave it 0 to take the launcher's")
-    plan = make_plan(cfg.placement, allocation.world_size, allocation.gpus_per_node)
     try:
         check_plan_against_config(plan, cfg)
     except ConfigError as exc:
@@ -171,10 +170,9 @@ def check_config(mode: str, cfg: Any, world_size: int, gpus_per_node: int, model
         if cfg.world_size() != world_size:
             raise AllocationError("placement", f"'{cfg.placement}' asks for {cfg.world_size()} ranks but the "
                                                f"allocation has {world_size} (--world-size)")
-        _check_rl(cfg, allocation)
-        return check_allocation(cfg.placement, allocation, _rl_loads(cfg, make_plan(cfg.placement, world_size,
-                                                                                      gpus_per_node), model),
-                                placement_key="placement")
+        plan = plan_on(cfg.placement, allocation, "placement")
+        _check_rl(cfg, plan, allocation)
+        return check_allocation(cfg.placement, allocation, _rl_loads(cfg, plan, model), placement_key="placement")
     placement, load_of = _one_model(mode, cfg, allocation, model)
     return check_allocation(placement, allocation, load_of, placement_key="dist.nproc")
 
