@@ -24,6 +24,8 @@ from hpc_rlhf.engines.rollout import vllm as vr
 from hpc_rlhf.engines.rollout.base import RolloutError, SamplingParams, hf_named_tensors, hf_param_name
 from tests.distributed import REPO, run_ranks
 
+pytestmark = pytest.mark.vllm  # a skip fails CI (tests/ci_skips.py)
+
 TINY = str(REPO / TINY_ASSETS / "models" / "llama-tiny")
 EOS = 2
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 20, 21, 22, 23, 24], [1, 30, 31], [1, 40, 41, 42]]
@@ -378,7 +380,7 @@ def _consume_cuda_bucket(info: dict) -> dict[str, str]:
     return {name: view.cpu().view(torch.uint8).numpy().tobytes().hex() for name, view in views}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA IPC transport needs a CUDA GPU")
+@pytest.mark.cuda  # the CUDA IPC transport needs a CUDA GPU: skipped without one
 def test_cuda_ipc_transport_reaches_another_process_bit_for_bit():
     """GPU only (run on a lent H100, see the README): the driving rank's side packs buckets into its CUDA
     buffer; another process opens it by handle on the GPU found by uuid and reads each tensor exactly, also after
