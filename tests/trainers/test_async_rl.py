@@ -75,8 +75,8 @@ def test_batches_in_flight_survive_a_checkpoint_and_another_k_drops_them(tmp_pat
     back.restore(tmp_path, json.loads(json.dumps(state)))  # as read back from trainer_state.json
     assert back.versions == {4: 2, 5: 3} and back.to_prefill(4) == []
     for index in (4, 5):
-        for mine, theirs in zip(back.shares[index], pipeline.shares[index]):
-            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(mine, theirs))
+        for mine, theirs in zip(back.shares[index], pipeline.shares[index], strict=True):
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(mine, theirs, strict=True))
     other_rank = RolloutPipeline(2, 10, engine=None)  # no engine of its own: the versions only
     other_rank.restore(tmp_path, state)
     assert other_rank.versions == {4: 2, 5: 3} and not other_rank.shares
