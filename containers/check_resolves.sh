@@ -66,15 +66,22 @@ if problems:
 PY
 echo "== 2. source-only packages: $deepspeed, flash-attn (their sdists' declared requirements)"
 flash=$(printf '%s\n' "$(python3 -c 'import configparser; c = configparser.ConfigParser(); c.read("setup.cfg"); print(c["options.extras_require"]["gpu"])')" | grep flash-attn)
-"${pip_cmd[@]}" download --quiet --no-deps --no-binary=:all: --no-build-isolation --index-url "$INDEX" -d "$WORK/sdists" \
-  "$deepspeed" "$flash" 2>&1 | tail -3 || true
+# pip prepares an sdist's metadata to download it, and both import torch in their setup.py: SDIST_PYTHON is a
+# python with torch (default: the project's .venv); flash-attn is told not to look for CUDA for that.
+SDIST_PYTHON=${SDIST_PYTHON:-.venv/bin/python}
+FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE "$SDIST_PYTHON" -m pip --isolated --disable-pip-version-check \
+  --cert "${PIP_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}" download --quiet --no-deps --no-binary=:all: \
+  --no-build-isolation --index-url "$INDEX" -d "$WORK/sdists" "$deepspeed" "$flash"
 python3 - "$WORK/sdists" "$WORK/report.json.versions" <<'PY'
 import json, sys, tarfile
 from pathlib import Path
 from packaging.requirements import Requirement
 got = json.load(open(sys.argv[2]))
 problems = []
-for sdist in sorted(Path(sys.argv[1]).glob("*.tar.gz")):
+sdists = sorted(Path(sys.argv[1]).glob("*.tar.gz"))
+if len(sdists) != 2:
+    sys.exit(f"FAILED: expected the deepspeed and flash-attn sdists, got {[p.name for p in sdists]}")
+for sdist in sdists:
     with tarfile.open(sdist) as tar:
         member = next(m for m in tar.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO"))
         info = tar.extractfile(member).read().decode()

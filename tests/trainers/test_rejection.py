@@ -38,7 +38,7 @@ RS_SETTINGS = ["data.max_train_rows=384", "generate.n=8", "generate.chunk_size=6
                "generate.temperature=0.7", "select.strategy=top_k", "select.k=8", "select.min_score=1",
                "train.max_steps=80", "train.batch_size=32", "train.micro_batch_size=32", "train.lr=1e-3",
                "train.warmup_steps=5", "log.every_steps=40", "log.eval_every_steps=80",
-               "eval.max_rows=200", "checkpoint.resume=true"]
+               "eval.max_rows=300", "checkpoint.resume=true"]
 
 
 @pytest.mark.learning
