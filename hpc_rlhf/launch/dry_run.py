@@ -58,8 +58,9 @@ def is_rl(cfg: Any) -> bool:
     return hasattr(cfg, "placement") and hasattr(cfg, "rollout")
 
 
-def _shape(folder: str | None, key: str, preset: str | None) -> ModelShape:
-    """The shape of the model in `folder` (its config.json), or of `preset` when the folder is not there yet."""
+def _shape(folder: str | None, key: str, preset: str | None, stand_ins: dict[str, str]) -> ModelShape:
+    """The shape of the model in `folder` (its config.json), or of `preset` when the folder is not there yet
+    (recorded in `stand_ins`: key -> folder, for the report)."""
     if folder and Path(folder).is_dir() and (Path(folder) / "config.json").is_file():
         try:
             return ModelShape.from_config_json(folder)
@@ -67,9 +68,11 @@ def _shape(folder: str | None, key: str, preset: str | None) -> ModelShape:
             raise AllocationError(key, str(exc)) from None
     if preset is not None:
         try:
-            return load_shape(preset)
+            shape = load_shape(preset)
         except ModelShapeError as exc:
             raise AllocationError("--model", str(exc)) from None
+        stand_ins[key] = str(folder)
+        return shape
     raise AllocationError(key, f"'{folder}' is not a model folder with a config.json (a placeholder?): give its "
                                f"shape with --model (7b, 13b, 34b, 70b or a config.json)")
 
@@ -78,14 +81,14 @@ def _dtype_bytes(model_section) -> int:
     return 4 if model_section.dtype == "float32" else 2  # auto = bfloat16 on GPU
 
 
-def _rl_loads(cfg: Any, plan, model: str | None):
-    actor = _shape(cfg.actor.path, "actor.path", model)
-    shapes = {"actor": actor, "ref": _shape(cfg.ref_path, "ref_path", model) if cfg.ref_path else actor,
+def _rl_loads(cfg: Any, plan, model: str | None, stand_ins: dict[str, str]):
+    actor = _shape(cfg.actor.path, "actor.path", model, stand_ins)
+    shapes = {"actor": actor, "ref": _shape(cfg.ref_path, "ref_path", model, stand_ins) if cfg.ref_path else actor,
               "rollout": actor}
     if plan.has("critic"):
-        shapes["critic"] = _shape(cfg.critic.path, "critic.path", model)
+        shapes["critic"] = _shape(cfg.critic.path, "critic.path", model, stand_ins)
     for index, name in enumerate(n for n in plan.roles if plan.roles[n].kind == "reward"):
-        shapes[name] = _shape(cfg.reward.models[index], f"reward.models[{index}]", model)
+        shapes[name] = _shape(cfg.reward.models[index], f"reward.models[{index}]", model, stand_ins)
     rollout = plan.roles.get("rollout")
     samples = cfg.rollout.prompts_per_step * cfg.rollout.n_samples
     per_engine = math.ceil(samples / len(rollout.engines)) if rollout else 0
@@ -126,7 +129,7 @@ def _check_rl(cfg: Any, plan, allocation: Allocation) -> None:
         raise AllocationError("placement", first.removeprefix(f"placement '{cfg.placement}': "), rest) from None
 
 
-def _one_model(mode: str, cfg: Any, allocation: Allocation, model: str | None):
+def _one_model(mode: str, cfg: Any, allocation: Allocation, model: str | None, stand_ins: dict[str, str]):
     world = allocation.world_size
     if cfg.dist.nproc != world:
         raise AllocationError("dist.nproc", f"is {cfg.dist.nproc} but the allocation has {world} ranks "
@@ -138,9 +141,9 @@ def _one_model(mode: str, cfg: Any, allocation: Allocation, model: str | None):
                                                   f"{train.micro_batch_size * world}")
     with_ref = mode in PAIRED_WITH_REFERENCE and cfg.ref.mode == "colocated"
     placement = f"actor+ref={world}" if with_ref else f"actor={world}"
-    shapes = {"actor": _shape(cfg.model.path, "model.path", model)}
+    shapes = {"actor": _shape(cfg.model.path, "model.path", model, stand_ins)}
     if with_ref:
-        shapes["ref"] = _shape(cfg.ref.path, "ref.path", model) if cfg.ref.path else shapes["actor"]
+        shapes["ref"] = _shape(cfg.ref.path, "ref.path", model, stand_ins) if cfg.ref.path else shapes["actor"]
     memory_kind = "critic" if mode in VALUE_MODEL_MODES else "ref" if mode in INFERENCE_MODES else "actor"
 
     def load_of(name: str, kind: str) -> RoleLoad:
@@ -166,15 +169,20 @@ def check_config(mode: str, cfg: Any, world_size: int, gpus_per_node: int, model
     if world_size < 1 or gpus_per_node < 1:
         key = "world_size" if world_size < 1 else "gpus_per_node"
         raise AllocationError(ALLOCATION_FLAGS[key], f"must be at least 1, got {getattr(allocation, key)}")
+    stand_ins: dict[str, str] = {}
     if is_rl(cfg):
         if cfg.world_size() != world_size:
             raise AllocationError("placement", f"'{cfg.placement}' asks for {cfg.world_size()} ranks but the "
                                                f"allocation has {world_size} (--world-size)")
         plan = plan_on(cfg.placement, allocation, "placement")
         _check_rl(cfg, plan, allocation)
-        return check_allocation(cfg.placement, allocation, _rl_loads(cfg, plan, model), placement_key="placement")
-    placement, load_of = _one_model(mode, cfg, allocation, model)
-    return check_allocation(placement, allocation, load_of, placement_key="dist.nproc")
+        report = check_allocation(cfg.placement, allocation, _rl_loads(cfg, plan, model, stand_ins),
+                                  placement_key="placement")
+    else:
+        placement, load_of = _one_model(mode, cfg, allocation, model, stand_ins)
+        report = check_allocation(placement, allocation, load_of, placement_key="dist.nproc")
+    report["stand_in_shapes"] = stand_ins  # model folders not there yet, sized by --model
+    return report
 
 
 def main(mode: str, cfg: Any, args: argparse.Namespace) -> int:
@@ -190,6 +198,9 @@ def main(mode: str, cfg: Any, args: argparse.Namespace) -> int:
     except AllocationError as exc:
         return refuse(prog, exc)
     print(json.dumps(public(report)) if args.json else format_report(report))
+    if report["stand_in_shapes"] and not args.json:
+        print(f"note: sized by --model {args.model} (these folders are not there yet): "
+              + ", ".join(f"{key}={folder}" for key, folder in report["stand_in_shapes"].items()))
     reason = refusal(report)
     if reason is not None:
         print(f"{prog}: {reason}", file=sys.stderr)

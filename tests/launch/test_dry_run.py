@@ -51,7 +51,7 @@ def test_each_example_config_passes_the_dry_run_for_its_scripts_allocation(capsy
     extra = [f"placement={placement}"] if placement else [f"dist.nproc={world}"]  # what sbatch/common.sh passes
     code, out, err = dry_run(capsys, mode, config, world, per_node, "--model", preset, *extra)
     assert code == 0 and err == "", err
-    assert out.rstrip().endswith("the plan fits") and f"{world} ranks on {world // per_node} node(s)" in out
+    assert "the plan fits\nnote: sized by --model" in out and f"{world} ranks on {world // per_node} node(s)" in out
     # The config carries what the layout needs: the placement it names is the script's, and placeholders are marked.
     text = (REPO / config).read_text()
     assert "PLACEHOLDER" in text and "/path/to/" in text
@@ -140,6 +140,7 @@ def test_check_config_is_a_function_other_commands_call():
     cfg = load_config(ppo.Config, EXAMPLES / "ppo_70b.yaml")
     report = check_config("ppo", cfg, 32, 8, model="70b")
     assert report["fits"] and report["roles"]["rollout"]["engines"][0] == [16, 17, 18, 19]
+    assert report["stand_in_shapes"]["actor.path"] == "/path/to/models/llama-2-70b-sft"
     with pytest.raises(AllocationError) as refused:
         check_config("ppo", cfg, 16, 8, model="70b")
     assert refused.value.key == "placement" and "asks for 32 ranks" in str(refused.value)
