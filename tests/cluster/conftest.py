@@ -11,7 +11,8 @@ of the cluster tests at once, so that they share the machine's cores instead of 
 built-in tiny SFT (2 nodes x 1 task, the reference), the same job preempted mid-run, the tiny job under `mpirun`
 and under `srun --mpi=pmix` (through launch/mpirun.sh and launch/srun.sh), and a submitit submission (also
 preempted). Background threads send the preemption signals as soon as those jobs have logged a step. `lost_rank_jobs` (PPO jobs that each lose a rank)
-is submitted with them, or alone when only its tests run.
+is submitted with them, or alone when only its tests run. `gpu_script_jobs` (every GPU sbatch script shrunk to
+the tiny model, ppo_70b's preempted) goes in after them.
 """
 
 from __future__ import annotations
