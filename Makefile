@@ -11,10 +11,22 @@ STAMP := $(VENV)/.hpc_rlhf-installed
 
 venv: $(STAMP)
 
-# torch first (the CPU wheel), then the pinned libraries, then deepspeed built against that torch with its
-# CPU communication and CPU Adam (offload) ops precompiled (otherwise every rank compiles them on first use),
-# then this package. No wheel cache for deepspeed: a cached wheel may have been built without these ops.
+# Debian's Open MPI (mpirun and libmpi, which the `mpi` extra's mpi4py wheel loads): installed with apt when
+# missing and this user is root (CI is); elsewhere `make venv` says what to install and goes on without it.
+OPENMPI_PACKAGES := openmpi-bin libopenmpi-dev
+
+# Debian's Open MPI first (see above), then torch (the CPU wheel), the pinned libraries, deepspeed built against
+# that torch with its CPU communication and CPU Adam (offload) ops precompiled (otherwise every rank compiles
+# them on first use), then this package with its `mpi` extra (mpi4py, for launch/mpirun.sh). No wheel cache for
+# deepspeed: a cached wheel may have been built without these ops.
 $(STAMP): setup.cfg requirements-cpu.txt
+	@if command -v mpirun >/dev/null 2>&1 && dpkg -s libopenmpi-dev >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian's Open MPI ($(OPENMPI_PACKAGES))"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(OPENMPI_PACKAGES) >/dev/null; \
+	else echo "make venv: Open MPI is missing and this user cannot apt-get it: install $(OPENMPI_PACKAGES) for" \
+	  "launch/mpirun.sh and its test (skipped without it; a failure under CI=true)"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "$(TORCH_SPEC)"
@@ -22,6 +34,7 @@ $(STAMP): setup.cfg requirements-cpu.txt
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 $(PIP) install -q --no-build-isolation --no-cache-dir "$(DEEPSPEED_SPEC)"
 	$(PIP) install -q --no-build-isolation --no-deps -e .
+	$(PIP) install -q --no-build-isolation -e ".[mpi]"
 	touch $(STAMP)
 
 assets: venv

@@ -14,6 +14,7 @@ import importlib
 import sys
 
 from hpc_rlhf.config import ConfigError, format_help, load_config
+from hpc_rlhf.launch import dry_run
 from hpc_rlhf.launch.local import run_or_spawn
 
 # mode -> module defining Config and run(cfg)
@@ -71,11 +72,21 @@ def run_training_mode(mode: str, argv: list[str]) -> int:
                                      add_help=False)
     parser.add_argument("--config", "-c", default=None, help="YAML config file")
     parser.add_argument("--help", "-h", action="store_true")
+    dry_run.add_arguments(parser)
     args, overrides = parser.parse_known_args(argv)
     if args.help:
-        print(f"usage: hpc-rlhf {mode} [--config FILE.yaml] [key=value ...]\n\n{DESCRIPTIONS.get(mode, '')}\n\n"
+        print(f"usage: hpc-rlhf {mode} [--config FILE.yaml] [key=value ...]\n"
+              f"       hpc-rlhf {mode} --config FILE.yaml --dry-run --world-size N --gpus-per-node G [--model PRESET] "
+              f"[--gpu-memory-gb GB] [key=value ...]\n\n{DESCRIPTIONS.get(mode, '')}\n\n"
               f"keys (default, meaning):\n{format_help(module.Config)}")
         return 0
+    dry_only = [flag for flag, given in (("--world-size", args.world_size is not None),
+                                         ("--gpus-per-node", args.gpus_per_node is not None),
+                                         ("--model", args.model is not None), ("--json", args.json)) if given]
+    if dry_only and not args.dry_run:
+        print(f"hpc-rlhf {mode}: {dry_only[0]} is a flag of the dry run; add --dry-run (a run takes its world from "
+              f"the launcher)", file=sys.stderr)
+        return 2
     bad_flags = [o for o in overrides if o.startswith("-")]
     if bad_flags:
         print(f"hpc-rlhf {mode}: unknown option {bad_flags[0]} (settings are given as key=value; "
@@ -84,8 +95,17 @@ def run_training_mode(mode: str, argv: list[str]) -> int:
     try:
         cfg = load_config(module.Config, args.config, overrides)
     except ConfigError as exc:
-        print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
+        if not args.dry_run:
+            print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
+            return 2
+        # A dry run refuses in one line; what shows why (a placement's table) goes to stdout.
+        first, _, detail = str(exc).partition("\n")
+        print(f"hpc-rlhf {mode} --dry-run: {first}", file=sys.stderr)
+        if detail:
+            print(detail)
         return 2
+    if args.dry_run:
+        return dry_run.main(mode, cfg, args)
     return run_or_spawn(mode, cfg, module.run, argv)
 
 

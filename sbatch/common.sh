@@ -11,7 +11,10 @@
 #   PLACEMENT           roles on ranks (ppo, grpo), e.g. actor=4,critic=2,ref=1,reward=1,rollout=8,rollout_tp=2;
 #                       checked against the allocation, then passed to the mode as placement=...; single-model
 #                       modes (sft, rm, dpo, kto) use actor=<all ranks>
-#   PYTHON              the interpreter with hpc_rlhf installed (default: python on PATH)
+#   PYTHON              the interpreter with hpc_rlhf installed (default: python on PATH), e.g. a virtual
+#                       environment on the cluster's shared file system: PYTHON=/shared/venvs/hpc_rlhf/bin/python
+#   PLAN_MODEL          model shape for the check of roles whose model folder is a placeholder (7b, 70b, ...)
+#   GPU_MEMORY_GB       memory of one GPU for the check (default 80)
 #   CONTAINER           an Apptainer image (.sif): every rank runs `apptainer exec --nv $CONTAINER python ...`;
 #                       binds come from APPTAINER_BIND (e.g. APPTAINER_BIND=/scratch,/datasets)
 #   MAX_RESTARTS        requeue a preempted job at most this many times (default 20)
@@ -21,7 +24,7 @@
 
 source "$(dirname "${BASH_SOURCE[0]}")/../launch/env.sh"
 
-HPC_PREEMPTED_EXIT_CODE=75  # hpc_rlhf.trainers.common.Preempted: checkpoint written, run me again
+HPC_PREEMPTED_EXIT_CODE=75  # hpc_rlhf.trainers.checkpointing.Preempted: checkpoint written, run me again
 HPC_ROLE_MODES=" ppo grpo "  # modes whose roles are placed on ranks; the others are one data-parallel group
 
 hpc_is_role_mode() { [[ "$HPC_ROLE_MODES" == *" $MODE "* ]]; }
@@ -50,6 +53,9 @@ hpc_setup() {
   # hpc_rlhf's bootstrap derives the same values; exporting them lets other tools (and NCCL's logs) see them.
   export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
   export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+  # srun of Slurm 22.05-23.02 no longer takes --cpus-per-task from the job (SLURM_CPUS_PER_TASK): without this
+  # each rank of the step would get one CPU while OMP_NUM_THREADS says more.
+  [ -z "${SLURM_CPUS_PER_TASK:-}" ] || export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
   hpc_rank_env
   # launch/srun.sh, a process of its own, reads them too.
   export PYTHON CONTAINER
@@ -61,17 +67,31 @@ hpc_setup() {
   [ -z "$nccl" ] || hpc_log "NCCL settings: $nccl"
 }
 
-# Check the placement against this allocation before any rank starts: `hpc-rlhf plan` exits non-zero when the
-# roles do not add up to the world or an engine would straddle nodes, so the job ends in seconds, not after
-# every rank has loaded a model. It also prints the memory each rank needs. Usage: hpc_check_plan MODEL [flags]
-# (MODEL: a preset such as 7b or 70b, or a model folder; flags: those of `hpc-rlhf plan`, e.g. --adam-offload).
+# The mode's arguments, the same for the check and for the ranks: MODE, the config, the placement that was
+# checked (role modes) or the world size (one-model modes), then the script's key=value arguments.
+# Usage: hpc_mode_args [key=value ...]  -> array HPC_MODE_ARGS
+hpc_mode_args() {
+  HPC_MODE_ARGS=("$MODE")
+  [ -z "$CONFIG" ] || HPC_MODE_ARGS+=(--config "$CONFIG")
+  if hpc_is_role_mode; then HPC_MODE_ARGS+=("placement=$PLACEMENT"); else HPC_MODE_ARGS+=("dist.nproc=$SLURM_NTASKS"); fi
+  HPC_MODE_ARGS+=("$@")
+}
+
+# Check the config against this allocation before any rank starts: `hpc-rlhf MODE ... --dry-run` reads what the
+# ranks will read (the config, the placement, the script's arguments) and exits 2, naming the key, when the job
+# would not start: roles that do not add up to the world, an engine across two nodes, a role the config needs
+# and the placement lacks, batch sizes that do not divide the role groups, a rank that needs more GPU memory than
+# GPU_MEMORY_GB (default 80). So the job ends in seconds, not after every rank has loaded a model. The plan and
+# the memory per GPU go into the job log. PLAN_MODEL (a preset such as 7b or 70b, or a config.json) gives the
+# shape of the models whose folders are not there yet (placeholders). Usage: hpc_check_plan [key=value ...]
 hpc_check_plan() {
-  local model=$1
-  shift
-  "${HPC_PYTHON[@]}" -m hpc_rlhf plan --world-size "$SLURM_NTASKS" --gpus-per-node "$(hpc_ranks_per_node)" \
-    --placement "$PLACEMENT" --model "$model" "$@" \
-    || hpc_die "placement '$PLACEMENT' does not fit this allocation ($SLURM_NTASKS ranks," \
-               "$(hpc_ranks_per_node) per node); not starting"
+  hpc_mode_args "$@"
+  local model=()
+  [ -z "${PLAN_MODEL:-}" ] || model=(--model "$PLAN_MODEL")
+  "${HPC_PYTHON[@]}" -m hpc_rlhf "${HPC_MODE_ARGS[@]}" --dry-run --world-size "$SLURM_NTASKS" \
+    --gpus-per-node "$(hpc_ranks_per_node)" --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${model[@]}" \
+    || hpc_die "the config does not start on this allocation ($SLURM_NTASKS ranks, $(hpc_ranks_per_node) per" \
+               "node; placement '$PLACEMENT'): see the line above; not starting"
 }
 
 # Run the mode on every task, then requeue the job if it was preempted. Usage: hpc_train [key=value ...]
@@ -82,10 +102,9 @@ hpc_check_plan() {
 # the job runs again under the same id, appending to the same log (--open-mode=append), and resumes from the
 # newest checkpoint in output_dir.
 hpc_train() {
-  local args=("$MODE")
-  [ -z "$CONFIG" ] || args+=(--config "$CONFIG")
-  # The placement that was checked is the one the ranks use; single-model modes are told the world size.
-  if hpc_is_role_mode; then args+=("placement=$PLACEMENT"); else args+=("dist.nproc=$SLURM_NTASKS"); fi
+  # The arguments that were checked are the ones the ranks get (hpc_mode_args).
+  hpc_mode_args "$@"
+  local args=("${HPC_MODE_ARGS[@]}")
   # When Slurm preempts the job it sends SIGTERM to the batch shell too; the shell must outlive srun so that
   # the ranks can finish their checkpoint, so it only notes the signal.
   local signalled=0
@@ -93,7 +112,7 @@ hpc_train() {
   # launch/srun.sh execs `srun --kill-on-bad-exit=1 ... python -m hpc_rlhf.launch.slurm rank MODE ...`: one
   # failed rank ends the step at once, instead of the others waiting in a collective until its timeout. Ranks that
   # are already stopping for a checkpoint ignore that SIGTERM and finish.
-  "$HPC_RLHF_HOME/launch/srun.sh" "${args[@]}" "$@" &
+  "$HPC_RLHF_HOME/launch/srun.sh" "${args[@]}" &
   local pid=$! rc
   wait "$pid"; rc=$?
   while [ "$signalled" = 1 ]; do signalled=0; wait "$pid"; rc=$?; done

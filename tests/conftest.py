@@ -11,6 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests import background  # noqa: E402
+from tests.ci_skips import pytest_configure, pytest_runtest_makereport  # noqa: E402,F401  (hooks: CI fails on skips)
+from tests.ci_skips import pytest_runtest_setup as _cuda_only  # noqa: E402
 from tests.recipes import ppo_reward_model, sft_base, world  # noqa: E402,F401  (fixtures of every test folder)
 
 torch.set_num_threads(1)
@@ -62,6 +64,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_setup(item):
-    """A cluster test needs the cluster's jobs now, whatever else is still training (tests/background.py)."""
+    """A cluster test needs the cluster's jobs now, whatever else is still training (tests/background.py); a test
+    marked `cuda` is skipped without a CUDA GPU (tests/ci_skips.py)."""
+    _cuda_only(item)
     if item.get_closest_marker("cluster"):
         background.open_gate(background.CLUSTER_JOBS_GATE)

@@ -9,10 +9,10 @@ import argparse
 import json
 import sys
 
-from hpc_rlhf.dist.memory import DEFAULT_OVERHEAD_GB, ModelShape, ModelShapeError, estimate, load_shape
-from hpc_rlhf.dist.placement import Plan, PlacementError, format_ranks, format_rows, make_plan
-
-BREAKDOWN = ("weights", "gradients", "optimizer", "activations", "kv_cache", "overhead")
+from hpc_rlhf.dist.allocation import (BREAKDOWN, Allocation, AllocationError, RoleLoad, check_allocation, public,
+                                     refusal)
+from hpc_rlhf.dist.memory import DEFAULT_OVERHEAD_GB, ModelShape, ModelShapeError, load_shape
+from hpc_rlhf.dist.placement import format_ranks, format_rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,61 +44,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _groups_text(plan: Plan, name: str) -> list[str]:
-    """The role and weight-sync groups a role takes part in (those hpc_rlhf.dist.groups creates; a rollout role
-    has none of its own, its engines are listed, and the experience routes are left out)."""
-    role = plan.role(name)
-    groups = [f"{len(role.engines)} engine(s) of {len(role.engines[0])}"] if role.kind == "rollout" \
-        else [f"role({role.size})"]
-    if plan.has("rollout") and (role.kind == "rollout" or name == "actor"):
-        sync_size = len(set(plan.role("rollout").ranks) | {plan.role("actor").leader})
-        groups.append(f"weight-sync({sync_size})" + (" leader" if name == "actor" else ""))
-    return groups
-
-
 def _load(model: str, flag: str) -> ModelShape:
     try:
         return load_shape(model)
     except ModelShapeError as exc:
-        raise ModelShapeError(f"{flag}: {exc}") from None
+        raise AllocationError(flag, str(exc)) from None
+
+
+# What each flag of this command is called in a refusal (hpc_rlhf.dist.allocation names the one to change).
+FLAG_NAMES = {"zero_stage": "--zero-stage", "adam_offload": "--adam-offload", "micro_batch_size": "--micro-batch-size",
+              "rollout_tp": "--placement", "tokens_in_flight": "--rollout-seqs"}
 
 
 def compute(args: argparse.Namespace) -> dict:
-    """The plan and its memory estimate as the JSON-ready dictionary that `--json` prints."""
-    plan = make_plan(args.placement, args.world_size, args.gpus_per_node)
+    """The plan and its memory estimate (hpc_rlhf.dist.allocation.check_allocation, the check a training mode's
+    --dry-run makes too), from this command's flags."""
     shape = _load(args.model, "--model")
     shapes = {"critic": _load(args.critic_model, "--critic-model") if args.critic_model else shape,
               "reward": _load(args.reward_model, "--reward-model") if args.reward_model else shape}
-    own: dict[str, dict[str, float]] = {}
-    for name, role in plan.roles.items():
-        tp = len(role.engines[0]) if role.engines else 1
-        own[name] = estimate(role.kind, shapes.get(role.kind, shape), role.size, args.zero_stage,
-                             args.adam_offload and role.kind in ("actor", "critic"), tp=tp,
-                             micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
-                             gradient_checkpointing=not args.no_gradient_checkpointing,
-                             tokens_in_flight=args.rollout_seqs * args.seq_len, overhead_gb=0.0)
-    roles = {}
-    for name, role in plan.roles.items():
-        # Colocated roles share every rank (placement never overlaps roles partially), so a rank of this
-        # role holds every role with the same rank set.
-        sharing = [other for other, p in plan.roles.items() if p.ranks == role.ranks]
-        per_rank = sum(own[other]["total"] for other in sharing) + args.overhead_gb
-        roles[name] = {
-            "kind": role.kind, "ranks": list(role.ranks), "nodes": list(role.nodes),
-            "colocated_with": role.colocated_with, "engines": [list(e) for e in role.engines],
-            "groups": _groups_text(plan, name),
-            "memory_gb_per_rank": round(per_rank, 3),
-            "own_memory_gb": round(own[name]["total"], 3),
-            "breakdown_gb": {k: round(own[name][k], 3) for k in BREAKDOWN if k != "overhead"}
-            | {"cpu_optimizer": round(own[name]["cpu_optimizer"], 3)},
-            "fits": per_rank <= args.gpu_memory_gb,
-        }
-    return {
-        "world_size": plan.world_size, "ranks_per_node": plan.ranks_per_node, "nodes": plan.num_nodes,
-        "model": {"name": shape.name, "params": shape.num_params},
-        "zero_stage": args.zero_stage, "adam_offload": args.adam_offload, "gpu_memory_gb": args.gpu_memory_gb,
-        "overhead_gb": args.overhead_gb, "roles": roles, "fits": all(r["fits"] for r in roles.values()),
-    }
+
+    def load_of(name: str, kind: str) -> RoleLoad:
+        return RoleLoad(kind=kind, shape=shapes.get(kind, shape), zero_stage=args.zero_stage,
+                        adam_offload=args.adam_offload, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                        gradient_checkpointing=not args.no_gradient_checkpointing,
+                        tokens_in_flight=args.rollout_seqs * args.seq_len, keys=FLAG_NAMES)
+
+    allocation = Allocation(args.world_size, args.gpus_per_node, args.gpu_memory_gb, args.overhead_gb)
+    return check_allocation(args.placement, allocation, load_of)
 
 
 def format_report(result: dict) -> str:
@@ -106,7 +78,7 @@ def format_report(result: dict) -> str:
              f"{r['memory_gb_per_rank']:.1f}", f"{r['own_memory_gb']:.1f}", "yes" if r["fits"] else "NO")
             for name, r in result["roles"].items()]
     table = format_rows(("role", "ranks", "nodes", "groups", "GB/rank", "own GB", "fits"), rows)
-    breakdown = format_rows(("role",) + tuple(k for k in BREAKDOWN if k != "overhead") + ("cpu (offload)",),
+    breakdown = format_rows(("role",) + BREAKDOWN + ("cpu (offload)",),
                             [(name,) + tuple(f"{v:.2f}" for v in r["breakdown_gb"].values())
                              for name, r in result["roles"].items()])
     model = result["model"]
@@ -131,14 +103,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         result = compute(args)
-    except PlacementError as exc:
-        print(f"hpc-rlhf plan: --placement: {exc}", file=sys.stderr)
+    except AllocationError as exc:
+        return refuse("hpc-rlhf plan", exc)
+    print(json.dumps(public(result)) if args.json else format_report(result))
+    reason = refusal(result)
+    if reason is not None:
+        print(f"hpc-rlhf plan: {reason}", file=sys.stderr)
         return 2
-    except ModelShapeError as exc:
-        print(f"hpc-rlhf plan: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # memory model arguments, e.g. Adam offload without ZeRO
-        print(f"hpc-rlhf plan: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result) if args.json else format_report(result))
     return 0
+
+
+def refuse(prog: str, exc: AllocationError) -> int:
+    """A refusal as every check prints it: one line on stderr naming the setting, what shows why on stdout."""
+    print(f"{prog}: {exc}", file=sys.stderr)
+    if exc.detail:
+        print(exc.detail)
+    return 2

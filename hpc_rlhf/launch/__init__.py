@@ -1,5 +1,6 @@
 """The launch library: the local launcher (`local`: run a mode on the world a launcher made, or start the ranks
-on this machine) and the Slurm one (`slurm`: submitit submission, requeue, the per-rank runner of srun).
+on this machine), the Slurm one (`slurm`: submitit submission, requeue, the per-rank runner of srun) and the dry
+run (`dry_run.check_config`: would a loaded config start on an allocation).
 
 What users run to start a job is the top-level launch/ folder (srun.sh, mpirun.sh, torchrun.sh, local.sh,
 submit.py); those scripts are thin and call into this package through `python -m hpc_rlhf ...`.
@@ -21,6 +22,7 @@ _EXPORTS = {
     "TrainingTask": "hpc_rlhf.launch.slurm",
     "SlurmLaunchError": "hpc_rlhf.launch.slurm",
     "PREEMPTED_EXIT_CODE": "hpc_rlhf.launch.slurm",
+    "check_config": "hpc_rlhf.launch.dry_run",
 }
 __all__ = sorted(_EXPORTS)
 

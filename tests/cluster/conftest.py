@@ -11,7 +11,8 @@ of the cluster tests at once, so that they share the machine's cores instead of 
 built-in tiny SFT (2 nodes x 1 task, the reference), the same job preempted mid-run, the tiny job under `mpirun`
 and under `srun --mpi=pmix` (through launch/mpirun.sh and launch/srun.sh), and a submitit submission (also
 preempted). Background threads send the preemption signals as soon as those jobs have logged a step. `lost_rank_jobs` (PPO jobs that each lose a rank)
-is submitted with them, or alone when only its tests run.
+is submitted with them, or alone when only its tests run. `gpu_script_jobs` (every GPU sbatch script shrunk to
+the tiny model, ppo_70b's preempted) goes in after them.
 """
 
 from __future__ import annotations
@@ -122,6 +123,19 @@ def start_cluster_session(tmp_path_factory, needed: set[str]) -> None:
             return _submit_lost_rank_jobs(_up_or_none(), out)
 
         background.start("lost_rank_jobs", submit_lost_rank_jobs)
+    if "gpu_script_jobs" in needed and not background.started("gpu_script_jobs"):
+        root = tmp_path_factory.mktemp("gpu_scripts")
+        after = [name for name in ("lost_rank_jobs", "tiny_jobs") if background.started(name) or name in needed]
+
+        def submit_gpu_script_jobs(out=root):
+            background.wait_at_gate(background.CLUSTER_JOBS_GATE)
+            for name in after:  # submitted after the session's other jobs, which its tests read first
+                while not background.started(name):
+                    time.sleep(0.1)
+                background.result(name)
+            return _submit_gpu_script_jobs(_up_or_none(), out)
+
+        background.start("gpu_script_jobs", submit_gpu_script_jobs)
     if "tiny_jobs" in needed and not background.started("tiny_jobs"):
         root = tmp_path_factory.mktemp("cluster")
         lost_ranks_first = background.started("lost_rank_jobs")
@@ -367,3 +381,100 @@ def _submit_tiny_jobs(cluster: LocalCluster | None, root: Path) -> TinyJobs | No
 def tiny_jobs(cluster: LocalCluster, tmp_path_factory) -> TinyJobs:
     start_cluster_session(tmp_path_factory, {"tiny_jobs"})
     return background.result("tiny_jobs")
+
+
+# ------------------------------------------------------------------------- the GPU scripts, shrunk to CPU
+# Each GPU sbatch script runs as users submit it (its own file, its example config by default, its checks), on both
+# fake nodes with the built-in tiny model for every role: the allocation, the placement and the model, data and
+# batch keys are overridden on the sbatch command line and by the variables the scripts document (sbatch/README.md,
+# "Shrunk runs"); everything else (ZeRO stage, Adam offload, checkpoint settings, ...) is the example config's.
+# ppo_70b's run is preempted once and must requeue itself and resume.
+GPU_SCRIPT_STEPS = 3
+PPO_70B_STEPS = 4  # one step more: the preemption lands after step 1 and the resumed run still has steps to go
+SHRUNK_CPUS_PER_TASK = 2  # ppo_70b's run: each rank must see it (SRUN_CPUS_PER_TASK, sbatch/common.sh)
+# script -> (tasks per node, placement or None for the one-model modes)
+SHRUNK_LAYOUTS = {
+    "sft.sbatch": (1, None),
+    "rm.sbatch": (1, None),
+    "dpo.sbatch": (1, None),
+    "grpo_7b.sbatch": (1, "actor+ref=1,rollout=1"),
+    "ppo_7b.sbatch": (2, "actor+ref=1,critic+reward=1,rollout=2"),
+    "ppo_70b.sbatch": (2, "actor=1,critic=1,ref+reward=1,rollout=1"),
+}
+# What each rank's python says first (PYTHON names this wrapper): the CPUs Slurm gave its task.
+CPU_PROBE = """#!/bin/bash
+case "${{SLURM_STEP_ID:-batch}}" in
+  [0-9]|[0-9][0-9]) printf 'CPUS rank=%s step=%s cpus_per_task=%s srun_cpus_per_task=%s\\n' "$SLURM_PROCID" \\
+                    "$SLURM_STEP_ID" "${{SLURM_CPUS_PER_TASK:-}}" "${{SRUN_CPUS_PER_TASK:-}}" ;;
+esac
+exec {python} "$@"
+"""
+
+
+@dataclass
+class ScriptRun:
+    script: str
+    job: Submitted
+    steps: int
+    placement: str | None
+    preemption: Preemption | None = None
+
+
+def shrunk_overrides(script: str, out: Path) -> list[str]:
+    """The key=value arguments of a shrunk run: tiny model and data, a few small steps, gloo, the hf engine."""
+    from hpc_rlhf.config import TINY_ASSETS
+
+    assets = REPO / TINY_ASSETS
+    model, data = assets / "models" / "llama-tiny", assets / "data"
+    common = [f"output_dir={out}", "data.eval_files=[]", "data.max_prompt_len=16", "data.max_len=32",
+              "dist.backend=gloo", "dist.timeout_s=300", "log.every_steps=1", "log.tensorboard=false",
+              "train.warmup_steps=0"]
+    steps = PPO_70B_STEPS if script == "ppo_70b.sbatch" else GPU_SCRIPT_STEPS
+    if script in ("sft.sbatch", "rm.sbatch", "dpo.sbatch"):
+        train_file = data / ("sft_train.jsonl" if script == "sft.sbatch" else "pref_train.jsonl")
+        return [*common, f"model.path={model}", f"data.train_files=[{train_file}]", f"train.max_steps={steps}",
+                "train.batch_size=8", "train.micro_batch_size=4"]
+    rl = [*common, f"actor.path={model}", f"data.train_files=[{data / 'prompts_train.jsonl'}]",
+          "rollout.backend=hf", "rollout.prompts_per_step=4", "rollout.n_samples=2", "rollout.max_new_tokens=4",
+          f"train.max_steps={steps}", "train.batch_size=8", "train.micro_batch_size=8"]
+    if script == "grpo_7b.sbatch":
+        return rl
+    return [*rl, f"critic.path={model}", f"reward.models=[{model}]", f"critic_train.max_steps={steps}",
+            "critic_train.batch_size=8", "critic_train.micro_batch_size=8", "critic_train.warmup_steps=0"]
+
+
+def _submit_gpu_script_jobs(cluster: LocalCluster | None, root: Path) -> dict[str, ScriptRun]:
+    if cluster is None:
+        return {}
+    from hpc_rlhf.config import TINY_ASSETS
+    from hpc_rlhf.data.assets import ensure_assets
+
+    ensure_assets(REPO / TINY_ASSETS)
+    probe = root / "python"
+    probe.write_text(CPU_PROBE.format(python=shlex.quote(sys.executable)))
+    probe.chmod(0o755)
+    runs = {}
+    for script, (per_node, placement) in sorted(SHRUNK_LAYOUTS.items(), key=lambda kv: kv[0] != "ppo_70b.sbatch"):
+        name = script.removesuffix(".sbatch")
+        out = root / name
+        cpus = SHRUNK_CPUS_PER_TASK if script == "ppo_70b.sbatch" else 1
+        # The script's own directives ask for 4 nodes x 8 GPUs, 12 CPUs a task and whole nodes: the command line
+        # shrinks them to the fake nodes (no GPUs), and lets the session's other jobs share the nodes.
+        env = {"PYTHON": str(probe)} | ({"PLACEMENT": placement} if placement else {})
+        job_id = cluster.sbatch("--nodes=2", f"--ntasks-per-node={per_node}", "--gpus-per-node=0",
+                                f"--cpus-per-task={cpus}", "--oversubscribe", "--time=15",
+                                f"--output={root}/{name}-%j.out", f"sbatch/{script}", *shrunk_overrides(script, out),
+                                env=env)
+        job = Submitted(job_id, out, Path(f"{root}/{name}-{job_id}.out"))
+        steps = PPO_70B_STEPS if script == "ppo_70b.sbatch" else GPU_SCRIPT_STEPS
+        runs[script] = ScriptRun(script, job, steps, placement)
+        if script == "ppo_70b.sbatch":
+            record = runs[script].preemption = Preemption()
+            threading.Thread(target=_signal_when_running, args=(cluster, job, record, 1), daemon=True).start()
+    return runs
+
+
+@pytest.fixture(scope="session")
+def gpu_script_jobs(cluster: LocalCluster, tmp_path_factory) -> dict[str, ScriptRun]:
+    start_cluster_session(tmp_path_factory, {"gpu_script_jobs"})
+    return background.result("gpu_script_jobs")

@@ -41,9 +41,9 @@ def teacher_forced_logprobs(model, prompt: list[int], response: torch.Tensor, te
 
 def assert_well_formed(batch: RolloutBatch, sampling: SamplingParams, stop_ids: set[int]):
     assert batch.num_prompts == len(PROMPTS)
-    for per_prompt, lps, reasons in zip(batch.responses, batch.logprobs, batch.finish_reasons):
+    for per_prompt, lps, reasons in zip(batch.responses, batch.logprobs, batch.finish_reasons, strict=True):
         assert len(per_prompt) == len(lps) == len(reasons) == sampling.n
-        for tokens, lp, reason in zip(per_prompt, lps, reasons):
+        for tokens, lp, reason in zip(per_prompt, lps, reasons, strict=True):
             assert tokens.dtype == torch.int64 and lp.dtype == torch.float32
             assert 1 <= len(tokens) <= sampling.max_new_tokens and tokens.shape == lp.shape
             assert bool((lp <= 0).all())
@@ -102,11 +102,11 @@ def test_stop_tokens_end_responses_and_leave_no_padding(engine):
     sampling = SamplingParams(n=4, max_new_tokens=12, stop_token_ids=(stop_token,), seed=3)
     batch = engine.generate(PROMPTS, sampling)
     assert_well_formed(batch, sampling, {EOS, stop_token})
-    stopped = [t for t, r in zip(batch.flat_responses(), [r for rs in batch.finish_reasons for r in rs])
+    stopped = [t for t, r in zip(batch.flat_responses(), [r for rs in batch.finish_reasons for r in rs], strict=True)
                if r == "stop" and int(t[-1]) == stop_token]
     assert stopped, "the chosen stop token never ended a response"
     # Same seed and batch, so the streams agree up to (and including) the stop token.
-    for before, after in zip(free.flat_responses(), batch.flat_responses()):
+    for before, after in zip(free.flat_responses(), batch.flat_responses(), strict=True):
         assert torch.equal(before[:len(after)], after)
 
 
@@ -118,11 +118,11 @@ def test_seeded_generation_repeats_and_leaves_the_callers_rng_alone(engine):
     assert torch.equal(torch.random.get_rng_state(), state)
     second = engine.generate(PROMPTS, sampling)
     other = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=8, seed=12))
-    for a, b in zip(first.flat_responses(), second.flat_responses()):
+    for a, b in zip(first.flat_responses(), second.flat_responses(), strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(first.flat_logprobs(), second.flat_logprobs()):
+    for a, b in zip(first.flat_logprobs(), second.flat_logprobs(), strict=True):
         assert torch.equal(a, b)
-    assert any(not torch.equal(a, b) for a, b in zip(first.flat_responses(), other.flat_responses()))
+    assert any(not torch.equal(a, b) for a, b in zip(first.flat_responses(), other.flat_responses(), strict=True))
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.0, 0, 1.0)])
@@ -131,12 +131,12 @@ def test_logprobs_equal_a_teacher_forced_pass_at_the_sampling_temperature(model,
     sampling = SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=9, seed=5)
     batch = engine.generate(PROMPTS, sampling)
     t = 1.0 if temperature == 0 else temperature
-    for prompt, responses, logprobs in zip(PROMPTS, batch.responses, batch.logprobs):
-        for response, lp in zip(responses, logprobs):
+    for prompt, responses, logprobs in zip(PROMPTS, batch.responses, batch.logprobs, strict=True):
+        for response, lp in zip(responses, logprobs, strict=True):
             expected = teacher_forced_logprobs(model, prompt, response, t)
             torch.testing.assert_close(lp, expected, atol=2e-5, rtol=1e-5)
     if temperature == 0:  # greedy: every token is the argmax of its step
-        for prompt, (response,) in zip(PROMPTS, batch.responses):
+        for prompt, (response,) in zip(PROMPTS, batch.responses, strict=True):
             ids = torch.tensor([prompt + response.tolist()])
             with torch.no_grad():
                 argmax = model(input_ids=ids).logits[0, len(prompt) - 1:-1].argmax(-1)
@@ -150,9 +150,9 @@ def test_left_padding_gives_the_same_results_as_one_prompt_at_a_time(attn):
     batched = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS).generate(PROMPTS, sampling)
     alone = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, max_batch_prompts=1).generate(PROMPTS, sampling)
     assert batched.finish_reasons == alone.finish_reasons
-    for a, b in zip(batched.flat_responses(), alone.flat_responses()):
+    for a, b in zip(batched.flat_responses(), alone.flat_responses(), strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(batched.flat_logprobs(), alone.flat_logprobs()):
+    for a, b in zip(batched.flat_logprobs(), alone.flat_logprobs(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -168,11 +168,11 @@ def test_load_weights_then_generate_equals_a_model_built_with_those_weights():
                                  enumerate(target.state_dict().items()))
     assert loaded == len(target.state_dict())
     after, expected = engine.generate(PROMPTS, sampling), reference.generate(PROMPTS, sampling)
-    for a, b in zip(after.flat_responses(), expected.flat_responses()):
+    for a, b in zip(after.flat_responses(), expected.flat_responses(), strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(after.flat_logprobs(), expected.flat_logprobs()):
+    for a, b in zip(after.flat_logprobs(), expected.flat_logprobs(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-    assert any(not torch.equal(a, b) for a, b in zip(before.flat_responses(), after.flat_responses()))
+    assert any(not torch.equal(a, b) for a, b in zip(before.flat_responses(), after.flat_responses(), strict=True))
 
 
 def test_adopted_weights_are_the_given_tensors_and_generate_as_loaded_ones():
@@ -268,8 +268,10 @@ def _sharded(out):
     mine = PROMPTS + PROMPTS[:1] if rank == 0 else []  # 3 chunks of 2 prompts against none
     batch = engine.generate(mine, sampling)
     if rank == 0:
-        same = all(torch.equal(a, b) for x, y in zip(batch.responses, whole.responses) for a, b in zip(x, y)) and \
-            all(torch.allclose(a, b, atol=1e-5) for x, y in zip(batch.logprobs, whole.logprobs) for a, b in zip(x, y))
+        same = all(torch.equal(a, b) for x, y in zip(batch.responses, whole.responses, strict=True)
+                   for a, b in zip(x, y, strict=True)) and \
+            all(torch.allclose(a, b, atol=1e-5) for x, y in zip(batch.logprobs, whole.logprobs, strict=True)
+                for a, b in zip(x, y, strict=True))
         (out / "sharded.json").write_text(json.dumps({
             "same_as_whole": same, "rank1_responses": None, "most_gathered": most[0],
             "unit": max(sum(p.ds_numel for p in m.parameters(recurse=False)) for m in module.modules()),

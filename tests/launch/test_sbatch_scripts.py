@@ -117,7 +117,7 @@ def test_common_sh_starts_ranks_through_launch_srun_sh_and_requeues_on_75():
 # ---------------------------------------------------------------------------- common.sh run with stand-ins
 FAKE_SRUN = """#!/bin/bash
 printf 'srun' >> "$FAKE_LOG"; printf ' %q' "$@" >> "$FAKE_LOG"; echo >> "$FAKE_LOG"
-env | grep -E '^(MASTER_ADDR|MASTER_PORT|NCCL_[A-Z_]+)=' | sort >> "$FAKE_LOG"
+env | grep -E '^(MASTER_ADDR|MASTER_PORT|NCCL_[A-Z_]+|SRUN_CPUS_PER_TASK)=' | sort >> "$FAKE_LOG"
 exit "${FAKE_SRUN_EXIT:-0}"
 """
 FAKE_SCONTROL = """#!/bin/bash
@@ -141,6 +141,7 @@ def fake_slurm(tmp_path):
                    SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[7-8]", SLURM_NTASKS="4",
                    SLURM_TASKS_PER_NODE="2(x2)", SLURM_SUBMIT_DIR=str(REPO), CONFIG="")
         env.update(env_extra)
+        env = {k: v for k, v in env.items() if v is not None}  # None: unset
         proc = subprocess.run(["bash", str(SBATCH / script), *args], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=120)
         return proc, log.read_text() if log.exists() else ""
@@ -182,17 +183,18 @@ def test_a_placement_that_does_not_fit_stops_before_srun(fake_slurm):
     proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_NTASKS="3", SLURM_TASKS_PER_NODE="2,1",
                              PLACEMENT="actor=4")
     assert proc.returncode == 2
-    assert "placement 'actor=4' does not fit this allocation" in proc.stderr
+    assert "the config does not start on this allocation (3 ranks, 2 per node; placement 'actor=4')" in proc.stderr
+    assert re.search(r"--dry-run: (command line: )?placement", proc.stderr)  # the check's own line names the key
     assert "srun" not in calls
 
 
 def test_role_modes_get_the_checked_placement(fake_slurm):
-    proc, calls = fake_slurm("tiny_cpu.sbatch", MODE="ppo", PLACEMENT="actor=1,critic=1,ref=1,reward=1")
+    proc, calls = fake_slurm("tiny_cpu.sbatch", MODE="ppo", PLACEMENT="actor=1,critic=1,ref+reward=1,rollout=1")
     assert proc.returncode == 0, proc.stderr
     sruns = [line for line in calls.splitlines() if line.startswith("srun")]
     # The SFT and RM steps that make PPO's starting models, then PPO itself with the checked placement.
     assert [" sft " in sruns[0], " rm " in sruns[1]] == [True, True] and "dist.nproc=4" in sruns[0]
-    assert "placement=actor=1\\,critic=1\\,ref=1\\,reward=1" in sruns[-1] and "dist.nproc" not in sruns[-1]
+    assert "placement=actor=1\\,critic=1\\,ref+reward=1\\,rollout=1" in sruns[-1] and "dist.nproc" not in sruns[-1]
 
 
 def test_role_mode_without_placement_is_refused(fake_slurm):
@@ -225,7 +227,32 @@ def test_missing_container_image_is_refused(fake_slurm, tmp_path):
     assert proc.returncode == 2 and "absent.sif is not a file" in proc.stderr and "srun" not in calls
 
 
+def allocation_env(path: Path) -> dict[str, str]:
+    """The Slurm variables of a job of the script's own allocation."""
+    found = directives(path)
+    nodes, per_node = int(found["nodes"]), int(found["ntasks-per-node"])
+    return {"SLURM_NTASKS": str(nodes * per_node), "SLURM_TASKS_PER_NODE": f"{per_node}(x{nodes})",
+            "SLURM_CPUS_PER_TASK": found["cpus-per-task"], "CONFIG": None}
+
+
 @pytest.mark.parametrize("path", GPU_SCRIPTS, ids=lambda p: p.name)
-def test_gpu_scripts_need_a_config(fake_slurm, path):
-    proc, calls = fake_slurm(path.name)
-    assert proc.returncode != 0 and "set CONFIG" in proc.stderr and "srun" not in calls
+def test_gpu_scripts_check_their_example_config_and_give_the_ranks_what_was_checked(fake_slurm, path):
+    proc, calls = fake_slurm(path.name, **allocation_env(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "the plan fits" in proc.stdout  # the dry run's report, in the job log
+    srun = next(line for line in calls.splitlines() if line.startswith("srun"))
+    assert f"--config examples/cluster/{path.stem}.yaml" in srun
+    placement = default_of(path, "PLACEMENT")
+    if placement:
+        assert "placement=" + placement.replace(",", "\\,") in srun
+    # srun of Slurm 22.05-23.02 takes the CPUs per task from SRUN_CPUS_PER_TASK only.
+    assert f"SRUN_CPUS_PER_TASK={directives(path)['cpus-per-task']}" in calls
+
+
+@pytest.mark.parametrize("args,key", [(["train.adam_offload=false"], "train.adam_offload"),
+                                      (["rollout.backend=hf"], "placement")])
+def test_ppo_70b_refuses_a_config_that_contradicts_its_layout_before_srun(fake_slurm, args, key):
+    path = SBATCH / "ppo_70b.sbatch"
+    proc, calls = fake_slurm(path.name, *args, **allocation_env(path))
+    assert proc.returncode == 2 and "srun" not in calls
+    assert f"--dry-run: command line: {key}" in proc.stderr or f"--dry-run: {key}:" in proc.stderr, proc.stderr

@@ -1,4 +1,4 @@
-"""Asynchronous RL (`rl.max_staleness`, trainers/rl_pipeline.py): the schedule and its bookkeeping, a seeded run
+"""Asynchronous RL (`rl.max_staleness`, rl/rollout.py): the schedule and its bookkeeping, a seeded run
 whose staleness follows the schedule and whose resume from a checkpoint with batches in flight repeats it exactly,
 the refusals, and (marked `learning`) PPO and GRPO with one step of staleness beating the SFT plateau."""
 

@@ -23,6 +23,8 @@ from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import REPO, hpc_rlhf_cli, worker_env
 from tests.recipes import QUIET, assert_rl_beats_the_plateau, learning
 
+pytestmark = pytest.mark.vllm  # a skip fails CI (tests/ci_skips.py)
+
 EVAL_ROWS = "eval.max_rows=300"
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 VLLM = "rollout.backend=vllm"

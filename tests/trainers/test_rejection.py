@@ -38,7 +38,7 @@ RS_SETTINGS = ["data.max_train_rows=384", "generate.n=8", "generate.chunk_size=6
                "generate.temperature=0.7", "select.strategy=top_k", "select.k=8", "select.min_score=1",
                "train.max_steps=80", "train.batch_size=32", "train.micro_batch_size=32", "train.lr=1e-3",
                "train.warmup_steps=5", "log.every_steps=40", "log.eval_every_steps=80",
-               "eval.max_rows=200", "checkpoint.resume=true"]
+               "eval.max_rows=300", "checkpoint.resume=true"]
 
 
 @pytest.mark.learning
@@ -56,10 +56,14 @@ def test_rejection_sampling_beats_its_starting_model(world, tmp_path, sft_base):
     record_figures("rs", before=before, after=after, gain=after - before, kept=result["kept"])
     print(f"rs: exact match {before:.3f} -> {after:.3f}; kept {result['kept']} samples of {result['prompts']} prompts; "
           f"mean sample score {result['mean_score']:.3f}, best-of-8 {result['best_of_n_score']:.3f}")
-    # Calibrated over seeds 0-4 (scripts/calibrate_learning_tests.py, README): +0.095 to +0.21 (0.615-0.775 ->
-    # 0.78-0.915) on AMD machines; on an Intel one (other bits: hpc_rlhf/utils/cpu_kernels.py) seeds 0-2 gave
-    # +0.015, +0.07, +0.235, so the bar is 2 of the 200 prompts; the lr=0 control stays exactly where it started.
-    assert after >= before + 0.01
+    # Held-out exact match on 300 prompts (eval.max_rows), calibrated with scripts/calibrate_learning_tests.py
+    # --seeds 0 1 2 --control -k rejection on an AMD EPYC (2026-11-26): gains +0.177, +0.107, +0.120 (0.620,
+    # 0.707, 0.797 -> 0.797, 0.813, 0.917); the lr=0 control +0.000 (0.620 -> 0.620). The bar, 15 of the 300
+    # prompts, is half the lowest seed's gain and 15 prompts above the control. On 200 prompts the gains had been
+    # +0.095 to +0.21 on AMD (seeds 0-4) but +0.015, +0.07, +0.235 on an Intel machine (other bits:
+    # hpc_rlhf/utils/cpu_kernels.py), with a bar of 2 prompts: Intel is not measured on 300 prompts yet, and its
+    # seed 0 (CI's) may not clear this bar.
+    assert after >= before + 0.05
     kept = [json.loads(line) for line in (out / "round_1" / "sft_data.jsonl").read_text().splitlines()]
     assert kept and all(r["score"] == 1.0 for r in kept)
     assert len(kept) == result["kept"] <= 384 * 8 and result["best_of_n_score"] > result["mean_score"]

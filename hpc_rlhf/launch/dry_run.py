@@ -1,0 +1,208 @@
+"""`hpc-rlhf MODE --config FILE --dry-run --world-size N --gpus-per-node G [--model PRESET]`: would this config
+start on that allocation? Checked completely without model files, data or GPUs, in a second.
+
+What it checks, in order (the first problem ends it, as one line naming the key or flag):
+1. keys and values: the mode's config loader (unknown keys, types, ranges, the mode's own relations between
+   keys, RL batch sizes against the role groups), done by the CLI before this module runs;
+2. the world: an RL config's placement on N ranks of G per node (roles that add up, engines that stay inside a
+   node, the roles the config needs, tensor parallelism the rollout backend can do, `ranks_per_node`); a
+   one-model mode's `dist.nproc` against N and its batch size against N data-parallel ranks;
+3. the memory plan: every role's GPU memory per rank (hpc_rlhf.dist.allocation, the check `hpc-rlhf plan`
+   makes) from the model's shape and the config's ZeRO stage, Adam offload, micro batch, sequence length and
+   vLLM memory share, against `--gpu-memory-gb`.
+Model shapes come from the config's model folders (their config.json) or, for a folder that is not there (a
+placeholder), from `--model` (a preset such as 70b, or a config.json). Data files are not read.
+
+`check_config` is the function other commands call (sbatch/common.sh runs it through the CLI before any rank
+starts; a simulation of a job starts from it): it returns the allocation report or raises AllocationError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpc_rlhf.config import ConfigError
+from hpc_rlhf.dist.allocation import (Allocation, AllocationError, RoleLoad, check_allocation, plan_on, public,
+                                     refusal)
+from hpc_rlhf.dist.memory import ModelShape, ModelShapeError, load_shape
+from hpc_rlhf.dist.plan_cli import format_report, refuse
+
+ALLOCATION_FLAGS = {"world_size": "--world-size", "gpus_per_node": "--gpus-per-node",
+                    "gpu_memory_gb": "--gpu-memory-gb"}
+# One-model modes: what sits on each rank of their single data-parallel group, and the memory model's kind of
+# the trained model (a reward model is a value model: no LM head).
+PAIRED_WITH_REFERENCE = ("dpo", "kto", "idpo")
+VALUE_MODEL_MODES = ("rm",)
+INFERENCE_MODES = ("generate",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The dry run's flags on a training mode's parser (hpc_rlhf.cli)."""
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the config for an allocation (--world-size, --gpus-per-node) and exit")
+    parser.add_argument("--world-size", type=int, default=None, help="dry run: total ranks (GPUs)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="dry run: ranks per node")
+    parser.add_argument("--model", default=None,
+                        help="dry run: the model shape of every role whose model folder has no config.json (a "
+                             "placeholder): a preset (7b, 13b, 34b, 70b) or a config.json")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="dry run: memory of one GPU")
+    parser.add_argument("--json", action="store_true", help="dry run: print the report as one JSON object")
+
+
+def is_rl(cfg: Any) -> bool:
+    return hasattr(cfg, "placement") and hasattr(cfg, "rollout")
+
+
+def _shape(folder: str | None, key: str, preset: str | None, stand_ins: dict[str, str]) -> ModelShape:
+    """The shape of the model in `folder` (its config.json), or of `preset` when the folder is not there yet
+    (recorded in `stand_ins`: key -> folder, for the report)."""
+    if folder and Path(folder).is_dir() and (Path(folder) / "config.json").is_file():
+        try:
+            return ModelShape.from_config_json(folder)
+        except ModelShapeError as exc:
+            raise AllocationError(key, str(exc)) from None
+    if preset is not None:
+        try:
+            shape = load_shape(preset)
+        except ModelShapeError as exc:
+            raise AllocationError("--model", str(exc)) from None
+        stand_ins[key] = str(folder)
+        return shape
+    raise AllocationError(key, f"'{folder}' is not a model folder with a config.json (a placeholder?): give its "
+                               f"shape with --model (7b, 13b, 34b, 70b or a config.json)")
+
+
+def _dtype_bytes(model_section) -> int:
+    return 4 if model_section.dtype == "float32" else 2  # auto = bfloat16 on GPU
+
+
+def _rl_loads(cfg: Any, plan, model: str | None, stand_ins: dict[str, str]):
+    actor = _shape(cfg.actor.path, "actor.path", model, stand_ins)
+    shapes = {"actor": actor, "ref": _shape(cfg.ref_path, "ref_path", model, stand_ins) if cfg.ref_path else actor,
+              "rollout": actor}
+    if plan.has("critic"):
+        shapes["critic"] = _shape(cfg.critic.path, "critic.path", model, stand_ins)
+    for index, name in enumerate(n for n in plan.roles if plan.roles[n].kind == "reward"):
+        shapes[name] = _shape(cfg.reward.models[index], f"reward.models[{index}]", model, stand_ins)
+    rollout = plan.roles.get("rollout")
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.n_samples
+    per_engine = math.ceil(samples / len(rollout.engines)) if rollout else 0
+    if cfg.rollout.backend == "hf":  # generate() takes at most max_batch_prompts prompts at once
+        per_engine = min(per_engine, cfg.rollout.max_batch_prompts * cfg.rollout.n_samples)
+
+    def load_of(name: str, kind: str) -> RoleLoad:
+        section, train, prefix = ((cfg.critic, cfg.critic_train, "critic_train") if kind == "critic"
+                                  else (cfg.actor, cfg.train, "train"))
+        keys = {"zero_stage": f"{prefix}.zero_stage", "adam_offload": f"{prefix}.adam_offload",
+                "micro_batch_size": f"{prefix}.micro_batch_size",
+                "gradient_checkpointing": f"{'critic' if kind == 'critic' else 'actor'}.gradient_checkpointing",
+                "rollout_tp": "placement", "share": "rollout.gpu_memory_utilization",
+                "tokens_in_flight": "rollout.prompts_per_step x rollout.n_samples"}
+        vllm = kind == "rollout" and cfg.rollout.backend == "vllm"
+        return RoleLoad(kind=kind, shape=shapes[name], zero_stage=train.zero_stage, adam_offload=train.adam_offload,
+                        micro_batch_size=train.micro_batch_size, seq_len=cfg.data.max_len,
+                        gradient_checkpointing=section.gradient_checkpointing,
+                        tokens_in_flight=per_engine * cfg.data.max_len, dtype_bytes=_dtype_bytes(section),
+                        weight_sync_bucket_mb=cfg.rollout.weight_sync_bucket_mb if rollout else 0.0,
+                        gpu_share=cfg.rollout.gpu_memory_utilization if vllm else None, keys=keys)
+
+    return load_of
+
+
+def _check_rl(cfg: Any, plan, allocation: Allocation) -> None:
+    """The RL checks that need the allocation's node size (the config loader checked the rest on one node)."""
+    from hpc_rlhf.rl.config import check_plan_against_config  # the RL recipe's code: only RL modes need it
+
+    if cfg.ranks_per_node and cfg.ranks_per_node != allocation.gpus_per_node:
+        raise AllocationError("ranks_per_node", f"is {cfg.ranks_per_node} but the allocation has "
+                                                f"{allocation.gpus_per_node} ranks per node (--gpus-per-node); "
+                                                f"leave it 0 to take the launcher's")
+    try:
+        check_plan_against_config(plan, cfg)
+    except ConfigError as exc:
+        first, _, rest = str(exc).partition("\n")
+        raise AllocationError("placement", first.removeprefix(f"placement '{cfg.placement}': "), rest) from None
+
+
+def _one_model(mode: str, cfg: Any, allocation: Allocation, model: str | None, stand_ins: dict[str, str]):
+    world = allocation.world_size
+    if cfg.dist.nproc != world:
+        raise AllocationError("dist.nproc", f"is {cfg.dist.nproc} but the allocation has {world} ranks "
+                                            f"(--world-size); the sbatch scripts pass dist.nproc=$SLURM_NTASKS")
+    train = getattr(cfg, "train", None)
+    if train is not None and train.batch_size % (train.micro_batch_size * world):
+        raise AllocationError("train.batch_size", f"{train.batch_size} must be a multiple of train.micro_batch_size "
+                                                  f"({train.micro_batch_size}) x {world} ranks = "
+                                                  f"{train.micro_batch_size * world}")
+    with_ref = mode in PAIRED_WITH_REFERENCE and cfg.ref.mode == "colocated"
+    placement = f"actor+ref={world}" if with_ref else f"actor={world}"
+    shapes = {"actor": _shape(cfg.model.path, "model.path", model, stand_ins)}
+    if with_ref:
+        shapes["ref"] = _shape(cfg.ref.path, "ref.path", model, stand_ins) if cfg.ref.path else shapes["actor"]
+    memory_kind = "critic" if mode in VALUE_MODEL_MODES else "ref" if mode in INFERENCE_MODES else "actor"
+
+    def load_of(name: str, kind: str) -> RoleLoad:
+        trained = train is not None and name == "actor"
+        keys = {"zero_stage": "train.zero_stage", "adam_offload": "train.adam_offload",
+                "micro_batch_size": "train.micro_batch_size", "gradient_checkpointing": "model.gradient_checkpointing"}
+        return RoleLoad(kind=memory_kind if name == "actor" else kind, shape=shapes[name],
+                        zero_stage=train.zero_stage if train else 0, adam_offload=trained and train.adam_offload,
+                        micro_batch_size=train.micro_batch_size if train else 1, seq_len=cfg.data.max_len,
+                        gradient_checkpointing=cfg.model.gradient_checkpointing,
+                        dtype_bytes=_dtype_bytes(cfg.model), keys=keys)
+
+    return placement, load_of
+
+
+def check_config(mode: str, cfg: Any, world_size: int, gpus_per_node: int, model: str | None = None,
+                 gpu_memory_gb: float = 80.0) -> dict:
+    """The allocation report of a loaded config (`hpc_rlhf.config.load_config`, which has checked keys and
+    values) on `world_size` ranks of `gpus_per_node` per node; raises AllocationError, one line naming the key or
+    flag, when the config would not start there. `report["fits"]` is False when a role's memory does not fit
+    (`refusal(report)` says which and what to change): the CLI refuses such a config too."""
+    allocation = Allocation(world_size, gpus_per_node, gpu_memory_gb, keys=ALLOCATION_FLAGS)
+    if world_size < 1 or gpus_per_node < 1:
+        key = "world_size" if world_size < 1 else "gpus_per_node"
+        raise AllocationError(ALLOCATION_FLAGS[key], f"must be at least 1, got {getattr(allocation, key)}")
+    stand_ins: dict[str, str] = {}
+    if is_rl(cfg):
+        if cfg.world_size() != world_size:
+            raise AllocationError("placement", f"'{cfg.placement}' asks for {cfg.world_size()} ranks but the "
+                                               f"allocation has {world_size} (--world-size)")
+        plan = plan_on(cfg.placement, allocation, "placement")
+        _check_rl(cfg, plan, allocation)
+        report = check_allocation(cfg.placement, allocation, _rl_loads(cfg, plan, model, stand_ins),
+                                  placement_key="placement")
+    else:
+        placement, load_of = _one_model(mode, cfg, allocation, model, stand_ins)
+        report = check_allocation(placement, allocation, load_of, placement_key="dist.nproc")
+    report["stand_in_shapes"] = stand_ins  # model folders not there yet, sized by --model
+    return report
+
+
+def main(mode: str, cfg: Any, args: argparse.Namespace) -> int:
+    """The CLI's dry run: the report on stdout and exit 0, or one line on stderr and exit 2."""
+    prog = f"hpc-rlhf {mode} --dry-run"
+    missing = [flag for flag, value in (("--world-size", args.world_size), ("--gpus-per-node", args.gpus_per_node))
+               if value is None]
+    if missing:
+        print(f"{prog}: {missing[0]} is needed (the allocation to check the config for)", file=sys.stderr)
+        return 2
+    try:
+        report = check_config(mode, cfg, args.world_size, args.gpus_per_node, args.model, args.gpu_memory_gb)
+    except AllocationError as exc:
+        return refuse(prog, exc)
+    print(json.dumps(public(report)) if args.json else format_report(report))
+    if report["stand_in_shapes"] and not args.json:
+        print(f"note: sized by --model {args.model} (these folders are not there yet): "
+              + ", ".join(f"{key}={folder}" for key, folder in report["stand_in_shapes"].items()))
+    reason = refusal(report)
+    if reason is not None:
+        print(f"{prog}: {reason}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,58 @@
+"""Every GPU sbatch script, shrunk to the local two-node cluster (conftest.gpu_script_jobs): submitted as its own
+file with its example config (examples/cluster/), only the allocation, the placement and the model, data and batch
+keys overridden, each trains a few steps with its roles on both fake nodes and writes its final model. ppo_70b's
+run (ZeRO-3, Adam offload, as its config says) is preempted after a step, requeues itself and resumes; its ranks
+see the CPUs per task the job asked for (SRUN_CPUS_PER_TASK, sbatch/common.sh)."""
+
+import math
+import re
+
+import pytest
+
+from tests.cluster.conftest import SHRUNK_CPUS_PER_TASK, SHRUNK_LAYOUTS
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.mark.parametrize("script", sorted(SHRUNK_LAYOUTS))
+def test_gpu_script_runs_shrunk_across_both_nodes(cluster, gpu_script_jobs, script):
+    run = gpu_script_jobs[script]
+    record = cluster.wait(run.job.job_id)
+    log = run.job.log.read_text()
+    assert record["JobState"] == "COMPLETED", f"{record}\n{log[-4000:]}"
+    assert record["NodeList"] == "node[1-2]"
+    # The script checked its example config (with the arguments the ranks got) before any rank started.
+    assert f"config=examples/cluster/{script.removesuffix('.sbatch')}.yaml" in log and "the plan fits" in log
+    rows = run.job.metrics()
+    assert [r["step"] for r in rows] == list(range(1, run.steps + 1)), log[-3000:]
+    assert all(math.isfinite(r["reward" if run.placement else "loss"]) for r in rows), rows
+    assert (run.job.output_dir / "final" / "model.safetensors").is_file()
+    if run.placement and "critic" in run.placement:
+        assert (run.job.output_dir / "final_critic" / "model.safetensors").is_file()
+
+
+def test_ppo_70b_shrunk_is_preempted_requeues_and_resumes(cluster, gpu_script_jobs):
+    run = gpu_script_jobs["ppo_70b.sbatch"]
+    record = cluster.wait(run.job.job_id)
+    log = run.job.log.read_text()
+    assert run.preemption.done.wait(30) and run.preemption.error is None, run.preemption.error
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{log[-4000:]}"
+    assert "ranks checkpointed and stopped (exit 75); requeueing" in log and "restart 1] mode=ppo" in log
+    resumed = [line for line in log.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1, log[-4000:]
+    resumed_step = int(resumed[0].rsplit("(step ", 1)[1].rstrip(")"))
+    assert run.preemption.step_seen <= resumed_step < run.steps
+    assert [r["step"] for r in run.job.metrics()] == list(range(1, run.steps + 1))
+    config = (run.job.output_dir / "config.yaml").read_text()
+    assert re.search(r"adam_offload: true", config) and "zero_stage: 3" in config  # the example config's settings
+
+
+def test_ranks_see_the_cpus_per_task_of_the_job(cluster, gpu_script_jobs):
+    run = gpu_script_jobs["ppo_70b.sbatch"]
+    cluster.wait(run.job.job_id)
+    probes = re.findall(r"^CPUS rank=(\d+) step=(\d+) cpus_per_task=(\d*) srun_cpus_per_task=(\d*)$",
+                        run.job.log.read_text(), re.MULTILINE)
+    # 4 ranks before the preemption and 4 after the requeue, each told the job's --cpus-per-task by srun.
+    assert sorted(int(rank) for rank, *_ in probes) == [0, 0, 1, 1, 2, 2, 3, 3], probes
+    want = str(SHRUNK_CPUS_PER_TASK)
+    assert all(cpus == want and srun_cpus == want for _, _, cpus, srun_cpus in probes), probes

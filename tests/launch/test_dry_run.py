@@ -1,0 +1,146 @@
+"""`hpc-rlhf MODE --config FILE --dry-run --world-size N --gpus-per-node G [--model PRESET]`: every example config
+of the cluster scripts starts on its script's allocation; a config that contradicts the layout is refused with
+exit code 2 and one line naming the key; the memory figures are those of `hpc-rlhf plan` (one check for both)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from hpc_rlhf.cli import main
+from hpc_rlhf.config import load_config
+from hpc_rlhf.dist.allocation import AllocationError
+from hpc_rlhf.launch.dry_run import check_config
+from hpc_rlhf.trainers import ppo
+from tests.launch.test_sbatch_scripts import GPU_SCRIPTS, default_of, directives
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "cluster"
+
+
+def allocation_of(script: Path) -> tuple[str, str, int, int, str]:
+    """(mode, config, world size, ranks per node, preset) as the script gives them to its check."""
+    found = directives(script)
+    text = script.read_text()
+    mode = re.search(r"^MODE=\$\{MODE:-(\w+)\}", text, re.MULTILINE).group(1)
+    per_node = int(found["ntasks-per-node"])
+    return (mode, default_of(script, "CONFIG"), int(found["nodes"]) * per_node, per_node,
+            default_of(script, "PLAN_MODEL"))
+
+
+def dry_run(capsys, mode, config, world, per_node, *extra):
+    code = main([mode, "--config", str(REPO / config), "--dry-run", "--world-size", str(world),
+                 "--gpus-per-node", str(per_node), *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_every_gpu_script_has_its_example_config():
+    configs = {allocation_of(script)[1] for script in GPU_SCRIPTS}
+    assert configs == {f"examples/cluster/{p.name}" for p in EXAMPLES.glob("*.yaml")}
+    assert allocation_of(REPO / "sbatch" / "ppo_70b.sbatch")[1] == "examples/cluster/ppo_70b.yaml"
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS, ids=lambda p: p.name)
+def test_each_example_config_passes_the_dry_run_for_its_scripts_allocation(capsys, script):
+    mode, config, world, per_node, preset = allocation_of(script)
+    placement = default_of(script, "PLACEMENT")
+    extra = [f"placement={placement}"] if placement else [f"dist.nproc={world}"]  # what sbatch/common.sh passes
+    code, out, err = dry_run(capsys, mode, config, world, per_node, "--model", preset, *extra)
+    assert code == 0 and err == "", err
+    assert "the plan fits\nnote: sized by --model" in out and f"{world} ranks on {world // per_node} node(s)" in out
+    # The config carries what the layout needs: the placement it names is the script's, and placeholders are marked.
+    text = (REPO / config).read_text()
+    assert "PLACEHOLDER" in text and "/path/to/" in text
+    if placement:
+        assert f"placement: {placement}" in text
+
+
+def test_ppo_70b_carries_vllm_adam_offload_and_zero_3():
+    cfg = load_config(ppo.Config, EXAMPLES / "ppo_70b.yaml")
+    assert cfg.rollout.backend == "vllm" and cfg.train.adam_offload and cfg.critic_train.adam_offload
+    assert cfg.train.zero_stage == cfg.critic_train.zero_stage == 3 and cfg.checkpoint.every_steps > 0
+
+
+PPO_70B = ("ppo", "examples/cluster/ppo_70b.yaml", 32, 8, "--model", "70b")
+
+
+@pytest.mark.parametrize("override,key", [
+    (["train.adam_offload=false"], "train.adam_offload"),  # ~286 GB per actor rank
+    (["rollout.backend=hf"], "placement"),  # the hf engine does no tensor parallelism (names rollout.backend too)
+    (["rollout.gpu_memory_utilization=0.4"], "rollout.gpu_memory_utilization"),
+    (["ranks_per_node=4"], "ranks_per_node"),
+    (["placement=actor=4,critic=4,ref=4,reward=4,rollout=8,rollout_tp=4"], "placement"),  # 24 ranks, not 32
+    (["placement=actor=4,ref=4,reward=4,rollout=20,rollout_tp=4"], "placement"),  # gae needs a critic
+    (["train.batch_size=60"], "train.batch_size"),
+    (["train.adam_offload=true", "train.zero_stage=0"], "train.adam_offload"),
+])
+def test_a_config_that_contradicts_the_layout_is_refused_in_one_line_naming_the_key(capsys, override, key):
+    code, out, err = dry_run(capsys, *PPO_70B, *override)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert re.search(rf"--dry-run: (command line: )?{re.escape(key)}\b", err), err
+
+
+def test_an_engine_across_two_nodes_is_refused(capsys):
+    code, out, err = dry_run(capsys, "ppo", "examples/cluster/ppo_70b.yaml", 30, 6, "--model", "70b",
+                             "placement=actor=2,critic=1,ref=1,reward=2,rollout=24,rollout_tp=4")
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "--dry-run: placement: 'rollout' (24 ranks) cannot be cut into rollout engines" in err
+    assert "plan so far:" in out
+
+
+def test_one_model_modes_check_the_world_and_the_batch_size(capsys):
+    sft = ("sft", "examples/cluster/sft.yaml", 16, 8, "--model", "7b")
+    code, _, err = dry_run(capsys, *sft)  # no dist.nproc=16: the ranks would not make a world of 16
+    assert code == 2 and "dist.nproc: is 1 but the allocation has 16 ranks" in err
+    code, _, err = dry_run(capsys, *sft, "dist.nproc=16", "train.batch_size=96")
+    assert code == 2 and err.startswith("hpc-rlhf sft --dry-run: train.batch_size: 96 must be a multiple")
+
+
+def test_placeholder_model_folders_need_a_shape(capsys, tmp_path):
+    code, _, err = dry_run(capsys, "dpo", "examples/cluster/dpo.yaml", 8, 8, "dist.nproc=8")
+    assert code == 2 and "--dry-run: model.path: '/path/to/models/llama-2-7b-sft' is not a model folder" in err
+    # A folder with a config.json gives its own shape, --model or not.
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100,
+                                                      "num_attention_heads": 4, "intermediate_size": 128}))
+    code, out, err = dry_run(capsys, "dpo", "examples/cluster/dpo.yaml", 8, 8, "--model", "70b", "dist.nproc=8",
+                             f"model.path={tmp_path}", "--json")
+    assert code == 0, err
+    assert json.loads(out)["model"]["params"] < 10**6
+
+
+def test_dry_run_flags_need_dry_run_and_an_allocation(capsys):
+    assert main(["sft", "--world-size", "8"]) == 2
+    assert "--world-size is a flag of the dry run" in capsys.readouterr().err
+    assert main(["sft", "--dry-run", "--gpus-per-node", "8"]) == 2
+    assert "--world-size is needed" in capsys.readouterr().err
+
+
+def test_the_dry_run_and_hpc_rlhf_plan_compute_the_same_plan(capsys):
+    """One check for both: the dry run of a config and `hpc-rlhf plan` with the flags that say the same."""
+    code, out, _ = dry_run(capsys, *PPO_70B, "--json", "critic_train.adam_offload=true", "data.max_len=2048",
+                           "rollout.prompts_per_step=128", "rollout.n_samples=4", "rollout.gpu_memory_utilization=1.0",
+                           "rollout.weight_sync_bucket_mb=1")  # the plan has no weight-sync buffers: 2 MiB here
+    assert code == 0
+    from_config = json.loads(out)
+    assert main(["plan", "--world-size", "32", "--gpus-per-node", "8", "--model", "70b", "--adam-offload",
+                 "--placement", "actor=4,critic=4,ref=4,reward=4,rollout=16,rollout_tp=4", "--seq-len", "2048",
+                 "--rollout-seqs", "128", "--json"]) == 0
+    from_flags = json.loads(capsys.readouterr().out)
+    for name in from_flags["roles"]:
+        assert from_config["roles"][name]["breakdown_gb"] == pytest.approx(from_flags["roles"][name]["breakdown_gb"],
+                                                                           abs=0.003), name
+        assert from_config["roles"][name]["ranks"] == from_flags["roles"][name]["ranks"]
+
+
+def test_check_config_is_a_function_other_commands_call():
+    cfg = load_config(ppo.Config, EXAMPLES / "ppo_70b.yaml")
+    report = check_config("ppo", cfg, 32, 8, model="70b")
+    assert report["fits"] and report["roles"]["rollout"]["engines"][0] == [16, 17, 18, 19]
+    assert report["stand_in_shapes"]["actor.path"] == "/path/to/models/llama-2-70b-sft"
+    with pytest.raises(AllocationError) as refused:
+        check_config("ppo", cfg, 16, 8, model="70b")
+    assert refused.value.key == "placement" and "asks for 32 ranks" in str(refused.value)
