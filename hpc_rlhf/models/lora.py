@@ -112,9 +112,9 @@ def check_target_modules(model, lora_cfg: LoraSection, where: str = "model.lora"
     if not missing:
         return
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-    what = "matches no layer" if len(missing) == len(lora_cfg.target_modules) else f"names {missing}, no layer"
-    raise ConfigError(f"{where}.target_modules={list(lora_cfg.target_modules)} {what} of {type(model).__name__}; "
-                      f"its linear layers are: {', '.join(linear)}")
+    which = "" if len(missing) == len(lora_cfg.target_modules) else f": {missing}"
+    raise ConfigError(f"{where}.target_modules={list(lora_cfg.target_modules)}{which} matches no layer of "
+                      f"{type(model).__name__}; its linear layers are: {', '.join(linear)}")
 
 
 def apply_lora(model, lora_cfg: LoraSection, task: str = "causal_lm", gradient_checkpointing: bool = False,
