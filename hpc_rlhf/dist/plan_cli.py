@@ -9,7 +9,8 @@ import argparse
 import json
 import sys
 
-from hpc_rlhf.dist.memory import DEFAULT_OVERHEAD_GB, ModelShape, ModelShapeError, estimate, load_shape
+from hpc_rlhf.dist.memory import (DEFAULT_LORA_TARGETS, DEFAULT_OVERHEAD_GB, GB, PROJECTIONS, ModelShape,
+                                  ModelShapeError, estimate, load_shape)
 from hpc_rlhf.dist.placement import Plan, PlacementError, format_ranks, format_rows, make_plan
 
 BREAKDOWN = ("weights", "gradients", "optimizer", "activations", "kv_cache", "overhead")
@@ -41,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overhead-gb", type=float, default=DEFAULT_OVERHEAD_GB,
                         help="per-rank allowance for CUDA context, NCCL buffers, fragmentation")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="the actor trains a LoRA adapter of this rank (0: full fine-tuning); its reference is "
+                             "then the actor with the adapter off, so the placement needs no ref role")
+    parser.add_argument("--lora-targets", default=",".join(DEFAULT_LORA_TARGETS),
+                        help="projections the adapter is on, comma-separated (of q_proj, k_proj, v_proj, o_proj, "
+                             "gate_proj, up_proj, down_proj)")
     return parser
 
 
@@ -76,7 +83,8 @@ def compute(args: argparse.Namespace) -> dict:
                              args.adam_offload and role.kind in ("actor", "critic"), tp=tp,
                              micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
                              gradient_checkpointing=not args.no_gradient_checkpointing,
-                             tokens_in_flight=args.rollout_seqs * args.seq_len, overhead_gb=0.0)
+                             tokens_in_flight=args.rollout_seqs * args.seq_len, overhead_gb=0.0,
+                             **_lora_of(args, role.kind))
     roles = {}
     for name, role in plan.roles.items():
         # Colocated roles share every rank (placement never overlaps roles partially), so a rank of this
@@ -93,12 +101,34 @@ def compute(args: argparse.Namespace) -> dict:
             | {"cpu_optimizer": round(own[name]["cpu_optimizer"], 3)},
             "fits": per_rank <= args.gpu_memory_gb,
         }
-    return {
+    result = {
         "world_size": plan.world_size, "ranks_per_node": plan.ranks_per_node, "nodes": plan.num_nodes,
         "model": {"name": shape.name, "params": shape.num_params},
         "zero_stage": args.zero_stage, "adam_offload": args.adam_offload, "gpu_memory_gb": args.gpu_memory_gb,
         "overhead_gb": args.overhead_gb, "roles": roles, "fits": all(r["fits"] for r in roles.values()),
     }
+    if args.lora_rank > 0:
+        adapter = shape.lora_params(args.lora_rank, _targets(args))
+        result["lora"] = {"rank": args.lora_rank, "targets": list(_targets(args)), "params": adapter,
+                          "share_of_model": adapter / shape.num_params,
+                          "sync_gb": 2 * adapter / GB, "full_sync_gb": 2 * shape.num_params / GB}
+    return result
+
+
+def _targets(args: argparse.Namespace) -> tuple[str, ...]:
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    unknown = [t for t in targets if t not in PROJECTIONS]
+    if unknown or not targets:
+        raise ModelShapeError(f"--lora-targets: {unknown or 'nothing'} given; the adapter goes on projections "
+                              f"among {', '.join(PROJECTIONS)}")
+    return targets
+
+
+def _lora_of(args: argparse.Namespace, kind: str) -> dict:
+    """The LoRA settings of a role's estimate: the actor trains the adapter, the rollout engines serve it."""
+    if args.lora_rank <= 0 or kind not in ("actor", "rollout"):
+        return {}
+    return {"lora_rank": args.lora_rank, "lora_targets": _targets(args)}
 
 
 def format_report(result: dict) -> str:
@@ -113,6 +143,12 @@ def format_report(result: dict) -> str:
     head = (f"{result['world_size']} ranks on {result['nodes']} node(s) of {result['ranks_per_node']}; "
             f"model {model['name']} ({model['params'] / 1e9:.2f}B parameters); ZeRO-{result['zero_stage']}, "
             f"Adam offload {'on' if result['adam_offload'] else 'off'}; {result['gpu_memory_gb']:g} GB per GPU")
+    if "lora" in result:
+        lora = result["lora"]
+        head += (f"\nLoRA rank {lora['rank']} on {', '.join(lora['targets'])}: {lora['params'] / 1e6:.1f}M trained "
+                 f"parameters ({100 * lora['share_of_model']:.2f}% of the model); a weight sync moves "
+                 f"{lora['sync_gb'] * 1e3:.0f} MB (bf16) instead of {lora['full_sync_gb']:.1f} GB; the reference is "
+                 "the actor with its adapter off (no ref role needed)")
     verdict = "the plan fits" if result["fits"] else "the plan does NOT fit: see the rows marked NO"
     return (f"{head}\n\n{table}\n\nper-role GB per rank (GB/rank adds colocated roles and "
             f"{result['overhead_gb']:g} GB overhead):\n{breakdown}\n\n{verdict}")
@@ -124,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse has printed its message; keep `main` returning an exit code
         return int(exc.code or 0)
+    if args.lora_rank < 0:
+        print(f"hpc-rlhf plan: --lora-rank must be at least 0 (0: full fine-tuning), got {args.lora_rank}",
+              file=sys.stderr)
+        return 2
     for flag, value in (("--rollout-seqs", args.rollout_seqs), ("--seq-len", args.seq_len),
                         ("--micro-batch-size", args.micro_batch_size)):
         if value < 1:
