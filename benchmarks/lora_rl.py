@@ -9,11 +9,13 @@ memory_scaling.py: hidden 640, MLP 1728, 12 layers, the shipped character tokeni
    256 MB buckets, taking turns `--repeats` times after one warm-up each; a sync is timed from a barrier before it
    to a barrier after the engine has loaded everything. Bytes and median seconds, and their ratios.
 2. GRPO (`hpc-rlhf grpo`, disjoint, one hf engine, `--steps` steps each, a rule reward every response earns from so
-   that the actor moves from the first step), one run after the other:
+   that the actor moves from the first step), one run after the other, `--rounds` rounds in alternating order (runs
+   cannot take turns step by step, so on a shared machine the load moves between them: compare within a round):
        full       actor=1,ref=1,rollout=1   full fine-tuning, the reference a model of its own
        lora+ref   actor=1,ref=1,rollout=1   LoRA r8, ref_mode=model: the reference a model of its own
        lora       actor=1,rollout=1         LoRA r8, the reference = the actor with its adapter off (the default)
-   Per run: `weight_sync_mb` and `time_sync` as logged (median over the steps after the first), samples/s (median),
+   Per run: `weight_sync_mb` and `time_sync` as logged (median over the steps after the first), samples/s (median;
+   the ratios are medians of the rounds' ratios),
    and the peak resident memory of the actor's and the reference's ranks over the steps, less each rank's memory
    before its models were built (as memory_scaling.py measures it: RSS sampled every 2 ms and after every module's
    forward, malloc returning freed blocks to the kernel).
@@ -82,7 +84,9 @@ def sync_worker(model: str, out: Path, repeats: int) -> int:
     benchlib.set_torch_threads()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    group = dist.new_group([0, 1])  # the weight-sync group: the actor's leader and the engine's rank
+    # the weight-sync group (the actor's leader and the engine's rank), one per kind: a sender remembers the layout
+    # it reuses per group, and a job streams one kind only
+    groups = {"full": dist.new_group([0, 1]), "lora": dist.new_group([0, 1])}
 
     def model_copy():
         return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -106,13 +110,13 @@ def sync_worker(model: str, out: Path, repeats: int) -> int:
             dist.barrier()
             start = time.perf_counter()
             if rank == 0:
-                stats = weight_sync.send_weights(streams[kind](), src=0, group=group, bucket_mb=256,
+                stats = weight_sync.send_weights(streams[kind](), src=0, group=groups[kind], bucket_mb=256,
                                                  reuse_layout=True)
                 sent[kind] = stats.bytes
             elif kind == "full":
-                weight_sync.receive_into(engines[kind], src=0, group=group)
+                weight_sync.receive_into(engines[kind], src=0, group=groups[kind])
             else:
-                weight_sync.receive_weights(src=0, group=group, load_fn=engines[kind].load_adapter)
+                weight_sync.receive_weights(src=0, group=groups[kind], load_fn=engines[kind].load_adapter)
             dist.barrier()
             if repeat:
                 seconds[kind].append(time.perf_counter() - start)
@@ -182,7 +186,7 @@ def grpo_worker(out: Path, args: list[str]) -> int:
 def grpo_run(name: str, model: Path, tmp: Path, steps: int, rule: Path) -> dict:
     placement, overrides = RUNS[name]
     out = tmp / name
-    out.mkdir()
+    out.mkdir(parents=True)
     ranks = len(placement.split(","))
     args = ["grpo", "--config", str(benchlib.REPO / "examples/tiny/grpo.yaml"), f"output_dir={out / 'run'}",
             f"placement={placement}", f"actor.path={model}", "reward.models=[]", f"reward.functions=[{rule}:length]",
@@ -241,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="weight syncs of each kind, after a warm-up each")
     parser.add_argument("--steps", type=int, default=4, help="GRPO steps per run (the first is not counted)")
+    parser.add_argument("--rounds", type=int, default=2, help="GRPO runs of each kind, in alternating order")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     benchlib.ensure_assets()
@@ -253,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         rule.write_text("def length(prompts, responses, answers):\n    return [float(len(r)) for r in responses]\n")
         print(f"   model: {params / 1e6:.1f}M parameters, {params * 4 / MB:.0f} MB in fp32\n")
         sync = one_sync(model, tmp, args.repeats)
-        runs = {name: grpo_run(name, model, tmp, args.steps, rule) for name in RUNS}
+        rounds = []
+        for index in range(args.rounds):
+            order = list(RUNS) if index % 2 == 0 else list(reversed(RUNS))
+            done = {name: grpo_run(name, model, tmp / f"round{index}", args.steps, rule) for name in order}
+            rounds.append({name: done[name] for name in RUNS})
+    runs = {name: {key: benchlib.median(r[name][key] for r in rounds) for key in rounds[0][name]} for name in RUNS}
     full_b, lora_b = sync["bytes"]["full"], sync["bytes"]["lora"]
     full_s, lora_s = sync["median"]["full"], sync["median"]["lora"]
     print(f"1. one weight sync to one hf engine, 2 gloo ranks, median of {args.repeats}:")
@@ -261,28 +271,34 @@ def main(argv: list[str] | None = None) -> int:
         ["full", full_b / MB, full_s, benchlib.spread(sync["seconds"]["full"])],
         [f"LoRA r{RANK}", lora_b / MB, lora_s, benchlib.spread(sync["seconds"]["lora"])],
         ["LoRA / full", f"{100 * lora_b / full_b:.2f}%", f"{100 * lora_s / full_s:.2f}%", ""]]))
-    print(f"\n2. GRPO, {args.steps} steps each (medians over steps 2..{args.steps}; memory: peak - before the models):")
-    print(benchlib.table(["run", "placement", "weight_sync_mb", "time_sync s", "samples/s", "actor rank MB",
-                          "ref rank MB", "actor + ref MB", "run s"],
-                         [[name, RUNS[name][0], r["sync_mb"], r["sync_s"], r["samples_per_s"], r["actor_mb"],
+    print(f"\n2. GRPO, {args.steps} steps each, {args.rounds} round(s) (medians over steps 2..{args.steps} and over the "
+          "rounds; memory: peak - before the models):")
+    print(benchlib.table(["run", "placement", "weight_sync_mb", "time_sync s", "samples/s", "samples/s per round",
+                          "actor rank MB", "ref rank MB", "actor + ref MB", "run s"],
+                         [[name, RUNS[name][0], r["sync_mb"], r["sync_s"], r["samples_per_s"],
+                           " ".join(f"{rnd[name]['samples_per_s']:.3g}" for rnd in rounds), r["actor_mb"],
                            r["ref_mb"] or "-", r["actor_mb"] + r["ref_mb"], r["seconds"]]
                           for name, r in runs.items()]))
     lora, with_ref, full = runs["lora"], runs["lora+ref"], runs["full"]
+
+    def per_round(a: str, b: str) -> float:
+        return benchlib.median(rnd[a]["samples_per_s"] / rnd[b]["samples_per_s"] for rnd in rounds)
+
     ratios = {"sync_bytes_lora_vs_full": lora_b / full_b, "sync_seconds_lora_vs_full": lora_s / full_s,
               "grpo_sync_mb_lora_vs_full": lora["sync_mb"] / full["sync_mb"],
               "grpo_sync_s_lora_vs_full": lora["sync_s"] / full["sync_s"],
               "actor_plus_ref_mb_adapter_off_vs_ref_role": (lora["actor_mb"] + lora["ref_mb"]) /
               (with_ref["actor_mb"] + with_ref["ref_mb"]),
               "actor_mb_adapter_off_vs_ref_role": lora["actor_mb"] / with_ref["actor_mb"],
-              "samples_per_s_adapter_off_vs_ref_role": lora["samples_per_s"] / with_ref["samples_per_s"],
-              "samples_per_s_lora_vs_full": lora["samples_per_s"] / full["samples_per_s"]}
+              "samples_per_s_adapter_off_vs_ref_role": per_round("lora", "lora+ref"),
+              "samples_per_s_lora_vs_full": per_round("lora", "full")}
     print("\n   ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     print("\n3. hpc-rlhf plan, Llama-2-70B, 80 GB GPUs, ZeRO-3, bf16, micro-batch 1 x 2048 tokens:")
     print(benchlib.table(["layout", "placement", "actor GB/rank", "ref GB/rank", "rollout GB/rank",
                           "sync GB", "fits"], planner_70b()))
     print(f"\n   machine after: {benchlib.machine_state()}")
     if args.json:
-        print(json.dumps({"params": params, "sync": sync, "runs": runs, "ratios": ratios}))
+        print(json.dumps({"params": params, "sync": sync, "runs": runs, "rounds": rounds, "ratios": ratios}))
     return 0
 
 
