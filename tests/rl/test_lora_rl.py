@@ -55,8 +55,10 @@ def assert_adapter_synced(rows: list[dict], gap: bool = True) -> None:
 def test_lora_ppo_syncs_the_adapter_alone_and_resumes_it_exactly(tmp_path, length_reward):
     """PPO, disjoint (actor, critic, one hf engine; no ref role), 4 steps: the adapter alone travels, the engine
     generates as the actor, the KL to the actor's own base is 0 at step 1 (peft starts the adapter at the identity)
-    and not after; a run cut back to its step-2 checkpoint and resumed repeats steps 3-4 and ends with the same
-    adapter, bit for bit, saved alone in final/ (merge_on_save=false), a PEFT folder that peft loads."""
+    and not after, and every figure equals that of the same run with a separate reference model on a ref role
+    (ref_mode=model: on CPU in fp32 the adapter-off actor's log-probs are the reference model's, bit for bit); a
+    run cut back to its step-2 checkpoint and resumed repeats steps 3-4 and ends with the same adapter, bit for
+    bit, saved alone in final/ (merge_on_save=false), a PEFT folder that peft loads."""
     common = ["--config", "examples/tiny/ppo.yaml", f"actor.path={TINY_MODEL}", f"critic.path={TINY_MODEL}",
               "reward.models=[]", length_reward, "placement=actor=1,critic=1,rollout=1", "actor.lora.rank=8",
               "actor.lora.merge_on_save=false", "train.lr=1e-3", "rollout.prompts_per_step=8", "train.batch_size=32",
@@ -68,6 +70,11 @@ def test_lora_ppo_syncs_the_adapter_alone_and_resumes_it_exactly(tmp_path, lengt
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert_adapter_synced(rows)
     assert rows[0]["kl_k1"] == 0.0 and all(r["kl_k1"] != 0.0 for r in rows[1:]), [r["kl_k1"] for r in rows]
+    separate = tmp_path / "separate_ref"
+    hpc_rlhf("ppo", *[a for a in common if not a.startswith(("placement=", "checkpoint.every"))],
+             "placement=actor=1,critic=1,ref=1,rollout=1", "ref_mode=model", "checkpoint.every_steps=0",
+             f"output_dir={separate}")
+    assert figures(separate) == figures(full)
 
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000000004")  # as if stopped right after step 2's checkpoint
