@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         ["full", full_b / MB, full_s, benchlib.spread(sync["seconds"]["full"])],
         [f"LoRA r{RANK}", lora_b / MB, lora_s, benchlib.spread(sync["seconds"]["lora"])],
         ["LoRA / full", f"{100 * lora_b / full_b:.2f}%", f"{100 * lora_s / full_s:.2f}%", ""]]))
-    print(f"\n2. GRPO, {args.steps} steps each, {args.rounds} round(s) (medians over steps 2..{args.steps} and over the "
-          "rounds; memory: peak - before the models):")
+    print(f"\n2. GRPO, {args.steps} steps each, {args.rounds} round(s) (medians over steps 2..{args.steps} and over "
+          "the rounds; memory: peak - before the models):")
     print(benchlib.table(["run", "placement", "weight_sync_mb", "time_sync s", "samples/s", "samples/s per round",
                           "actor rank MB", "ref rank MB", "actor + ref MB", "run s"],
                          [[name, RUNS[name][0], r["sync_mb"], r["sync_s"], r["samples_per_s"],

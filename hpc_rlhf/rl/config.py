@@ -181,14 +181,14 @@ class Config:
         lora = self.actor.lora
         if self.ref_mode == "adapter_disabled":
             if lora.rank <= 0:
-                raise ConfigError("ref_mode=adapter_disabled uses the LoRA actor with its adapter off as the reference, "
-                                  "but actor.lora.rank is 0 (full fine-tuning): set actor.lora.rank > 0 or "
-                                  "ref_mode=model")
+                raise ConfigError("ref_mode=adapter_disabled uses the LoRA actor with its adapter off as the "
+                                  "reference, but actor.lora.rank is 0 (full fine-tuning): set actor.lora.rank > 0 "
+                                  "or ref_mode=model")
             if self.ref_path not in (None, self.actor.path):
                 raise ConfigError(f"ref_path='{self.ref_path}' contradicts ref_mode=adapter_disabled, whose reference "
                                   f"is the actor's own base model (actor.path='{self.actor.path}'): drop ref_path, or "
                                   "set ref_mode=model for a separate reference model")
-        if lora.rank > 0 and self.rollout.backend == "vllm" and lora.rank > VLLM_MAX_LORA_RANKS[-1]:
+        if self.rollout.backend == "vllm" and lora.rank > VLLM_MAX_LORA_RANKS[-1]:
             raise ConfigError(f"actor.lora.rank={lora.rank} is larger than the vllm rollout engine allows (LoRA rank "
                               f"at most {VLLM_MAX_LORA_RANKS[-1]} in vLLM 0.32): lower actor.lora.rank or use "
                               "rollout.backend=hf")
