@@ -230,6 +230,16 @@ CLI_CASES = [
      "the placement has no 'critic' role, which this config needs"),
     ("tensor parallelism the backend cannot do", [*GRPO, "placement=actor=1,ref=1,rollout=2,rollout_tp=2"],
      "the hf rollout backend does no tensor parallelism"),
+    ("LoRA rank larger than the vllm engine allows", [*GRPO, "placement=actor=1,rollout=1", "rollout.backend=vllm",
+                                                      "actor.lora.rank=1024"],
+     "actor.lora.rank=1024 is larger than the vllm rollout engine allows (LoRA rank at most 512 in vLLM 0.32)"),
+    ("reference folder contradicting the LoRA actor's base", [*GRPO, "placement=actor=1,rollout=1",
+                                                              "actor.lora.rank=8", "ref_mode=adapter_disabled",
+                                                              "ref_path={d}/classifier"],
+     "ref_path='{d}/classifier' contradicts ref_mode=adapter_disabled, whose reference is the actor's own base model "
+     "(actor.path='{d}/model')"),
+    ("ref role beside a LoRA actor's own reference", [*GRPO, "actor.lora.rank=8"],
+     "with a LoRA actor (ref_mode=auto: adapter_disabled) the reference is the actor with its adapter off"),
     ("reward weights of the wrong length", [*GRPO, "reward.function_weights=[1.0,2.0]"],
      "reward.function_weights has 2 entries for 1 reward.functions"),
     ("no reward at all", [*GRPO, "reward.functions=[]"],
@@ -307,6 +317,10 @@ CLI_CASES = [
     ("reward normalisation that cannot be applied", [*GENERATE, "score.reward_models=[{d}/zero_reward_std]",
                                                      "score.normalize=true"],
      "model folder '{d}/zero_reward_std': config.json has reward_std=0.0, which must be a positive finite number"),
+    ("LoRA target modules the model lacks", [*GRPO, "placement=actor=1,rollout@actor", "actor.lora.rank=4",
+                                             "actor.lora.target_modules=[q_proj,qkv_proj]"],
+     "actor.lora.target_modules=['q_proj', 'qkv_proj']: ['qkv_proj'] matches no layer of LlamaForCausalLM; its "
+     "linear layers are: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
     ("attention kernel not installed", [*SFT, "model.attn_implementation=flash_attention_2"],
      "model.attn_implementation=flash_attention_2 needs"),
 ]

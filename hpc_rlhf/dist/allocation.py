@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from hpc_rlhf.dist.memory import DEFAULT_OVERHEAD_GB, ModelShape, estimate
+from hpc_rlhf.dist.memory import DEFAULT_LORA_TARGETS, DEFAULT_OVERHEAD_GB, ModelShape, estimate
 from hpc_rlhf.dist.placement import Plan, PlacementError, make_plan
 
 BREAKDOWN = ("weights", "gradients", "optimizer", "activations", "kv_cache")
@@ -62,6 +62,8 @@ class RoleLoad:
     dtype_bytes: int = 2
     weight_sync_bucket_mb: float = 0.0
     gpu_share: float | None = None
+    lora_rank: int = 0  # > 0: the role trains (actor) or serves (rollout) a LoRA adapter of this rank
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     keys: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -97,7 +99,8 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
                                  micro_batch_size=load.micro_batch_size, seq_len=load.seq_len,
                                  gradient_checkpointing=load.gradient_checkpointing,
                                  tokens_in_flight=load.tokens_in_flight, overhead_gb=0.0,
-                                 dtype_bytes=load.dtype_bytes, weight_sync_bucket_mb=load.weight_sync_bucket_mb)
+                                 dtype_bytes=load.dtype_bytes, weight_sync_bucket_mb=load.weight_sync_bucket_mb,
+                                 lora_rank=load.lora_rank, lora_targets=load.lora_targets)
         except ValueError as exc:  # settings the memory model refuses: name the setting that is wrong
             key = load.keys.get("adam_offload" if "offload" in str(exc) else "zero_stage", name)
             raise AllocationError(key, f"role '{name}': {exc}") from None

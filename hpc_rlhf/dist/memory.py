@@ -39,6 +39,16 @@ Roles colocated on the same ranks (`actor+ref`, `rollout@actor`) add up (`hpc-rl
 estimate is the peak with every model resident, which is what happens while a hybrid vLLM engine generates
 beside the actor's training state (the hybrid hf engine generates with the actor's own module and holds no
 copy: an upper bound there).
+LoRA actor (`lora_rank` r > 0 on `lora_targets`; A = the adapter's parameters, r x (in + out) per adapted
+projection of every layer and expert): the frozen base keeps its d-byte weights (sharded under ZeRO-3), the
+adapter adds d bytes per A; gradients and Adam states exist for the adapter alone (d + 12 bytes per A, sharded as
+above; under ZeRO-3 DeepSpeed's gradient bucket fills with the adapter's gradients only, so at most A elements);
+activations are those of full training (the gradient flows back through every frozen layer). The reference is
+then the actor with its adapter off (no `ref` role, `ref_mode=adapter_disabled`): its scoring pass runs between
+training passes and needs less than training's activations, so it adds nothing. The weight sync moves d bytes per
+A, and the leader's two bucket buffers hold at most that. A rollout engine keeps the adapter beside its weights:
+vLLM allocates one adapter slot of rank `max_lora_rank` (r rounded up to the ranks it offers) on every projection
+of every layer, d bytes each (`lora_rank` given to a rollout estimate).
 The actor's leader also holds the weight sync's two bucket buffers (`weight_sync_bucket_mb` each, when
 given) while it streams the weights to the engines. The model ignores MoE expert activations (experts are
 counted in the parameters, activations use the dense formula) and the communication buffers of ZeRO 1-2.
@@ -61,6 +71,9 @@ ZERO3_WINDOW_SHARE = 1 / 8  # engines/train.py: DeepSpeed's gathering window and
 ZERO3_WINDOW_MAX = 10**9  # parameters (stage3_max_live_parameters, stage3_max_reuse_distance)
 ZERO3_GRADIENT_BUCKET_MAX = 5 * 10**8  # elements (reduce_bucket_size)
 KINDS = ("actor", "critic", "ref", "reward", "rollout")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # config.LoraSection's default
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # engines/rollout/vllm.py (no torch here)
 
 
 class ModelShapeError(ValueError):
@@ -136,6 +149,21 @@ class ModelShape:
         q_width = self.heads * self.head_size
         return max(self.vocab * self.hidden, self.hidden * self.intermediate, self.hidden * q_width)
 
+    def lora_params(self, rank: int, targets=DEFAULT_LORA_TARGETS) -> int:
+        """Parameters of a LoRA adapter of `rank` on the projections `targets` (names of PROJECTIONS) of every
+        layer: rank x (in + out) per projection, per expert for the MLP's."""
+        unknown = [t for t in targets if t not in PROJECTIONS]
+        if unknown:
+            raise ModelShapeError(f"LoRA targets {unknown} are not projections this memory model knows "
+                                  f"({', '.join(PROJECTIONS)})")
+        q_width, kv_width = self.heads * self.head_size, self.kv_heads * self.head_size
+        sizes = {"q_proj": (self.hidden, q_width), "k_proj": (self.hidden, kv_width),
+                 "v_proj": (self.hidden, kv_width), "o_proj": (q_width, self.hidden),
+                 "gate_proj": (self.hidden, self.intermediate), "up_proj": (self.hidden, self.intermediate),
+                 "down_proj": (self.intermediate, self.hidden)}
+        per_layer = sum(rank * sum(sizes[t]) * (self.experts if t in PROJECTIONS[4:] else 1) for t in set(targets))
+        return self.layers * per_layer
+
     def kv_bytes_per_token(self, tp: int = 1, dtype_bytes: int = 2) -> int:
         """KV-cache bytes per token on one rank of a tensor-parallel engine of `tp` ranks."""
         kv_heads_per_rank = math.ceil(self.kv_heads / tp)
@@ -202,6 +230,11 @@ PRESETS = {
 }
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's `max_lora_rank` for adapters of `rank`: the smallest of VLLM_MAX_LORA_RANKS that holds it."""
+    return next(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
+
+
 def load_shape(model: str | Path) -> ModelShape:
     """A preset name ('7b', 'llama-2-70b') or a path to a config.json or a model folder."""
     path = Path(model)
@@ -213,13 +246,15 @@ def load_shape(model: str | Path) -> ModelShape:
 def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0, adam_offload: bool = False, *,
              tp: int = 1, micro_batch_size: int = 1, seq_len: int = 2048, gradient_checkpointing: bool = True,
              tokens_in_flight: int = 0, overhead_gb: float = DEFAULT_OVERHEAD_GB, dtype_bytes: int = 2,
-             weight_sync_bucket_mb: float = 0.0) -> dict[str, float]:
+             weight_sync_bucket_mb: float = 0.0, lora_rank: int = 0,
+             lora_targets=DEFAULT_LORA_TARGETS) -> dict[str, float]:
     """GB on each GPU of a role of `ranks` ranks, by component, with `total` (GPU) and `cpu_optimizer`
     (host memory per rank holding offloaded Adam states). See the module docstring for the model.
 
     `micro_batch_size` x `seq_len` is the batch of a training or scoring pass on one rank; `tp` and
     `tokens_in_flight` (tokens an engine keeps in its KV cache at once) apply to rollout only. `dtype_bytes`:
-    2 (bf16/fp16, the default) or 4 (fp32). `weight_sync_bucket_mb`: the actor leader's two bucket buffers."""
+    2 (bf16/fp16, the default) or 4 (fp32). `weight_sync_bucket_mb`: the actor leader's two bucket buffers.
+    `lora_rank` > 0: the actor trains a LoRA adapter on `lora_targets` (and a rollout engine serves it)."""
     if role_kind not in KINDS:
         raise ValueError(f"unknown role kind '{role_kind}'; kinds: {', '.join(KINDS)}")
     if ranks < 1 or tp < 1 or micro_batch_size < 1 or seq_len < 1 or tokens_in_flight < 0:
@@ -233,6 +268,9 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
         raise ValueError(f"{ranks} rollout ranks cannot form engines of tp={tp}")
     if dtype_bytes not in (2, 4):
         raise ValueError(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
+    if lora_rank < 0 or (lora_rank > VLLM_MAX_LORA_RANKS[-1] and role_kind == "rollout"):
+        raise ValueError(f"LoRA rank must be >= 0 (and at most {VLLM_MAX_LORA_RANKS[-1]} for a vLLM engine), got "
+                         f"{lora_rank}")
 
     value_model = role_kind in ("critic", "reward")
     params = shape.params(lm_head=not value_model)
@@ -244,13 +282,16 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
     window = min(ZERO3_WINDOW_MAX, int(params * ZERO3_WINDOW_SHARE))
     gathered = shape.largest_module(lm_head=not value_model) + window if zero_stage >= 3 else 0
 
+    lora = shape.lora_params(lora_rank, lora_targets) if lora_rank > 0 and role_kind == "actor" else 0
     if role_kind in TRAINING_KINDS:
-        out["weights"] = d * (params / (ranks if zero_stage >= 3 else 1) + gathered) / GB
-        bucket = min(ZERO3_GRADIENT_BUCKET_MAX, int(params * ZERO3_WINDOW_SHARE)) if zero_stage >= 3 else 0
+        trained = lora or params  # a LoRA actor trains its adapter alone
+        out["weights"] = d * ((params + lora) / (ranks if zero_stage >= 3 else 1) + gathered) / GB
+        bucket = min(ZERO3_GRADIENT_BUCKET_MAX, int(params * ZERO3_WINDOW_SHARE), trained) if zero_stage >= 3 \
+            else 0
         if ranks > 1:
             bucket *= 2  # the reduce-scatter packs the bucket once more
-        out["gradients"] = d * (params / (ranks if zero_stage >= 2 else 1) + bucket) / GB
-        optimizer = 12 * params / (ranks if zero_stage >= 1 else 1) / GB
+        out["gradients"] = d * (trained / (ranks if zero_stage >= 2 else 1) + bucket) / GB
+        optimizer = 12 * trained / (ranks if zero_stage >= 1 else 1) / GB
         out["cpu_optimizer" if adam_offload else "optimizer"] = optimizer
         if gradient_checkpointing:
             activations = d * tokens * shape.hidden * shape.layers + layer_working_set
@@ -258,15 +299,16 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
             activations = layer_working_set * shape.layers
         if role_kind == "actor":
             activations += 8 * tokens * shape.vocab  # fp32 logits and their gradient
-            # the leader's two weight-sync buffers, filled at most with the whole model
-            activations += min(2 * weight_sync_bucket_mb * 2**20, d * params)
+            # the leader's two weight-sync buffers, filled at most with what a sync moves (model or adapter)
+            activations += min(2 * weight_sync_bucket_mb * 2**20, d * trained)
         out["activations"] = activations / GB
     elif role_kind in ("ref", "reward"):
         out["weights"] = d * (params / (ranks if zero_stage >= 3 else 1) + gathered) / GB
         activations = layer_working_set + (4 * tokens * shape.vocab if role_kind == "ref" else 0)
         out["activations"] = activations / GB
     else:  # rollout
-        out["weights"] = d * params / tp / GB
+        slot = shape.lora_params(vllm_lora_rank(lora_rank), PROJECTIONS) if lora_rank > 0 else 0
+        out["weights"] = d * (params + slot) / tp / GB
         out["kv_cache"] = tokens_in_flight * shape.kv_bytes_per_token(tp) / GB
         out["activations"] = (ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * ROLLOUT_PREFILL_TOKENS * shape.hidden
                               / tp / GB)

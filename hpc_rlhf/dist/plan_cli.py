@@ -11,7 +11,8 @@ import sys
 
 from hpc_rlhf.dist.allocation import (BREAKDOWN, Allocation, AllocationError, RoleLoad, check_allocation, public,
                                      refusal)
-from hpc_rlhf.dist.memory import DEFAULT_OVERHEAD_GB, ModelShape, ModelShapeError, load_shape
+from hpc_rlhf.dist.memory import (DEFAULT_LORA_TARGETS, DEFAULT_OVERHEAD_GB, GB, PROJECTIONS, ModelShape,
+                                  ModelShapeError, load_shape)
 from hpc_rlhf.dist.placement import format_ranks, format_rows
 
 
@@ -41,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overhead-gb", type=float, default=DEFAULT_OVERHEAD_GB,
                         help="per-rank allowance for CUDA context, NCCL buffers, fragmentation")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="the actor trains a LoRA adapter of this rank (0: full fine-tuning); its reference is "
+                             "then the actor with the adapter off, so the placement needs no ref role")
+    parser.add_argument("--lora-targets", default=",".join(DEFAULT_LORA_TARGETS),
+                        help="projections the adapter is on, comma-separated (of q_proj, k_proj, v_proj, o_proj, "
+                             "gate_proj, up_proj, down_proj)")
     return parser
 
 
@@ -63,14 +70,32 @@ def compute(args: argparse.Namespace) -> dict:
     shapes = {"critic": _load(args.critic_model, "--critic-model") if args.critic_model else shape,
               "reward": _load(args.reward_model, "--reward-model") if args.reward_model else shape}
 
+    lora = {"lora_rank": args.lora_rank, "lora_targets": _targets(args)} if args.lora_rank > 0 else {}
+
     def load_of(name: str, kind: str) -> RoleLoad:
         return RoleLoad(kind=kind, shape=shapes.get(kind, shape), zero_stage=args.zero_stage,
                         adam_offload=args.adam_offload, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
                         gradient_checkpointing=not args.no_gradient_checkpointing,
-                        tokens_in_flight=args.rollout_seqs * args.seq_len, keys=FLAG_NAMES)
+                        tokens_in_flight=args.rollout_seqs * args.seq_len, keys=FLAG_NAMES,
+                        **(lora if kind in ("actor", "rollout") else {}))
 
     allocation = Allocation(args.world_size, args.gpus_per_node, args.gpu_memory_gb, args.overhead_gb)
-    return check_allocation(args.placement, allocation, load_of)
+    result = check_allocation(args.placement, allocation, load_of)
+    if lora:
+        adapter = shape.lora_params(args.lora_rank, lora["lora_targets"])
+        result["lora"] = {"rank": args.lora_rank, "targets": list(lora["lora_targets"]), "params": adapter,
+                          "share_of_model": adapter / shape.num_params,
+                          "sync_gb": 2 * adapter / GB, "full_sync_gb": 2 * shape.num_params / GB}
+    return result
+
+
+def _targets(args: argparse.Namespace) -> tuple[str, ...]:
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    unknown = [t for t in targets if t not in PROJECTIONS]
+    if unknown or not targets:
+        raise AllocationError("--lora-targets", f"{unknown or 'nothing'} given; the adapter goes on projections "
+                                                f"among {', '.join(PROJECTIONS)}")
+    return targets
 
 
 def format_report(result: dict) -> str:
@@ -85,6 +110,12 @@ def format_report(result: dict) -> str:
     head = (f"{result['world_size']} ranks on {result['nodes']} node(s) of {result['ranks_per_node']}; "
             f"model {model['name']} ({model['params'] / 1e9:.2f}B parameters); ZeRO-{result['zero_stage']}, "
             f"Adam offload {'on' if result['adam_offload'] else 'off'}; {result['gpu_memory_gb']:g} GB per GPU")
+    if "lora" in result:
+        lora = result["lora"]
+        head += (f"\nLoRA rank {lora['rank']} on {', '.join(lora['targets'])}: {lora['params'] / 1e6:.1f}M trained "
+                 f"parameters ({100 * lora['share_of_model']:.2f}% of the model); a weight sync moves "
+                 f"{lora['sync_gb'] * 1e3:.0f} MB (bf16) instead of {lora['full_sync_gb']:.1f} GB; the reference is "
+                 "the actor with its adapter off (no ref role needed)")
     verdict = "the plan fits" if result["fits"] else "the plan does NOT fit: see the rows marked NO"
     return (f"{head}\n\n{table}\n\nper-role GB per rank (GB/rank adds colocated roles and "
             f"{result['overhead_gb']:g} GB overhead):\n{breakdown}\n\n{verdict}")
@@ -96,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse has printed its message; keep `main` returning an exit code
         return int(exc.code or 0)
+    if args.lora_rank < 0:
+        print(f"hpc-rlhf plan: --lora-rank must be at least 0 (0: full fine-tuning), got {args.lora_rank}",
+              file=sys.stderr)
+        return 2
     for flag, value in (("--rollout-seqs", args.rollout_seqs), ("--seq-len", args.seq_len),
                         ("--micro-batch-size", args.micro_batch_size)):
         if value < 1:

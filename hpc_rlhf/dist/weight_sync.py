@@ -34,7 +34,8 @@ Receivers receive into two reused buffers as well and load one bucket while the 
 
 Streaming contract: every tensor the iterator yields is copied (or, when it is larger than a bucket, sent) before
 the next one is requested. Names should already be Hugging Face names
-(`hpc_rlhf.engines.rollout.base.hf_named_tensors`).
+(`hpc_rlhf.engines.rollout.base.hf_named_tensors`), or for a LoRA actor's adapter-only sync the names of PEFT's
+adapter file (`hpc_rlhf.models.lora.adapter_tensors`): the protocol carries any named tensors.
 
 Hybrid placement (rollout on the actor's own ranks) uses `load_local_weights`: the same buckets, no broadcast.
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from hpc_rlhf.config import ConfigError, TrainSection
 from hpc_rlhf.engines import deepspeed_compat
 from hpc_rlhf.engines.schedule import warmup_cosine_scheduler
-from hpc_rlhf.models.lora import merged_tensors
+from hpc_rlhf.models.lora import adapter_tensors, merged_tensors
 from hpc_rlhf.models.saving import save_pretrained_on_this_rank
 
 # What DeepSpeed may hold besides the module running now, as a share of the model (see the module docstring):
@@ -341,6 +341,17 @@ class TrainEngine:
                 self.engine.empty_partition_cache()
         for name, tensor in merged_tensors(self.module, gather=self._gathered, emit=emit):
             yield name, tensor
+
+    def adapter_state(self, on_every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapter alone as (name, tensor) pairs (names of PEFT's adapter file), one LoRA layer at a time,
+        on the role leader (on every rank of the role with `on_every_rank`); the frozen base is not read. Every
+        rank of the role must exhaust it; under ZeRO-3 a yielded tensor is valid only until the next one is
+        requested (as `full_state`)."""
+        emit = on_every_rank or self.is_leader
+        if self.zero_stage == 3:
+            with self._in_group():
+                self.engine.empty_partition_cache()
+        yield from adapter_tensors(self.module, gather=self._gathered, emit=emit)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full state on CPU at the role leader ({} on the other ranks of the role), from `full_state()`.

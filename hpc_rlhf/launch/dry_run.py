@@ -29,7 +29,7 @@ from typing import Any
 from hpc_rlhf.config import ConfigError
 from hpc_rlhf.dist.allocation import (Allocation, AllocationError, RoleLoad, check_allocation, plan_on, public,
                                      refusal)
-from hpc_rlhf.dist.memory import ModelShape, ModelShapeError, load_shape
+from hpc_rlhf.dist.memory import PROJECTIONS, ModelShape, ModelShapeError, load_shape
 from hpc_rlhf.dist.plan_cli import format_report, refuse
 
 ALLOCATION_FLAGS = {"world_size": "--world-size", "gpus_per_node": "--gpus-per-node",
@@ -95,6 +95,11 @@ def _rl_loads(cfg: Any, plan, model: str | None, stand_ins: dict[str, str]):
     if cfg.rollout.backend == "hf":  # generate() takes at most max_batch_prompts prompts at once
         per_engine = min(per_engine, cfg.rollout.max_batch_prompts * cfg.rollout.n_samples)
 
+    # a LoRA actor: the memory model knows the usual projections (other module names add nothing it can size)
+    lora = ({"lora_rank": cfg.actor.lora.rank,
+             "lora_targets": tuple(t for t in cfg.actor.lora.target_modules if t in PROJECTIONS)}
+            if cfg.actor.lora.rank > 0 else {})
+
     def load_of(name: str, kind: str) -> RoleLoad:
         section, train, prefix = ((cfg.critic, cfg.critic_train, "critic_train") if kind == "critic"
                                   else (cfg.actor, cfg.train, "train"))
@@ -109,7 +114,8 @@ def _rl_loads(cfg: Any, plan, model: str | None, stand_ins: dict[str, str]):
                         gradient_checkpointing=section.gradient_checkpointing,
                         tokens_in_flight=per_engine * cfg.data.max_len, dtype_bytes=_dtype_bytes(section),
                         weight_sync_bucket_mb=cfg.rollout.weight_sync_bucket_mb if rollout else 0.0,
-                        gpu_share=cfg.rollout.gpu_memory_utilization if vllm else None, keys=keys)
+                        gpu_share=cfg.rollout.gpu_memory_utilization if vllm else None, keys=keys,
+                        **(lora if kind in ("actor", "rollout") else {}))
 
     return load_of
 

@@ -12,8 +12,8 @@ entry point users run, launch/submit.py (or `hpc-rlhf submit`, or `python -m hpc
 Inside an srun step, `python -m hpc_rlhf.launch.slurm rank MODE ...` runs one rank (`run_rank`): what
 launch/srun.sh, and so the sbatch scripts, start on every task.
 
-Each Slurm task runs `hpc_rlhf.cli.main([mode, ...])` in submitit's process; our bootstrap recognises the srun
-step from its SLURM_* variables, so submitit jobs form the same world as sbatch jobs.
+Each Slurm task runs `hpc_rlhf.launch.modes.run([mode, ...])` in submitit's process; our bootstrap recognises the
+srun step from its SLURM_* variables, so submitit jobs form the same world as sbatch jobs.
 
 Preemption and walltime. Slurm sends SIGUSR1 `signal_delay_s` seconds before the time limit (and SIGTERM on
 preemption); the trainers stop every rank after the same step, write a checkpoint and exit with code 75
@@ -36,7 +36,7 @@ from typing import Any, Mapping, MutableMapping, Sequence
 
 import submitit
 
-from hpc_rlhf import cli
+from hpc_rlhf.launch import modes
 
 PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.checkpointing.Preempted.EXIT_CODE (not imported: that pulls in torch)
 STOP_SIGNAL = "USR1"  # what the trainers' StopSignal handles (besides SIGTERM)
@@ -90,7 +90,7 @@ def run_rank(argv: Sequence[str]) -> int:
     (Python leaves an ignored signal ignored at shutdown).
     """
     try:
-        code = cli.main(list(argv))
+        code = modes.run(list(argv))
     except SystemExit as exc:  # Preempted is a SystemExit(75); argparse exits with 2
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     if code == PREEMPTED_EXIT_CODE:
@@ -235,9 +235,9 @@ def submit(mode: str, config: str | None = None, overrides: Sequence[str] = (), 
     `folder` receives submitit's pickles and logs (one subfolder per job id; it must be on a file system the
     nodes share). The job runs in the current directory, so relative config paths work as they do here.
     """
-    if mode not in cli.TRAINING_MODES:
-        kind = "a command, not a training mode" if mode in cli.COMMANDS else "not a mode"
-        raise SlurmLaunchError(f"submit: '{mode}' is {kind}; choose one of {', '.join(cli.TRAINING_MODES)}")
+    if mode not in modes.TRAINING_MODES:
+        kind = "a command, not a training mode" if mode in modes.COMMANDS else "not a mode"
+        raise SlurmLaunchError(f"submit: '{mode}' is {kind}; choose one of {', '.join(modes.TRAINING_MODES)}")
     if config is not None and not Path(config).is_file():
         raise SlurmLaunchError(f"submit: config file {config} does not exist")
     params = slurm_parameters(nodes=nodes, tasks_per_node=tasks_per_node, gpus_per_node=gpus_per_node,

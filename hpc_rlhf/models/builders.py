@@ -320,12 +320,14 @@ def tokenizer_folder_problem(folder: Path) -> str | None:
     return None
 
 
-def build_causal_lm(model_cfg: ModelSection, for_training: bool = True, device: torch.device | str | None = None):
+def build_causal_lm(model_cfg: ModelSection, for_training: bool = True, device: torch.device | str | None = None,
+                    where: str = "model"):
     """The actor or reference model: `AutoModelForCausalLM` from `model_cfg.path`.
 
     dtype `auto` is bf16 on CUDA and fp32 on the CPU. With `for_training`, gradient checkpointing (if asked)
     is on, the KV cache is off, and LoRA adapters are added when `model.lora.rank > 0`; without it the model
     is frozen in eval mode. `device` moves the model there (left on the CPU when None: DeepSpeed moves it).
+    `where`: the config section of `model_cfg` (`model`, `actor`), named by errors about its LoRA settings.
     """
     folder = check_model_folder(model_cfg.path)
     config = read_model_config(folder)
@@ -338,7 +340,7 @@ def build_causal_lm(model_cfg: ModelSection, for_training: bool = True, device: 
     prepare_model(model, model_cfg, for_training)
     if for_training and model_cfg.lora.rank > 0:
         model = apply_lora(model, model_cfg.lora, task="causal_lm",
-                           gradient_checkpointing=model_cfg.gradient_checkpointing)
+                           gradient_checkpointing=model_cfg.gradient_checkpointing, where=f"{where}.lora")
     return model
 
 

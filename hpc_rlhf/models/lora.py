@@ -103,11 +103,28 @@ def lora_config(lora_cfg: LoraSection, task: str, model=None):
                       modules_to_save=modules_to_save, bias="none")
 
 
-def apply_lora(model, lora_cfg: LoraSection, task: str = "causal_lm", gradient_checkpointing: bool = False):
-    """Wrap `model` in peft LoRA adapters: only adapters (and a value model's head) remain trainable."""
+def check_target_modules(model, lora_cfg: LoraSection, where: str = "model.lora") -> None:
+    """Every name in `target_modules` must name a layer of `model` (peft's rule for a list: the module's name or
+    its last dotted part): peft itself only refuses a list of which no name matches, and would train fewer
+    layers than asked without a word."""
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in lora_cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    which = "" if len(missing) == len(lora_cfg.target_modules) else f": {missing}"
+    raise ConfigError(f"{where}.target_modules={list(lora_cfg.target_modules)}{which} matches no layer of "
+                      f"{type(model).__name__}; its linear layers are: {', '.join(linear)}")
+
+
+def apply_lora(model, lora_cfg: LoraSection, task: str = "causal_lm", gradient_checkpointing: bool = False,
+               where: str = "model.lora"):
+    """Wrap `model` in peft LoRA adapters: only adapters (and a value model's head) remain trainable. `where` is
+    the config key of `lora_cfg`, for the error on target modules the model lacks."""
     from peft import get_peft_model, prepare_model_for_kbit_training  # slow to import: see the module docstring
 
     config = lora_config(lora_cfg, task, model)
+    check_target_modules(model, lora_cfg, where)
     if getattr(model, "is_loaded_in_4bit", False):
         # Casts norms to fp32 and freezes the quantized base, as QLoRA training needs.
         model = prepare_model_for_kbit_training(
@@ -119,11 +136,8 @@ def apply_lora(model, lora_cfg: LoraSection, task: str = "causal_lm", gradient_c
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             peft_model = get_peft_model(model, config)
     except ValueError as exc:
-        if "target" in str(exc).lower():
-            names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                            if isinstance(m, torch.nn.Linear)})
-            raise ConfigError(f"model.lora.target_modules={list(lora_cfg.target_modules)} matches no layer of "
-                              f"{type(model).__name__}; its linear layers are: {', '.join(names)}") from None
+        if "target" in str(exc).lower():  # a module peft cannot adapt (checked above: not a missing name)
+            raise ConfigError(f"{where}.target_modules={list(lora_cfg.target_modules)}: {exc}") from None
         raise
     return peft_model
 
@@ -229,6 +243,81 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     Names are those of the model without peft, so the result can be saved as a Hugging Face folder.
     """
     return {name: tensor.detach() for name, tensor in merged_tensors(model)}
+
+
+# ---------------------------------------------------------------------------------------------- the adapter
+# LoRA RL moves and saves the adapter alone (rl/sync.py): its tensors travel under the names of PEFT's adapter file
+# (adapter_model.safetensors), so that peft, vLLM and a receiving copy of the model all read them as they are.
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def _peft_model(model):
+    """The peft model inside a DeepSpeed engine (or `model` itself)."""
+    if hasattr(model, "module") and type(model).__name__ == "DeepSpeedEngine":
+        model = model.module
+    if not is_peft_model(model):
+        raise ValueError(f"{type(model).__name__} has no LoRA adapter (model.lora.rank is 0)")
+    return model
+
+
+def _adapter_layers(model) -> Iterator[tuple[str, list[tuple[str, torch.nn.Parameter]]]]:
+    """Per LoRA layer of a peft model: its name and its adapter parameters under their names in PEFT's file
+    (`<layer>.lora_A.weight`, `<layer>.lora_B.weight`; the adapter's own name is not part of them)."""
+    peft_model = _peft_model(model)
+    for name, module in peft_model.named_modules():
+        if not _is_adapter_unit(module):
+            continue
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        if len(adapters) != 1:
+            raise ValueError(f"{name}: {len(adapters)} active LoRA adapters; the adapter alone moves one")
+        adapter = adapters[0]
+        if module.lora_embedding_A or not isinstance(module.lora_A[adapter], torch.nn.Linear):
+            raise ConfigError(f"{name}: the adapter alone is synced and saved for LoRA on linear layers; "
+                              f"{type(module.get_base_layer()).__name__} layers are not supported there")
+        yield name, [(f"{name}.lora_A.weight", module.lora_A[adapter].weight),
+                     (f"{name}.lora_B.weight", module.lora_B[adapter].weight)]
+
+
+def adapter_tensors(model, gather: Callable = _no_gather, emit: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the LoRA adapter alone, named as in PEFT's adapter file, one LoRA layer at a time; the
+    base weights are not read. `gather` and `emit` as in `merged_tensors` (ZeRO-3: a layer's two matrices gathered
+    while they are yielded; a yielded tensor is valid until the next one is requested)."""
+    for _, params in _adapter_layers(model):
+        with gather([p for _, p in params]):
+            if emit:
+                for name, param in params:
+                    yield name, param.detach()
+
+
+def adapter_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """The adapter's parameters of a (not partitioned) peft model by their names in PEFT's adapter file: where a
+    receiving copy loads what `adapter_tensors` sent."""
+    return {name: param for _, params in _adapter_layers(model) for name, param in params}
+
+
+@contextlib.contextmanager
+def adapter_disabled(model):
+    """Inside the block the model computes as its base model, every adapter off (peft's `disable_adapter`): the
+    reference of LoRA RL, with no second copy of the weights."""
+    with _peft_model(model).disable_adapter():
+        yield
+
+
+def write_adapter_folder(folder: str | Path, tensors: dict[str, torch.Tensor], lora_cfg: LoraSection,
+                         base_model: str) -> Path:
+    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) holding `tensors` (named as
+    `adapter_tensors` names them) for the model in `base_model`: what peft's `PeftModel.from_pretrained` and
+    vLLM's `LoRARequest` load."""
+    from safetensors.torch import save_file  # only the adapter folders of LoRA runs need it
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = lora_config(lora_cfg, "causal_lm")
+    config.base_model_name_or_path = str(base_model)
+    config.save_pretrained(str(folder))
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()},
+              str(folder / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    return folder
 
 
 def merge_and_unload_for_save(model):

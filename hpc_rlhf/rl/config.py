@@ -13,9 +13,11 @@ from hpc_rlhf.algorithms.losses import GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH, GSPO_L
 from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
                              ModelSection, TrainSection, field, section)
 from hpc_rlhf.dist.placement import PlacementError, make_plan, world_size_of
+from hpc_rlhf.engines.rollout.vllm import VLLM_MAX_LORA_RANKS
 from hpc_rlhf.envs.config import EnvSection
 
 ADVANTAGES = ESTIMATORS
+REF_MODES = ("auto", "adapter_disabled", "model")
 # The group estimators, under which a prompt whose samples all got the same reward has advantage 0: what dynamic
 # sampling filters for (algorithms/dynamic_sampling.py).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
@@ -143,7 +145,12 @@ class Config:
     ranks_per_node: int = field(0, min=0, help="ranks per node (0 = from the launcher)")
     actor: ModelSection = dataclasses.field(default_factory=lambda: ModelSection(path="runs/sft/final"))
     critic: ModelSection = dataclasses.field(default_factory=lambda: ModelSection(path="runs/rm/final"))
-    ref_path: str | None = field(None, help="reference model folder (default: actor.path)")
+    ref_path: str | None = field(None, help="reference model folder of ref_mode=model (default: actor.path)")
+    ref_mode: str = field("auto", choices=REF_MODES,
+                          help="the KL reference: model = a frozen model on the 'ref' role's ranks (ref_path); "
+                               "adapter_disabled = the LoRA actor with its adapter off, on the actor's ranks (no "
+                               "'ref' role, no second copy); auto = adapter_disabled for a LoRA actor "
+                               "(actor.lora.rank > 0) unless ref_path names another folder, else model")
     reward: RewardSection = section(RewardSection)
     rollout: RolloutSection = section(RolloutSection)
     rl: RLSection = section(RLSection)
@@ -181,6 +188,7 @@ class Config:
             raise ConfigError("no reward: set reward.models, reward.functions, reward.http_url, or an environment "
                               "(env.name, env.http_url)")
         self._check_rl_options()
+        self._check_lora()
         self._check_placement()
 
     def _check_rl_options(self) -> None:
@@ -221,6 +229,23 @@ class Config:
                               "it adds noise, not a pull towards the reference. Use rl.kl_estimator=k2 (gradient of "
                               "KL(pi||ref)) or k3 (gradient of KL(ref||pi)), or keep k1 in the reward "
                               "(rl.kl_in_reward=true)")
+
+    def _check_lora(self) -> None:
+        """The reference of a LoRA actor and the adapter the engines take (issue 27: adapter-only sync)."""
+        lora = self.actor.lora
+        if self.ref_mode == "adapter_disabled":
+            if lora.rank <= 0:
+                raise ConfigError("ref_mode=adapter_disabled uses the LoRA actor with its adapter off as the "
+                                  "reference, but actor.lora.rank is 0 (full fine-tuning): set actor.lora.rank > 0 "
+                                  "or ref_mode=model")
+            if self.ref_path not in (None, self.actor.path):
+                raise ConfigError(f"ref_path='{self.ref_path}' contradicts ref_mode=adapter_disabled, whose reference "
+                                  f"is the actor's own base model (actor.path='{self.actor.path}'): drop ref_path, or "
+                                  "set ref_mode=model for a separate reference model")
+        if self.rollout.backend == "vllm" and lora.rank > VLLM_MAX_LORA_RANKS[-1]:
+            raise ConfigError(f"actor.lora.rank={lora.rank} is larger than the vllm rollout engine allows (LoRA rank "
+                              f"at most {VLLM_MAX_LORA_RANKS[-1]} in vLLM 0.32): lower actor.lora.rank or use "
+                              "rollout.backend=hf")
 
     def _check_placement(self) -> None:
         """Input validation up front: the roles and per-role batch sizes follow from the placement alone, so a
@@ -263,6 +288,16 @@ def clip_range(rl: RLSection) -> tuple[float, float | None]:
         return GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH if rl.clip_eps_high is None else rl.clip_eps_high
     return PPO_CLIP_EPS, rl.clip_eps_high
 
+def reference_mode(cfg: Config) -> str:
+    """`ref_mode` with `auto` resolved: adapter_disabled for a LoRA actor whose reference folder is its own base
+    (ref_path unset or actor.path), else model."""
+    if cfg.ref_mode != "auto":
+        return cfg.ref_mode
+    lora_base = cfg.actor.lora.rank > 0 and cfg.ref_path in (None, cfg.actor.path)
+    return "adapter_disabled" if lora_base else "model"
+
+
+
 
 def reward_role_names(count: int) -> list[str]:
     return ["reward" if i == 0 else f"reward{i + 1}" for i in range(count)]
@@ -276,8 +311,15 @@ def check_plan_against_config(plan, cfg: Config) -> None:
         needed.append("critic")
     elif plan.has("critic"):
         problems.append(f"rl.advantage={cfg.rl.advantage} uses no critic, but the placement has one")
-    if cfg.rl.kl_coef > 0:
+    ref_from_actor = reference_mode(cfg) == "adapter_disabled"
+    if cfg.rl.kl_coef > 0 and not ref_from_actor:
         needed.append("ref")
+    if ref_from_actor and plan.has("ref"):
+        mode = "ref_mode=adapter_disabled" if cfg.ref_mode == "adapter_disabled" else \
+            "a LoRA actor (ref_mode=auto: adapter_disabled)"
+        problems.append(f"with {mode} the reference is the actor with its adapter off, computed on the actor's "
+                        "ranks, so the 'ref' role would hold an unused copy: remove it from the placement, or set "
+                        "ref_mode=model to keep a separate reference model")
     names = reward_role_names(len(cfg.reward.models))
     needed += names
     for name in needed:

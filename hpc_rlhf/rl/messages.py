@@ -58,8 +58,10 @@ def rule_reward_rank(plan: Plan) -> int:
     return plan.role(rewards[0] if rewards else "actor").leader
 
 
-def routes_of(plan: Plan) -> dict[str, Route]:
-    """Every route of `plan` (see the module docstring). Pure: every rank computes the same."""
+def routes_of(plan: Plan, ref_role: str = "ref") -> dict[str, Route]:
+    """Every route of `plan` (see the module docstring). Pure: every rank computes the same. `ref_role`: the role
+    whose leader sends `scores/ref` when it is not the `ref` role (a LoRA actor's own ranks compute the reference
+    with the adapter off: `ref_mode=adapter_disabled`)."""
     def ranks_of(kinds) -> set[int]:
         return {r for name, role in plan.roles.items() if role.kind in kinds for r in role.ranks}
 
@@ -77,27 +79,37 @@ def routes_of(plan: Plan) -> dict[str, Route]:
     for name, role in plan.roles.items():
         if role.kind != "rollout":
             add(f"scores/{name}", role.leader, trained)
+    if ref_role != "ref":
+        add("scores/ref", plan.role(ref_role).leader, trained)
     add("scores/rules", rule_reward_rank(plan), trained)
     if plan.has("critic"):
         add("figures/critic", plan.role("critic").leader, {LOGGING_RANK})
     return routes
 
 
-def message_groups(plan: Plan) -> dict[str, tuple[int, ...]]:
+def message_groups(plan: Plan, ref_role: str = "ref") -> dict[str, tuple[int, ...]]:
     """The rank sets that need a group of their own (routes of three ranks or more; the others travel point to
     point or not at all): what hpc_rlhf.dist.groups.initialize creates, named by route."""
-    return {key: r.ranks for key, r in routes_of(plan).items() if len(r.ranks) > 2}
+    return {key: r.ranks for key, r in routes_of(plan, ref_role).items() if len(r.ranks) > 2}
 
 
-_TABLE: tuple[Plan | None, dict[str, Route]] = (None, {})
+_TABLE: tuple[tuple | None, dict[str, Route]] = (None, {})
+_REF_ROLE = "ref"  # the role that sends scores/ref in this job (set_reference_role), for `route`
+
+
+def set_reference_role(role: str) -> None:
+    """Which role's leader sends this job's reference log-probs (`routes_of`'s `ref_role`); set before the first
+    message, the same on every rank."""
+    global _REF_ROLE
+    _REF_ROLE = role
 
 
 def route(key: str) -> Route:
     """The route of message `key` in the placement of this job (public knowledge: any rank may ask)."""
     global _TABLE
     plan = groups.plan()
-    if _TABLE[0] is not plan:
-        _TABLE = (plan, routes_of(plan))
+    if _TABLE[0] is None or _TABLE[0][0] is not plan or _TABLE[0][1] != _REF_ROLE:
+        _TABLE = ((plan, _REF_ROLE), routes_of(plan, _REF_ROLE))
     table = _TABLE[1]
     if key not in table:
         raise KeyError(f"no route '{key}' in this placement; routes: {', '.join(table)}")

@@ -5,7 +5,6 @@ the rollout engine of a rollout rank.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -18,6 +17,7 @@ from hpc_rlhf.dist import groups
 from hpc_rlhf.dist.bootstrap import current_launch
 from hpc_rlhf.envs.transcript import Transcript
 from hpc_rlhf.models.builders import build_causal_lm
+from hpc_rlhf.models.lora import apply_lora
 from hpc_rlhf.rl.config import Config
 
 
@@ -63,7 +63,8 @@ def ranks_per_node(world_size: int) -> int:
 
 def build_rollout_engine(cfg: Config, plan, tokenizer, device, actor=None):
     """This rank's rollout engine: hf (on the actor's own module in the hybrid placement, else a copy of the
-    initial actor), or vllm driven by the engine's first rank (None on its other ranks)."""
+    initial actor), or vllm driven by the engine's first rank (None on its other ranks). With a LoRA actor the
+    engine's own copy is the actor's frozen base with an adapter that each sync replaces (rl/sync.py)."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     if cfg.rollout.backend == "vllm":
         return build_vllm_engine(cfg, plan, eos)
@@ -75,8 +76,10 @@ def build_rollout_engine(cfg: Config, plan, tokenizer, device, actor=None):
         in_step = actor.group if actor.zero_stage == 3 and actor.role_size > 1 else None
         return HFRolloutEngine(actor.module, pad, eos, max_batch_prompts=cfg.rollout.max_batch_prompts,
                                sync_group=in_step)
-    model = build_causal_lm(dataclasses.replace(cfg.actor, lora=dataclasses.replace(cfg.actor.lora, rank=0)),
-                            for_training=False, device=device)
+    # built for inference: the base alone (a QLoRA actor's in 4 bits, as the actor's), frozen
+    model = build_causal_lm(cfg.actor, for_training=False, device=device, where="actor")
+    if cfg.actor.lora.rank > 0:
+        model = apply_lora(model, cfg.actor.lora, where="actor.lora").requires_grad_(False).eval()
     return HFRolloutEngine(model, pad, eos, max_batch_prompts=cfg.rollout.max_batch_prompts)
 
 
@@ -96,7 +99,8 @@ def build_vllm_engine(cfg: Config, plan, eos: int):
                              dtype=dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                              kv_cache_mb=cfg.rollout.kv_cache_mb or None, enforce_eager=eager,
                              seed=cfg.train.seed, enable_sleep_mode=plan.is_hybrid,
-                             max_model_len=cfg.data.max_prompt_len + longest_response(cfg))
+                             max_model_len=cfg.data.max_prompt_len + longest_response(cfg),
+                             lora=cfg.actor.lora if cfg.actor.lora.rank > 0 else None)
 
 
 def longest_response(cfg: Config) -> int:

@@ -10,6 +10,7 @@ the frozen roles (never the whole model at once), and keep DeepSpeed's collectiv
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Sequence
 
@@ -18,17 +19,19 @@ import torch.distributed as dist
 
 from hpc_rlhf import rewards as reward_fns
 from hpc_rlhf.dist import exchange, groups
+from hpc_rlhf.models.lora import adapter_disabled
 from hpc_rlhf.models.value_model import sequence_scores, token_values
 from hpc_rlhf.rl import messages
 from hpc_rlhf.rl.experience import SampleBatch, make_batch, response_logprobs, shard_bounds, to_ragged
 
 
 def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int, int], SampleBatch],
-                   one: Callable[[SampleBatch], list[torch.Tensor]]) -> list[torch.Tensor] | None:
+                   one: Callable[[SampleBatch], list[torch.Tensor]], name: str | None = None
+                   ) -> list[torch.Tensor] | None:
     """`one` over this rank's contiguous shard of the `samples` in micro-batches; the role leader gets every
     rank's results in sample order (None elsewhere). Every rank of the role runs as many passes as the one with
     the largest shard (a ZeRO-3 model gathers parameters collectively in each): the extra ones on one sample,
-    dropped."""
+    dropped. `name`: what is computed, when not the role's own result (the reference on the actor's ranks)."""
     size, index = len(groups.role_ranks(role)), groups.rank_in_role(role)
     start, end = shard_bounds(samples, size, index)
     passes = math.ceil(math.ceil(samples / size) / micro)
@@ -40,7 +43,7 @@ def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int,
         else:
             one(batch_of(0, 1))
     gathered = exchange.gather_ragged(results, dst=groups.role_leader(role), group=groups.role_group(role),
-                                      tag=f"{role}-scores", dtype=torch.float32)
+                                      tag=f"{name or role}-scores", dtype=torch.float32)
     return exchange.flatten_ranks(gathered) if gathered is not None else None
 
 
@@ -65,11 +68,13 @@ def rule_scores(cfg, rule_functions, tokenizer, leader: int, prompts: list[str],
 
 
 # ------------------------------------------------------------------------------------------ what each role computes
-def logprobs_of(model, temperature: float) -> Callable[[SampleBatch], list[torch.Tensor]]:
+def logprobs_of(model, temperature: float, adapter_off: bool = False) -> Callable[[SampleBatch], list[torch.Tensor]]:
     """Per-token log-probs of the responses under `model` (actor, ref), as the engines report theirs: of the
-    sampling distribution softmax(logits / T)."""
+    sampling distribution softmax(logits / T). `adapter_off`: under a LoRA actor's base model, its adapter
+    disabled (the reference of ref_mode=adapter_disabled)."""
     def one(sub: SampleBatch) -> list[torch.Tensor]:
-        logits = model(input_ids=sub.input_ids, attention_mask=sub.attention_mask, use_cache=False).logits
+        with adapter_disabled(model) if adapter_off else contextlib.nullcontext():
+            logits = model(input_ids=sub.input_ids, attention_mask=sub.attention_mask, use_cache=False).logits
         return to_ragged(response_logprobs(logits.float(), sub, temperature), sub)
     return one
 
@@ -92,11 +97,14 @@ def scores_of(model, normalize: bool) -> Callable[[SampleBatch], list[torch.Tens
 @torch.no_grad()
 def score_roles(scorers: dict[str, Callable[[SampleBatch], list[torch.Tensor]]],
                 sample_prompts: Sequence[Sequence[int]], responses: Sequence[torch.Tensor], pad_id: int, micro: int,
-                device: Any) -> dict[str, list | None]:
+                device: Any, computed_by: dict[str, str] | None = None) -> dict[str, list | None]:
     """Each role this rank holds (`scorers`: role -> what it computes for a micro-batch) on its shard of the
     samples (prompt ids and responses per sample); per role, every rank's results on the role's leader, None on
-    its other ranks."""
+    its other ranks. `computed_by`: the role whose ranks compute a result that is not a role of its own (the
+    reference of ref_mode=adapter_disabled: "ref" -> "actor")."""
     def batch_of(start: int, end: int) -> SampleBatch:
         return make_batch(sample_prompts[start:end], responses[start:end], pad_id).to(device)
 
-    return {role: score_on_shard(role, len(sample_prompts), micro, batch_of, one) for role, one in scorers.items()}
+    computed_by = computed_by or {}
+    return {name: score_on_shard(computed_by.get(name, name), len(sample_prompts), micro, batch_of, one, name)
+            for name, one in scorers.items()}

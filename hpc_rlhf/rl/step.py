@@ -12,7 +12,8 @@ is the step; read it top to bottom. Each phase is one module of this package:
                                 function, `algorithms.advantages.assemble_advantages`)
   7. training    training.py    actor (clipped policy loss) and critic (clipped value loss), at the same time, each
                                 on its own group with DeepSpeed
-  8. sync        sync.py        the actor's leader streams the new weights to the rollout ranks in buckets
+  8. sync        sync.py        the actor's leader streams the new weights (a LoRA actor: its adapter alone) to the
+                                rollout ranks in buckets
      rounds      dynamic_sampling.py  (rl.dynamic_sampling) 2-5 again until the batch holds prompts with signal
      logging     metrics.py     what rank 0 logs about the step
      config      config.py      the keys, and the checks that run before any rank starts
@@ -23,7 +24,12 @@ is a collective or point-to-point message that all its ranks enter in the same o
 Asynchronous RL (`rl.max_staleness` K >= 1, disjoint placements): at step t batch t, generated at most K policy
 versions ago, is exchanged, then the engines generate batch t+K (phase 2 after 3) while phases 4-7 run on the
 other ranks, and join the sync when done. The policy loss weights each token by the truncated importance weight
-pi_old / pi_rollout (`rl.is_correction`, `rl.tis_cap`). The schedule, and the batches in flight in checkpoints: rollout.py.
+pi_old / pi_rollout (`rl.is_correction`, `rl.tis_cap`). The schedule, and the batches in flight in checkpoints:
+rollout.py.
+
+LoRA (`actor.lora.rank > 0`): the engines hold the frozen base and each sync moves the adapter alone (sync.py);
+with `ref_mode=adapter_disabled` (the default for a LoRA actor, config.py) the reference is the actor itself with
+its adapter off: no `ref` role, no second copy; the actor's ranks score it in phase 4 and its leader sends it.
 
 No phase holds a whole model on a rank under ZeRO-3 (one module gathered at a time in forwards, engines/train.py;
 weight sync streams, dist/weight_sync.py).
@@ -49,7 +55,7 @@ from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.dropout import disable_dropout
 from hpc_rlhf.models.value_model import build_value_model
 from hpc_rlhf.rl import episodes, messages, scoring
-from hpc_rlhf.rl.config import Config, check_plan_against_config, is_correction, reward_role_names
+from hpc_rlhf.rl.config import Config, check_plan_against_config, is_correction, reference_mode, reward_role_names
 from hpc_rlhf.rl.dynamic_sampling import Rounds, agree_on_more, round_seed
 from hpc_rlhf.rl.experience import SampleBatch, build_experience, from_ragged, make_batch
 from hpc_rlhf.rl.metrics import sample_figures, step_timing
@@ -81,7 +87,11 @@ class RLRecipe:
                                f"{plan.role('actor').leader}\n{plan.format_table()}")
         if run.is_main:
             log.info("placement:\n%s", plan.format_table())
-        groups.initialize(plan, messages.message_groups(plan), timeout_s=cfg.dist.timeout_s)
+        # LoRA with ref_mode=adapter_disabled: the actor's ranks compute the reference, its leader sends it
+        self.ref_from_actor = reference_mode(cfg) == "adapter_disabled" and cfg.rl.kl_coef > 0
+        ref_role = "actor" if self.ref_from_actor else "ref"
+        messages.set_reference_role(ref_role)
+        groups.initialize(plan, messages.message_groups(plan, ref_role), timeout_s=cfg.dist.timeout_s)
         run_setup.ensure_tiny_assets_if_used(cfg.data.train_files, cfg.data.eval_files, cfg.actor.path)
         longest = ("env.max_episode_tokens", cfg.env.max_episode_tokens) if cfg.env.enabled else \
             ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)
@@ -101,7 +111,7 @@ class RLRecipe:
         self.actor = self.critic = self.ref = self.rollout = None
         self.reward_models: dict[str, Any] = {}
         if groups.has_role("actor"):
-            actor = build_causal_lm(cfg.actor)
+            actor = build_causal_lm(cfg.actor, where="actor")
             disable_dropout(actor)  # old and new log-probs must come from the same network (models/dropout.py)
             self.actor = TrainEngine(actor, self._engine_train_cfg(cfg.train), group=groups.role_group("actor"),
                                      model_dtype=cfg.actor.dtype)
@@ -112,8 +122,8 @@ class RLRecipe:
                                       group=groups.role_group("critic"), model_dtype=cfg.critic.dtype)
         # Frozen roles: whole on each rank, or sharded over their role's ranks under train.zero_stage=3.
         if groups.has_role("ref"):
-            ref_cfg = dataclasses.replace(cfg.actor, path=cfg.ref_path or cfg.actor.path,
-                                          lora=dataclasses.replace(cfg.actor.lora, rank=0))
+            # built for inference: no adapter (a QLoRA actor's reference keeps the 4-bit base, as the actor's)
+            ref_cfg = dataclasses.replace(cfg.actor, path=cfg.ref_path or cfg.actor.path)
             self.ref = FrozenModel(ref_cfg, cfg.train, run.device, group=groups.role_group("ref"))
         for name, path in zip(self.reward_roles, cfg.reward.models):
             if groups.has_role(name):
@@ -125,7 +135,7 @@ class RLRecipe:
         if groups.has_role("rollout"):
             self.rollout = build_rollout_engine(cfg, plan, self.tokenizer, run.device, actor=self.actor)
         self.weights = WeightSync(plan, self.actor, self.rollout, cfg.rollout.backend,
-                                  cfg.rollout.weight_sync_bucket_mb)
+                                  cfg.rollout.weight_sync_bucket_mb, adapter_only=cfg.actor.lora.rank > 0)
         # multi-turn episodes (env.name, env.http_url): played where generation runs (rl/episodes.py)
         self.play = (episodes.EpisodePlayer(cfg.env, self.tokenizer, cfg.data.apply_chat_template)
                      if cfg.env.enabled and engine_led_here() is not None else None)
@@ -325,6 +335,8 @@ class RLRecipe:
         scorers = {}  # in role order: a rank holding colocated roles scores them in the same order as its peers
         if self.actor is not None:
             scorers["actor"] = scoring.logprobs_of(self.actor.module, temperature)
+            if self.ref_from_actor:  # the same module, its adapter off
+                scorers["ref"] = scoring.logprobs_of(self.actor.module, temperature, adapter_off=True)
         if self.critic is not None:
             scorers["critic"] = scoring.values_of(self.critic.module)
         if self.ref is not None:
@@ -332,14 +344,16 @@ class RLRecipe:
         for name, frozen in self.reward_models.items():
             scorers[name] = scoring.scores_of(frozen.model, cfg.reward.normalize)
         local = scoring.score_roles(scorers, self._per_sample(step_prompts, "input_ids"), responses,
-                                    self.tokenizer.pad_token_id, cfg.train.micro_batch_size, self.run.device)
+                                    self.tokenizer.pad_token_id, cfg.train.micro_batch_size, self.run.device,
+                                    computed_by={"ref": "actor"} if self.ref_from_actor else None)
 
         with_rules, rules = bool(self.rule_functions or cfg.reward.http_url), None
         if with_rules:
             rules = scoring.rule_scores(cfg, self.rule_functions, self.tokenizer, self.rule_leader,
                                         self._per_sample(step_prompts, "text"), responses,
                                         self._per_sample(step_prompts, "answer"))
-        roles = [r for r in ["actor", "critic", "ref", *self.reward_roles] if self.plan.has(r)]
+        roles = [r for r in ["actor", "critic", "ref", *self.reward_roles]
+                 if self.plan.has(r) or (r == "ref" and self.ref_from_actor)]
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
             scored = messages.share_scores(local, roles, rules, with_rules, batch)
         if generated is not None and generated.episodes is not None and "rules" in scored:

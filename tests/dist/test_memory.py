@@ -190,3 +190,37 @@ def test_bad_estimate_arguments(kwargs, message):
     args = dict(role_kind="actor", shape=ModelShape.preset("7b"), ranks=8) | kwargs
     with pytest.raises(ValueError, match=message):
         estimate(**args)
+
+
+# ------------------------------------------------------------------------------------------------ LoRA (issue 27)
+def test_lora_adapter_counts_rank_times_in_plus_out_per_projection():
+    # Llama-2-7B, rank 8 on q, k, v, o: 8 x (4096 + 4096) x 4 x 32 layers, peft's published 8,388,608
+    assert ModelShape.preset("7b").lora_params(8) == 8_388_608
+    # 70B: q and o 8192 -> 8192, k and v 8192 -> 1024 (8 KV heads of 128)
+    assert ModelShape.preset("70b").lora_params(8) == 80 * 8 * (2 * 16384 + 2 * 9216)
+    assert ModelShape.preset("7b").lora_params(16, ("down_proj",)) == 32 * 16 * (11008 + 4096)
+    with pytest.raises(ModelShapeError, match=r"LoRA targets \['qkv'\]"):
+        ModelShape.preset("7b").lora_params(8, ("qkv",))
+
+
+def test_a_lora_actor_keeps_the_frozen_base_and_trains_the_adapter_alone():
+    shape = ModelShape.preset("70b")
+    adapter = shape.lora_params(8)
+    full = estimate("actor", shape, 8, zero_stage=3)
+    lora = estimate("actor", shape, 8, zero_stage=3, lora_rank=8)
+    assert lora["weights"] - full["weights"] == pytest.approx(2 * adapter / 8 / GB)  # base as before + adapter
+    assert lora["optimizer"] == pytest.approx(12 * adapter / 8 / GB)
+    assert lora["gradients"] == pytest.approx(2 * (adapter / 8 + 2 * adapter) / GB)  # bucket: the adapter's
+    assert lora["activations"] == full["activations"]  # the gradient goes back through every frozen layer
+    synced = estimate("actor", shape, 8, zero_stage=3, lora_rank=8, weight_sync_bucket_mb=256)
+    assert synced["activations"] - lora["activations"] == pytest.approx(2 * adapter / GB)  # buffers: the adapter
+
+
+def test_a_rollout_engine_holds_a_vllm_adapter_slot_of_the_rounded_rank_on_every_projection():
+    shape = ModelShape.preset("7b")
+    full = estimate("rollout", shape, 2, tp=2)
+    lora = estimate("rollout", shape, 2, tp=2, lora_rank=12)  # vLLM rounds 12 up to max_lora_rank 16
+    assert lora["weights"] - full["weights"] == pytest.approx(2 * shape.lora_params(16, (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) / 2 / GB)
+    with pytest.raises(ValueError, match="at most 512 for a vLLM engine"):
+        estimate("rollout", shape, 2, tp=2, lora_rank=600)

@@ -79,6 +79,34 @@ def test_model_from_a_config_folder(capsys, tmp_path):
     assert json.loads(out)["model"]["params"] == ModelShape.from_config_json(tmp_path).num_params
 
 
+def test_lora_rank_plans_the_adapter_and_no_reference_role(capsys):
+    """A 70B LoRA actor (issue 27): the estimate of the actor follows the memory model with the adapter, the
+    engines hold an adapter slot, and the report says what a weight sync moves."""
+    args = ["--world-size", "16", "--gpus-per-node", "8", "--model", "70b", "--placement",
+            "actor=8,rollout=8,rollout_tp=4", "--lora-rank", "8"]
+    result = json.loads(run_plan(capsys, *args, "--json")[1])
+    shape = ModelShape.preset("70b")
+    assert result["lora"]["params"] == shape.lora_params(8) and result["lora"]["sync_gb"] < 0.1
+    assert result["roles"]["actor"]["own_memory_gb"] == pytest.approx(
+        estimate("actor", shape, 8, zero_stage=3, micro_batch_size=1, seq_len=2048, lora_rank=8,
+                 overhead_gb=0)["total"], abs=1e-3)
+    full = json.loads(run_plan(capsys, *args[:-2], "--json")[1])
+    assert result["roles"]["actor"]["own_memory_gb"] < full["roles"]["actor"]["own_memory_gb"] - 100
+    assert result["roles"]["rollout"]["own_memory_gb"] > full["roles"]["rollout"]["own_memory_gb"]
+    out = run_plan(capsys, *args)[1]
+    assert "LoRA rank 8 on q_proj, k_proj, v_proj, o_proj: 32.8M trained parameters" in out
+    assert "a weight sync moves 66 MB (bf16) instead of 138.0 GB" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lora-rank", "-1"], "--lora-rank must be at least 0"),
+    (["--lora-rank", "8", "--lora-targets", "q_proj,qkv"], "--lora-targets: ['qkv'] given"),
+])
+def test_bad_lora_flags_exit_2_with_a_message(capsys, args, message):
+    code, out, err = run_plan(capsys, *LAYOUT_16, *args)
+    assert code == 2 and out == "" and message in err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--world-size", "8", "--gpus-per-node", "8", "--model", "7b", "--placement", "actor=4,critic=2"],
      "--placement: the placement asks for 6 ranks"),

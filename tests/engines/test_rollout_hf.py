@@ -204,6 +204,44 @@ def test_adopted_weights_are_the_given_tensors_and_generate_as_loaded_ones():
         engine.adopt_weights([("nope", torch.zeros(1))])
 
 
+def test_after_each_adapter_sync_the_engine_generates_as_the_merged_actor():
+    """LoRA RL's hf engine (issue 27): its own copy of the base with an adapter that each sync replaces generates,
+    after each sync, the greedy tokens and sampling log-probs of the actor with that adapter merged into the
+    weights."""
+    from hpc_rlhf.config import LoraSection
+    from hpc_rlhf.models.lora import adapter_tensors, apply_lora, merged_state_dict
+
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    engine = HFRolloutEngine(apply_lora(tiny_llama(7), lora).requires_grad_(False).eval(), pad_id=PAD, eos_id=EOS)
+    actor = apply_lora(tiny_llama(7), lora)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
+    sampled = SamplingParams(n=3, temperature=0.8, max_new_tokens=8, seed=5)
+    seen = []
+    for update in range(2):
+        with torch.no_grad():  # an update of the actor: new adapter weights (B starts at zero in peft)
+            for name, p in actor.named_parameters():
+                if ".lora_" in name:
+                    p.normal_(std=0.5)
+        assert engine.load_adapter(adapter_tensors(actor)) == 12  # A and B of 3 layers x 2 layers
+        merged = tiny_llama(0)
+        merged.load_state_dict(merged_state_dict(actor))
+        expected = HFRolloutEngine(merged, pad_id=PAD, eos_id=EOS)
+        ours, theirs = engine.generate(PROMPTS, greedy), expected.generate(PROMPTS, greedy)
+        assert [t.tolist() for t in ours.flat_responses()] == [t.tolist() for t in theirs.flat_responses()]
+        for a, b in zip(ours.flat_logprobs(), theirs.flat_logprobs()):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+        drawn = engine.generate(PROMPTS, sampled)
+        for i, (tokens, lps) in enumerate(zip(drawn.flat_responses(), drawn.flat_logprobs())):
+            teacher = teacher_forced_logprobs(merged, PROMPTS[i // 3], tokens, 0.8)
+            torch.testing.assert_close(lps, teacher, atol=1e-4, rtol=0)
+        seen.append([t.tolist() for t in ours.flat_responses()])
+    assert seen[0] != seen[1]  # each sync changed what the engine generates
+    with pytest.raises(RolloutError, match="load_adapter: the model has no parameter or buffer named"):
+        engine.load_adapter([("base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight", torch.zeros(4, 32))])
+    with pytest.raises(RolloutError, match="has no LoRA adapter"):
+        HFRolloutEngine(tiny_llama(7), pad_id=PAD, eos_id=EOS).load_adapter(adapter_tensors(actor))
+
+
 def test_load_weights_names_the_unknown_or_misshapen_tensor(engine):
     with pytest.raises(RolloutError, match=r"no parameter or buffer named 'model.layers.0.mlp.up_proj.weigth'.*"
                                            r"did you mean 'model.layers.0.mlp.up_proj.weight'"):

@@ -157,6 +157,28 @@ def test_full_state_streams_the_state_dict(world, stage):
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_adapter_state_streams_the_trained_adapter_alone(world, stage):
+    """A LoRA actor's sync stream (issue 27): adapter_state() yields the adapter's tensors with their trained
+    values under the names of PEFT's adapter file, one LoRA layer gathered at a time under ZeRO-3, and nothing of
+    the frozen base."""
+    from peft import get_peft_model_state_dict
+
+    from hpc_rlhf.config import LoraSection
+    from hpc_rlhf.engines.train import TrainEngine
+    from hpc_rlhf.models.lora import apply_lora
+
+    engine = TrainEngine(apply_lora(tiny_model(0), LoraSection(rank=4, target_modules=["q_proj", "v_proj"])),
+                         train_cfg(zero_stage=stage))
+    run_steps(engine, global_batches(8, 2, 4))
+    streamed = {name: tensor.detach().clone() for name, tensor in engine.adapter_state()}
+    with engine.gathered_parameters() as module:
+        expected = get_peft_model_state_dict(module)
+        assert streamed.keys() == expected.keys() and len(streamed) == 2 * 2 * 2
+        assert all(torch.equal(streamed[name], expected[name]) for name in expected)
+        assert any(float(t.abs().sum()) > 0 for name, t in streamed.items() if ".lora_B." in name)  # it trained
+
+
 def reference_loop(model, cfg: TrainSection, batches, clip: bool) -> list[float]:
     """The textbook loop the engine must reproduce: AdamW (matrices decayed), warmup-cosine, clipping."""
     from hpc_rlhf.engines.schedule import warmup_cosine_scheduler

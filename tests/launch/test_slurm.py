@@ -195,8 +195,7 @@ def test_preempted_rank0_requeues_and_ends_without_a_result(tmp_path, monkeypatc
 # signals from a slow node, srun's SIGTERM after the first rank exited 75): it must still exit with 75.
 PREEMPTED_RANK = textwrap.dedent("""
     import signal, sys, time
-    from hpc_rlhf import cli
-    from hpc_rlhf.launch import slurm
+    from hpc_rlhf.launch import modes, slurm
     from hpc_rlhf.trainers.checkpointing import Preempted, StopSignal
 
     stop = StopSignal()
@@ -205,7 +204,7 @@ PREEMPTED_RANK = textwrap.dedent("""
         while stop.received is None:
             time.sleep(0.001)
         raise Preempted(step=1)
-    cli.main = preempted
+    modes.run = preempted
     sys.exit(slurm.run_rank(["sft"]))
 """)
 

@@ -105,6 +105,17 @@ def test_unknown_target_modules_list_the_real_ones(folder):
         apply_lora(model, LoraSection(rank=2, target_modules=["query"]))
 
 
+def test_target_modules_the_model_lacks_are_named_even_when_others_exist(folder):
+    """peft itself refuses only a list of which no name matches; one wrong name among right ones would leave
+    layers untrained without a word."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with pytest.raises(ConfigError, match=r"^actor.lora.target_modules=\['q_proj', 'qkv'\]: \['qkv'\] matches no layer "
+                                          r"of Qwen2ForCausalLM; its linear layers are: down_proj, .*v_proj$"):
+        apply_lora(model, LoraSection(rank=2, target_modules=["q_proj", "qkv"]), where="actor.lora")
+
+
 def test_rank_zero_is_not_lora(folder):
     from transformers import AutoModelForCausalLM
 
@@ -241,3 +252,84 @@ def test_qlora_needs_adapters():
 
 def test_no_qlora_no_quantization():
     assert quantization_config(LoraSection(rank=4)) is None
+
+
+# ------------------------------------------------------------------------------------- the adapter alone (issue 27)
+def test_adapter_tensors_are_peft_s_own_adapter_file(trained_lm, tmp_path):
+    """What LoRA RL syncs is exactly what peft writes as the adapter: the same names, the same values; the base
+    weights are not part of it."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from hpc_rlhf.models.lora import adapter_parameters, adapter_tensors
+
+    model, _, _ = trained_lm
+    streamed = dict(adapter_tensors(model))
+    expected = get_peft_model_state_dict(model)
+    assert streamed.keys() == expected.keys()
+    assert all(torch.equal(streamed[k], expected[k]) for k in expected)
+    save_model(model, tmp_path / "adapter", merge=False)
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved.keys() == streamed.keys()
+    assert sum(t.numel() for t in streamed.values()) == model_num_params(model, trainable_only=True)
+    params = adapter_parameters(model)  # where a receiving copy loads them: the live parameters
+    assert params.keys() == streamed.keys() and all(params[k] is not streamed[k] for k in params)
+    assert all(torch.equal(params[k], streamed[k]) for k in params)
+
+
+def test_adapter_tensors_gather_one_lora_layer_at_a_time(trained_lm):
+    import contextlib
+
+    from hpc_rlhf.models.lora import adapter_tensors
+
+    model, _, _ = trained_lm
+    units = []
+
+    @contextlib.contextmanager
+    def gather(params):
+        units.append(len(params))
+        yield
+
+    names = [name for name, _ in adapter_tensors(model, gather=gather)]
+    assert units == [2] * (2 * len(model.get_base_model().model.layers))  # A and B of q_proj, v_proj per layer
+    assert len(names) == sum(units)
+    count = len(units)  # the other ranks of a ZeRO-3 group: the same gathers, nothing yielded
+    assert list(adapter_tensors(model, gather=gather, emit=False)) == [] and len(units) == 2 * count
+
+
+def test_an_adapter_folder_written_from_the_stream_loads_in_peft_with_equal_logits(trained_lm, folder, tmp_path):
+    """The folder a vLLM engine is handed (one per sync) is a plain PEFT adapter folder over the base model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hpc_rlhf.models.lora import adapter_tensors, write_adapter_folder
+
+    model, ids, mask = trained_lm
+    lora = LoraSection(rank=RANK, alpha=8.0, target_modules=TARGETS)
+    write_adapter_folder(tmp_path / "v1", dict(adapter_tensors(model)), lora, str(folder))
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), tmp_path / "v1").eval()
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits,
+                               model(input_ids=ids, attention_mask=mask).logits, atol=0, rtol=0)
+
+
+def test_the_actor_with_its_adapter_off_is_the_reference_built_from_the_same_base(trained_lm, folder):
+    """ref_mode=adapter_disabled: the actor's own module with its adapter off gives the log-probs of a separate
+    reference model loaded from the same base folder (1e-6; fp32 on CPU they are equal bit for bit), and the
+    adapter is back on afterwards."""
+    from hpc_rlhf.algorithms.logprobs import token_logprobs
+    from hpc_rlhf.models.lora import adapter_disabled
+
+    model, ids, mask = trained_lm
+    reference = build_causal_lm(lora_section(path=str(folder)), for_training=False)
+
+    def logps(m):  # of every next token at temperature 0.7, as the RL step scores them
+        with torch.no_grad():
+            logits = m(input_ids=ids, attention_mask=mask).logits.float() / 0.7
+        return token_logprobs(logits[:, :-1], ids[:, 1:]) * mask[:, 1:]
+
+    adapted = logps(model)
+    with adapter_disabled(model):
+        off = logps(model)
+    torch.testing.assert_close(off, logps(reference), atol=1e-6, rtol=0)
+    assert (off - adapted).abs().max() > 1e-3  # the adapter matters: off is not the actor
+    torch.testing.assert_close(logps(model), adapted, atol=0, rtol=0)

@@ -25,6 +25,17 @@ def test_routes_go_to_the_ranks_that_consume_them():
     assert {r.ranks for r in hybrid.values()} == {(0,)}  # one rank: nothing travels
 
 
+def test_a_lora_actor_sends_the_reference_from_its_own_leader():
+    """ref_mode=adapter_disabled (issue 27): no ref role; the actor's ranks score the reference with the adapter
+    off, and its leader sends it to the trained roles on the same ranks as the actor's own scores."""
+    plan = make_plan("actor=2,critic=1,rollout=1", 4, 4)
+    routes = messages.routes_of(plan, ref_role="actor")
+    assert (routes["scores/ref"].src, routes["scores/ref"].ranks) == (0, (0, 1, 2)) == \
+        (routes["scores/actor"].src, routes["scores/actor"].ranks)
+    assert "scores/ref" not in messages.routes_of(plan)
+    assert messages.message_groups(plan, ref_role="actor")["scores/ref"] == (0, 1, 2)
+
+
 def test_only_routes_of_three_ranks_or_more_get_a_group():
     assert messages.message_groups(make_plan(*COLOCATED)) == {
         "responses/0": (0, 1, 2, 3, 4), "scores/actor": (0, 1, 3), "scores/critic": (0, 1, 3),

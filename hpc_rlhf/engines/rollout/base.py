@@ -13,6 +13,10 @@ still reports the value before truncation, vLLM the value renormalised over the 
 
 Names given to `load_weights` are those of the plain Hugging Face model (`model.layers.0.mlp.up_proj.weight`);
 `hf_param_name` turns the names of a DeepSpeed- or peft-wrapped actor into those.
+
+LoRA RL (`actor.lora.rank > 0`): an engine started with the actor's LoRA settings holds the frozen base weights,
+loaded once from the actor's base folder, and takes the adapter alone at every sync (`load_adapter`); the hf engine
+applies it to its own copy through peft, vLLM through its own LoRA support (a new adapter version per sync).
 """
 
 from __future__ import annotations
@@ -130,6 +134,14 @@ class RolloutEngine(abc.ABC):
         May be called several times per update (once per received bucket). The tensors may be views into a
         buffer the caller reuses, so an engine copies them before returning.
         """
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """LoRA RL: copy adapter tensors (named as in PEFT's adapter file, `models.lora.adapter_tensors`) into the
+        engine's adapter, over its unchanged base weights; returns how many were loaded. Called once per received
+        bucket; every sync sends the whole adapter, and the engine generates with it from its next `generate`.
+        Only engines started with a LoRA adapter (`lora=`) take adapters."""
+        raise RolloutError(f"{type(self).__name__} was started without a LoRA adapter: it takes full weights "
+                           "(load_weights), not adapters")
 
     @abc.abstractmethod
     def sleep(self) -> None:

@@ -39,6 +39,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from hpc_rlhf.engines.rollout.base import (RolloutBatch, RolloutEngine, RolloutError, SamplingParams,
                                            check_prompts, cut_at_stop)
+from hpc_rlhf.models.lora import adapter_parameters, is_peft_model
 
 # Values that switch off every processor a checkpoint's generation_config.json could turn on: generate() fills
 # unset (None) fields from the model's config, so "off" has to be said explicitly.
@@ -106,6 +107,7 @@ class HFRolloutEngine(RolloutEngine):
         # The receive buffers the weights live in once a sync has handed them over (`adopt_weights`,
         # hpc_rlhf.dist.weight_sync.receive_into): kept so that the next sync rewrites them in place.
         self.received_buffers: list[torch.Tensor] = []
+        self._adapter: dict[str, torch.Tensor] | None = None  # LoRA RL: the adapter's parameters by file name
 
     @property
     def device(self) -> torch.device:
@@ -218,6 +220,21 @@ class HFRolloutEngine(RolloutEngine):
         loaded = 0
         for name, tensor in named_tensors:
             self._target(targets, name, tensor, "load_weights").copy_(tensor)
+            loaded += 1
+        return loaded
+
+    @torch.no_grad()
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """LoRA RL: copy the adapter's tensors (names of PEFT's adapter file) into this engine's peft model (built
+        by the caller over the frozen base: `models.lora.apply_lora`); the base weights stay as they are."""
+        if self._adapter is None:
+            if not is_peft_model(self.model):
+                raise RolloutError("load_adapter: this hf engine's model has no LoRA adapter (build it with the "
+                                   "actor's lora settings to sync adapters)")
+            self._adapter = adapter_parameters(self.model)
+        loaded = 0
+        for name, tensor in named_tensors:
+            self._target(self._adapter, name, tensor, "load_adapter").copy_(tensor)
             loaded += 1
         return loaded
 

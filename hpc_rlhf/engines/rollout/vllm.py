@@ -38,6 +38,16 @@ vLLM's API, because vLLM's own transports are CUDA-only (`ipc`, `nccl`, ...): se
   GPU that holds it (found by uuid) and loads from there, which also serves tensor-parallel engines.
 `weight_digests()` reads the worker's weights back (through its kernels) as one sha256 per Hugging Face name.
 
+LoRA RL (`lora=` the actor's LoRA settings): the engine starts with vLLM's LoRA support on (`enable_lora`, one
+adapter slot, `max_lora_rank` the smallest rank vLLM 0.32 offers that holds the actor's) over the base weights of
+the actor's folder, which never change. `load_adapter` keeps each sync's adapter tensors; before the next
+generation they are written as a PEFT adapter folder (a temporary folder of this engine, one per version) and every
+request carries a `LoRARequest` with a new id, so vLLM loads the new version (it caches adapters by id) and drops
+the old one from its single slot. vLLM 0.32's `LoRARequest` has no way to hand over tensors in memory (only a
+path: `vllm/lora/request.py`), and the folder is a few MB; the adapter's bytes still travel over the weight-sync
+group as every other sync does. Measured against the adapter merged into the weights under transformers:
+tests/engines/test_rollout_vllm_lora.py.
+
 Log-probs: `logprobs_mode="processed_logprobs"` and `logprobs=0` (the sampled token only): the log-softmax of the
 logits after temperature and after top-k/top-p truncation. Without truncation (top_k 0, top_p 1, the defaults)
 this is the hf engine's `log_softmax(logits / T)`; with truncation vLLM's value is renormalised over the kept
@@ -53,6 +63,9 @@ import logging
 import mmap
 import os
 import pickle
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -72,6 +85,9 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 _OUR_PREFIX = "HPC_RLHF_"  # fault injection, error files, the local launcher's flag: for our ranks only
 _OURS_TO_KEEP = ("HPC_RLHF_CPU_KERNELS",)  # the worker imports hpc_rlhf, which pins CPU kernels unless told not to
 _ALIGN = 64  # bytes: every tensor of a bucket starts at a multiple of this
+# The LoRA ranks vLLM 0.32 accepts as `max_lora_rank` (vllm/config/lora.py, MaxLoRARanks); an adapter of a rank up
+# to it loads. Checked before any rank starts (rl/config.py), so kept here without importing vLLM.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 log = logging.getLogger("hpc_rlhf")
 
@@ -150,17 +166,30 @@ def rollout_batch_from_outputs(prompt_ids: list[list[int]], request_outputs: Seq
                         finish_reasons=reasons)
 
 
+def vllm_max_lora_rank(rank: int) -> int:
+    """The `max_lora_rank` an engine needs for adapters of rank `rank`: the smallest one vLLM offers that holds it."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise RolloutError(f"LoRA rank {rank} is larger than vLLM allows (max_lora_rank at most "
+                       f"{VLLM_MAX_LORA_RANKS[-1]})")
+
+
 def engine_kwargs(model_path: str, *, tensor_parallel_size: int, dtype: str, gpu_memory_utilization: float,
                   seed: int, enable_sleep_mode: bool, max_model_len: int | None, enforce_eager: bool,
-                  weight_backend: str, kv_cache_bytes: int | None = None, extra: dict | None = None) -> dict:
-    """Keyword arguments of `vllm.LLM` for a rollout engine (extra ones override)."""
+                  weight_backend: str, kv_cache_bytes: int | None = None, lora_rank: int = 0,
+                  extra: dict | None = None) -> dict:
+    """Keyword arguments of `vllm.LLM` for a rollout engine (extra ones override). `lora_rank` > 0: LoRA support
+    on, one adapter at a time (the actor's latest)."""
+    lora = dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1, max_cpu_loras=1) \
+        if lora_rank > 0 else {}
     kwargs = dict(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                   gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=enable_sleep_mode,
                   enforce_eager=enforce_eager, worker_extension_cls=WORKER_EXTENSION,
                   weight_transfer_config={"backend": weight_backend},
                   logprobs_mode="processed_logprobs", skip_tokenizer_init=True,  # we send and receive token ids
                   kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
-                  distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
+                  distributed_executor_backend="mp" if tensor_parallel_size > 1 else None, **lora)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     kwargs.update(extra or {})
     return kwargs
@@ -336,13 +365,15 @@ class VLLMRolloutEngine(RolloutEngine):
 
     kv_cache_mb: the KV cache vLLM allocates (None: on GPU vLLM sizes it from gpu_memory_utilization; on CPU
     DEFAULT_CPU_KV_CACHE_MB, since there gpu_memory_utilization is a share of the machine's memory).
+    lora: the actor's LoRA settings (`config.LoraSection`) when it trains an adapter: the engine then takes the
+    adapter alone at every sync (`load_adapter`; see the module docstring), never full weights.
     """
 
     def __init__(self, model_path: str, eos_id: int, *, tensor_parallel_size: int = 1,
                  gpu_ids: Sequence[int] | None = None, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
                  kv_cache_mb: int | None = None, seed: int = 0, enable_sleep_mode: bool = True, sleep_level: int = 1,
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 extra_engine_args: dict | None = None):
+                 extra_engine_args: dict | None = None, lora=None):
         if sleep_level not in (1, 2):
             raise RolloutError(f"sleep_level must be 1 (weights to host memory) or 2 (weights dropped), got "
                                f"{sleep_level}")
@@ -373,7 +404,7 @@ class VLLMRolloutEngine(RolloutEngine):
                                enable_sleep_mode=self.enable_sleep_mode, max_model_len=max_model_len,
                                enforce_eager=enforce_eager, weight_backend=self.transport.backend,
                                kv_cache_bytes=None if kv_cache_mb is None else int(kv_cache_mb) * 2**20,
-                               extra=extra_engine_args)
+                               lora_rank=lora.rank if lora is not None else 0, extra=extra_engine_args)
         self.reaper = Reaper()
         try:
             with spawn_environment(gpu_ids, on_cpu=self.on_cpu), self.reaper.watch_new_children():
@@ -387,6 +418,14 @@ class VLLMRolloutEngine(RolloutEngine):
         self._vllm = vllm
         self._updating = False
         self._asleep: set[str] = set()  # the parts now released: "weights", "kv_cache"
+        # LoRA RL: the adapter of the sync in progress, the version vLLM generates with, the folders it is read from
+        self.model_path = model_path
+        self.lora = lora
+        self._adapter: dict[str, torch.Tensor] = {}
+        self._adapter_pending = False
+        self.adapter_version = 0
+        self._lora_request = None
+        self._lora_dir = Path(tempfile.mkdtemp(prefix="hpc_rlhf_lora_")) if lora is not None else None
         atexit.register(self.close)
 
     # ------------------------------------------------------------------------------------------ generation
@@ -404,7 +443,7 @@ class VLLMRolloutEngine(RolloutEngine):
         stop_ids = self._stop_ids(sampling)
         params = [self._vllm.SamplingParams(**kw) for kw in vllm_sampling_kwargs(sampling, stop_ids, len(prompt_ids))]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
         return rollout_batch_from_outputs(prompt_ids, outputs, sampling, stop_ids)
 
     # ------------------------------------------------------------------------------------------ weights
@@ -425,9 +464,42 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.update_weights({"update_info": self.transport.bucket(named)})
         return len(named)
 
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """One bucket of a LoRA sync: the adapter's tensors (names of PEFT's adapter file) are kept until the next
+        generation, which hands the complete adapter to vLLM as a new version (`finish_weight_update`)."""
+        if self.lora is None:
+            return super().load_adapter(named_tensors)
+        if not self._adapter_pending:  # the first bucket of a sync: every sync sends the whole adapter
+            self._adapter = {}
+            self._adapter_pending = True
+        count = 0
+        for name, tensor in named_tensors:
+            self._adapter[name] = tensor.detach().to("cpu", copy=True)  # the bucket's buffer is reused
+            count += 1
+        return count
+
+    def _publish_adapter(self) -> None:
+        """The adapter received since the last generation as vLLM's next LoRA version: a PEFT folder of its own
+        and a request id never used before (vLLM caches adapters by id); the folder of the version before goes
+        (vLLM read it when it first generated with it, and never reads it again)."""
+        from vllm.lora.request import LoRARequest  # vLLM itself is imported only when an engine starts
+
+        from hpc_rlhf.models.lora import write_adapter_folder  # peft, only for engines of a LoRA actor
+
+        self._adapter_pending = False
+        self.adapter_version += 1
+        folder = write_adapter_folder(self._lora_dir / f"v{self.adapter_version}", self._adapter, self.lora,
+                                      self.model_path)
+        self._lora_request = LoRARequest(f"hpc_rlhf_adapter_v{self.adapter_version}", self.adapter_version,
+                                         str(folder))
+        shutil.rmtree(self._lora_dir / f"v{self.adapter_version - 1}", ignore_errors=True)
+
     def finish_weight_update(self) -> None:
         """Close the weight-update session the last `load_weights` left open (vLLM's layerwise reload finishes
-        here). Done by itself before the next generate, weight_digests, sleep or close."""
+        here), or hand the adapter the last `load_adapter` calls brought to vLLM. Done by itself before the next
+        generate, weight_digests, sleep or close."""
+        if self._adapter_pending:
+            self._publish_adapter()
         if self._updating:
             self._updating = False
             self.llm.finish_weight_update()
@@ -478,6 +550,8 @@ class VLLMRolloutEngine(RolloutEngine):
             log.warning("vLLM engine shutdown failed (%s: %s); killing its processes", type(exc).__name__, exc)
         finally:
             self.transport.close()
+            if getattr(self, "_lora_dir", None) is not None:
+                shutil.rmtree(self._lora_dir, ignore_errors=True)
             if self.reaper is not None:
                 self.reaper.reap()  # whatever outlived vLLM's own shutdown
                 self.reaper.done()
