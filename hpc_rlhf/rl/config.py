@@ -119,7 +119,7 @@ class RLSection:
 class RLEvalSection:
     """Held-out exact match by greedy generation on data.eval_files (every log.eval_every_steps)."""
     max_rows: int = field(200, min=1)
-    max_new_tokens: int = field(8, min=1)
+    max_new_tokens: int = field(8, min=1, help="tokens of a greedy answer (episodes: rollout.max_new_tokens per turn)")
 
 
 def _rl_data() -> DataSection:

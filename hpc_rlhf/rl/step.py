@@ -368,7 +368,8 @@ class RLRecipe:
             return {"eval_accuracy": float("nan")}
         env = self.cfg.env.enabled
         max_tokens = self.cfg.env.max_episode_tokens if env else self.cfg.eval.max_new_tokens
-        sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens)
+        per_turn = self.cfg.rollout.max_new_tokens if env else self.cfg.eval.max_new_tokens  # episodes: as in training
+        sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=per_turn)
         share = engine_generate(self.rollout, self.eval_prompts, sampling, self.weights.engine_awake, self.play)
         with watchdog.phase("exchange"):
             generated = messages.share_generated(share, "eval", len(self.eval_prompts), 1, max_tokens,

@@ -14,7 +14,7 @@ from hpc_rlhf.cli import main
 from hpc_rlhf.config import load_config
 from hpc_rlhf.dist.allocation import AllocationError
 from hpc_rlhf.launch.dry_run import check_config
-from hpc_rlhf.trainers import ppo
+from hpc_rlhf.rl import ppo
 from tests.launch.test_sbatch_scripts import GPU_SCRIPTS, default_of, directives
 
 REPO = Path(__file__).resolve().parents[2]
