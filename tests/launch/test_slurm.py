@@ -16,7 +16,7 @@ import pytest
 import submitit
 from submitit.slurm.slurm import _make_sbatch_string
 
-from hpc_rlhf import cli
+from hpc_rlhf.launch import modes
 from hpc_rlhf.launch import slurm
 from hpc_rlhf.launch.slurm import (PREEMPTED_EXIT_CODE, SlurmLaunchError, TrainingTask, forget_the_submitters_world,
                                    requeue_self, should_requeue, slurm_parameters, submit, task_args)
@@ -177,7 +177,7 @@ def preempted_mode(argv):
 def test_preempted_rank0_requeues_and_ends_without_a_result(tmp_path, monkeypatch, restore_sigterm):
     log = tmp_path / "scontrol.log"
     install_fakes(tmp_path, monkeypatch, scontrol=f'echo "$@" >> {log}\n')
-    monkeypatch.setattr(cli, "main", preempted_mode)
+    monkeypatch.setattr(modes, "run", preempted_mode)
     monkeypatch.setenv("SLURM_JOB_ID", "31")
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
@@ -225,7 +225,7 @@ def test_a_preempted_rank_exits_75_while_stop_signals_keep_arriving(late):
 def test_preempted_other_ranks_leave_the_requeue_to_rank0(tmp_path, monkeypatch, restore_sigterm):
     log = tmp_path / "scontrol.log"
     install_fakes(tmp_path, monkeypatch, scontrol=f'echo "$@" >> {log}\n')
-    monkeypatch.setattr(cli, "main", preempted_mode)
+    monkeypatch.setattr(modes, "run", preempted_mode)
     monkeypatch.setenv("SLURM_JOB_ID", "31")
     monkeypatch.setenv("SLURM_PROCID", "1")
     with pytest.raises(SystemExit, match=str(PREEMPTED_EXIT_CODE)):
@@ -234,7 +234,7 @@ def test_preempted_other_ranks_leave_the_requeue_to_rank0(tmp_path, monkeypatch,
 
 
 def test_preempted_too_often_fails_instead_of_requeueing(monkeypatch, restore_sigterm):
-    monkeypatch.setattr(cli, "main", preempted_mode)
+    monkeypatch.setattr(modes, "run", preempted_mode)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "5")
     with pytest.raises(RuntimeError, match="preempted again after 5 restarts"):
         TrainingTask("sft", [], max_restarts=5)()
@@ -242,11 +242,11 @@ def test_preempted_too_often_fails_instead_of_requeueing(monkeypatch, restore_si
 
 def test_failed_mode_raises_with_its_code_and_success_returns(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "2")
-    monkeypatch.setattr(cli, "main", lambda argv: 2)
+    monkeypatch.setattr(modes, "run", lambda argv: 2)
     with pytest.raises(RuntimeError, match="hpc-rlhf sft failed on rank 2 with exit code 2"):
         TrainingTask("sft", [])()
     calls = []
-    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr(modes, "run", lambda argv: calls.append(argv) or 0)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     assert TrainingTask("dpo", ["--config", "d.yaml"])() == {"rank": 2, "exit_code": 0, "restarts": 0}
     assert calls == [["dpo", "--config", "d.yaml"]]
@@ -258,7 +258,7 @@ def test_the_task_forgets_the_world_of_the_process_that_submitted_it(monkeypatch
                             TORCHELASTIC_USE_AGENT_STORE="True", SLURM_PROCID="1", SLURM_NTASKS="2").items():
         monkeypatch.setenv(name, value)
     seen = {}
-    monkeypatch.setattr(cli, "main", lambda argv: seen.update(os.environ) or 0)
+    monkeypatch.setattr(modes, "run", lambda argv: seen.update(os.environ) or 0)
     TrainingTask("sft", [])()
     gone = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"}
     assert not gone & set(seen)
@@ -279,7 +279,7 @@ def test_checkpoint_resubmits_the_same_task():
 
 def test_rank_subcommand_runs_the_mode(monkeypatch, restore_sigterm):
     seen = []
-    monkeypatch.setattr(cli, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(modes, "run", lambda argv: seen.append(argv) or 0)
     assert slurm.main(["rank", "sft", "train.lr=1"]) == 0
     assert seen == [["sft", "train.lr=1"]]
 
@@ -291,7 +291,7 @@ def test_cli_refuses_a_bad_slurm_option(capsys):
 
 def test_a_refused_requeue_still_ends_the_task_without_a_result(tmp_path, monkeypatch, capsys, restore_sigterm):
     install_fakes(tmp_path, monkeypatch, scontrol='echo "Requested operation is presently disabled" >&2; exit 1\n')
-    monkeypatch.setattr(cli, "main", preempted_mode)
+    monkeypatch.setattr(modes, "run", preempted_mode)
     monkeypatch.setenv("SLURM_JOB_ID", "8")
     monkeypatch.setenv("SLURM_PROCID", "0")
     with pytest.raises(SystemExit, match=str(PREEMPTED_EXIT_CODE)):
