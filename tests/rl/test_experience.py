@@ -43,8 +43,20 @@ def test_experience_select_cuts_rows_to_their_width():
 
     batch = make_batch([[1, 5], [1]], [torch.tensor([8]), torch.tensor([4, 4, 4, 2])], pad_id=0)
     per_token = torch.arange(8, dtype=torch.float32).reshape(2, 4)
-    exp = Experience(batch, torch.tensor([1.0, 2.0]), per_token, per_token, per_token, per_token, per_token)
+    exp = Experience(batch, torch.tensor([1.0, 2.0]), per_token, per_token, per_token, per_token, per_token,
+                     batch.action_mask)
     first = exp.select([0])
     assert first.batch.input_ids.tolist() == [[1, 5, 8]] and first.batch.action_mask.tolist() == [[0, 1]]
     assert first.old_logps.tolist() == [[0.0, 1.0]] and first.scores.tolist() == [1.0] and first.values is None
+    assert first.loss_mask.tolist() == [[0, 1]] and first.is_weights is None
     assert exp.tokens([0, 1]) == 5.0 and len(exp) == 2
+
+
+def test_every_per_sample_field_of_the_experience_is_selected():
+    """A micro-batch selects every field but the batch by name (PER_SAMPLE_FIELDS): a field added to Experience and
+    left out of the list would reach the loss unselected."""
+    import dataclasses
+
+    from hpc_rlhf.rl.experience import PER_SAMPLE_FIELDS
+
+    assert [f.name for f in dataclasses.fields(Experience)] == ["batch", *PER_SAMPLE_FIELDS]
