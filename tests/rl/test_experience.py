@@ -57,6 +57,6 @@ def test_every_per_sample_field_of_the_experience_is_selected():
     left out of the list would reach the loss unselected."""
     import dataclasses
 
-    from hpc_rlhf.rl.experience import PER_SAMPLE_FIELDS
+    from hpc_rlhf.rl.experience import PER_SAMPLE_FIELDS, Experience
 
     assert [f.name for f in dataclasses.fields(Experience)] == ["batch", *PER_SAMPLE_FIELDS]
