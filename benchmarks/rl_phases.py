@@ -79,8 +79,8 @@ def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
     def on_routes(keys, me=None) -> set[int]:
         return {r for key in keys for r in messages.route(key).ranks if me is None or me in messages.route(key).ranks}
 
-    def engine_routes(args):
-        return [f"{args[2]}/{e}" for e in range(len(args[3]))]
+    def engine_routes(args):  # the engines' shares reach the hub, the batch goes from the hub to the consumers
+        return [args[2], "engines"]
 
     messages.share_responses = timed(
         messages.share_responses, lambda *a, **kw: f"share_responses {a[2]}",

@@ -1,19 +1,16 @@
-"""The RL step's messages: which message goes from whom to whom (the route table), and the calls that move them.
-
-A message kind has a route: its sender and its consumers, a pure function of the placement (`routes_of`), the same
-on every rank. Rank 0, the actor's leader, logs the step's figures:
-- `responses/E`: engine E's responses and their sampling log-probs, from its first rank to every scoring rank
-  (actor, critic, ref, reward models; the rule rewards run on one of them) and rank 0. The log-probs are for the
-  trained roles; they ride in the same message (`share_responses` says why);
-- `scores/ROLE` (actor, critic, ref, reward, reward2, ..., and `rules` for the rule/remote rewards): that role's
-  per-sample results, from its leader (the rule rewards' rank for `rules`) to the trained roles and rank 0;
-- `eval/E`: engine E's greedy responses of an evaluation, to rank 0 only (the one rank that decodes them);
-- `figures/critic`: the critic's training figures, from its leader to rank 0, which logs them.
+"""The RL step's messages: the calls that move a step's responses, scores and figures along the route table
+(routes.py: which message goes from whom to whom, and why it is shaped so that no rank's communicators grow with
+the number of rollout engines).
 
 How a message travels is hpc_rlhf.dist.exchange's (`post`): nowhere when its sender is its only consumer, point to
 point to a single consumer (and on gloo to each consumer when it is small), by a broadcast over the route's group
-otherwise. The groups are created once by hpc_rlhf.dist.groups from the rank sets this module names
+otherwise. The groups are created once by hpc_rlhf.dist.groups from the rank sets the route table names
 (`message_groups`); ranks outside a route take no part and get None.
+
+A batch's responses travel in two hops: each engine's first rank sends its share to the hub (the `engines`
+gather), which sends the whole batch to the consumers (`responses` or `eval`). On gloo, when every engine's share
+is small, each engine sends its share to each consumer directly instead (one hop, no relay: where ranks share
+cores a hop's latency costs more than its bytes, and gloo sets up nothing per pair of ranks).
 
 On a machine where roles share cores, a message costs a rank far more in latency (its partner must be scheduled)
 than in bytes, so the messages of one phase travel together, all in flight before any is waited for:
@@ -24,75 +21,23 @@ responses, and what one sender sends to the same ranks goes as one message).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hpc_rlhf.dist import exchange, groups
-from hpc_rlhf.dist.placement import Plan, role_kind
+from hpc_rlhf.dist.placement import Plan
 from hpc_rlhf.rl.experience import SampleBatch, from_ragged, shard_bounds
+from hpc_rlhf.rl.routes import (ENGINES, LOGGING_RANK, Gather, Route, engine_leaders, message_groups,  # noqa: F401
+                                routes_of, rule_reward_rank, travels_over_a_group)
 
-LOGGING_RANK = 0  # the actor's leader (placement puts the actor first), which logs the step's figures
 CRITIC_FIGURES = ("value_loss", "value_clip_fraction", "critic_grad_norm", "critic_skipped")
 
-
-@dataclass(frozen=True)
-class Route:
-    """Who sends one kind of message (`src`) and every rank that takes part (`ranks`: the sender and its consumers,
-    sorted)."""
-    key: str
-    src: int
-    ranks: tuple[int, ...]
-
-    @property
-    def consumers(self) -> tuple[int, ...]:
-        return tuple(r for r in self.ranks if r != self.src)
+_TABLE: tuple[Plan | None, dict[str, Route | Gather]] = (None, {})
 
 
-# ------------------------------------------------------------------------------------------------ the route table
-def rule_reward_rank(plan: Plan) -> int:
-    """Where the rule and remote rewards run: the first reward model's leader, else the actor's leader."""
-    rewards = [name for name in plan.roles if role_kind(name) == "reward"]
-    return plan.role(rewards[0] if rewards else "actor").leader
-
-
-def routes_of(plan: Plan) -> dict[str, Route]:
-    """Every route of `plan` (see the module docstring). Pure: every rank computes the same."""
-    def ranks_of(kinds) -> set[int]:
-        return {r for name, role in plan.roles.items() if role.kind in kinds for r in role.ranks}
-
-    trained = ranks_of(("actor", "critic")) | {LOGGING_RANK}
-    scorers = ranks_of(("actor", "critic", "ref", "reward")) | {LOGGING_RANK}
-    routes: dict[str, Route] = {}
-
-    def add(key: str, src: int, consumers: set[int]) -> None:
-        routes[key] = Route(key, src, tuple(sorted(consumers | {src})))
-
-    if plan.has("rollout"):
-        for index, engine in enumerate(plan.role("rollout").engines):
-            add(f"responses/{index}", engine[0], scorers)
-            add(f"eval/{index}", engine[0], {LOGGING_RANK})
-    for name, role in plan.roles.items():
-        if role.kind != "rollout":
-            add(f"scores/{name}", role.leader, trained)
-    add("scores/rules", rule_reward_rank(plan), trained)
-    if plan.has("critic"):
-        add("figures/critic", plan.role("critic").leader, {LOGGING_RANK})
-    return routes
-
-
-def message_groups(plan: Plan) -> dict[str, tuple[int, ...]]:
-    """The rank sets that need a group of their own (routes of three ranks or more; the others travel point to
-    point or not at all): what hpc_rlhf.dist.groups.initialize creates, named by route."""
-    return {key: r.ranks for key, r in routes_of(plan).items() if len(r.ranks) > 2}
-
-
-_TABLE: tuple[Plan | None, dict[str, Route]] = (None, {})
-
-
-def route(key: str) -> Route:
+def route(key: str) -> Route | Gather:
     """The route of message `key` in the placement of this job (public knowledge: any rank may ask)."""
     global _TABLE
     plan = groups.plan()
@@ -104,10 +49,29 @@ def route(key: str) -> Route:
     return table[key]
 
 
+def _group(path: Route | Gather) -> dist.ProcessGroup | None:
+    return groups.message_group(path.key) if travels_over_a_group(path) else None
+
+
 def _post(flat: torch.Tensor, path: Route, tag: int) -> list:
     """Start moving `flat` along `path` (this rank is on it): the works to wait for."""
-    group = groups.message_group(path.key) if len(path.ranks) > 2 else None
-    return exchange.post(flat, path.src, path.consumers, group=group, tag=tag)
+    return exchange.post(flat, path.src, path.consumers, group=_group(path), tag=tag)
+
+
+def _gather(flat: torch.Tensor, path: Gather) -> list[torch.Tensor] | None:
+    """`flat` from every rank of `path` (this rank is on it) to its `dst`: there, one per rank in rank order."""
+    me = dist.get_rank()
+    if len(path.ranks) == 1:
+        return [flat]
+    if travels_over_a_group(path):
+        return exchange.gather_known(flat, path.dst, _group(path))
+    other = path.senders[0]  # two ranks: point to point
+    if me == path.dst:
+        received = torch.empty_like(flat)
+        exchange.wait(exchange.post(received, other, [me]))
+        return [flat, received] if me < other else [received, flat]
+    exchange.wait(exchange.post(flat, me, [path.dst]))
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ known lengths
@@ -166,48 +130,53 @@ def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[to
                     counts: Sequence[int], max_len: int, with_logprobs: bool = False
                     ) -> tuple[list[list[torch.Tensor] | None], list[list[torch.Tensor] | None]]:
     """Every engine's responses (`mine`: token ids, on the engine's first rank; engine E generated `counts[E]`
-    responses of at most `max_len` tokens) along the routes `kind/E`, with `with_logprobs` their sampling
-    log-probs (`mine_logps`) too: per engine, (token ids, log-probs) on the ranks of its route, None elsewhere.
-    Every rank calls it.
+    responses of at most `max_len` tokens) to the consumers of route `kind` ("responses" or "eval"), with
+    `with_logprobs` their sampling log-probs (`mine_logps`) too: per engine, (token ids, log-probs) on those
+    consumers, None elsewhere. Every rank calls it.
 
-    One message per engine, all in flight at once, of a size every rank knows: 4-byte words, the lengths, then
-    room for `max_len` token ids (int32: vocabularies are far below 2^31) per response, then as much for the
-    log-probs' bits. Padding to the longest possible batch costs bytes, which are cheap next to the round trip
-    that announcing the size would cost; the log-probs ride in the room int64 ids would have taken, so the
-    ranks that do not need them (ref, reward) get no more bytes than the ids alone would have cost them."""
+    One message per engine, of a size every rank knows: 4-byte words, the lengths, then room for `max_len` token
+    ids (int32: vocabularies are far below 2^31) per response, then as much for the log-probs' bits. Padding to
+    the longest possible batch costs bytes, which are cheap next to the round trip that announcing the size would
+    cost; the log-probs ride in the room int64 ids would have taken, so the ranks that do not need them (ref,
+    reward) get no more bytes than the ids alone would have cost them. The engines' messages reach the hub (the
+    `engines` gather, padded to the largest), which sends them on as one; or, small on gloo, go from each engine
+    to each consumer directly (see the module docstring)."""
     device, me = exchange.comm_device(), dist.get_rank()
     width = 2 if with_logprobs else 1
+    sizes = [count + width * count * max_len for count in counts]
+    path, engines = route(kind), route(ENGINES)
+    leaders = engines.ranks
+    if len(leaders) != len(counts):
+        raise exchange.ExchangeError(f"share_responses('{kind}'): {len(counts)} counts for {len(leaders)} engines")
+    words: dict[int, torch.Tensor] = {}
+    if me in leaders:
+        e = leaders.index(me)
+        words[e] = _response_words(mine, mine_logps, f"{kind}/{e}", counts[e], max_len, with_logprobs).to(device)
+    direct = len(leaders) > 1 and exchange.fans_out_directly(4 * max(sizes), exchange.backend_of())
+    if direct:  # each engine to each consumer
+        works = []
+        for e, leader in enumerate(leaders):
+            if me in path.consumers and me != leader:
+                words[e] = torch.zeros(sizes[e], dtype=torch.int32, device=device)
+            if me in path.consumers or me == leader:
+                works += exchange.post(words[e], leader, path.consumers, tag=e)
+        exchange.wait(works)
+    else:  # to the hub, then the batch from the hub
+        if me in leaders and len(leaders) > 1:
+            padded = torch.zeros(max(sizes), dtype=torch.int32, device=device)
+            padded[:sizes[e]] = words[e]
+            gathered = _gather(padded, engines)
+            if gathered is not None:
+                words = {e: part[:sizes[e]] for e, part in enumerate(gathered)}
+        if me in path.ranks:
+            flat = (torch.cat([words[e] for e in range(len(leaders))]) if me == path.src
+                    else torch.zeros(sum(sizes), dtype=torch.int32, device=device))
+            exchange.wait(_post(flat, path, tag=0))
+            words = dict(enumerate(torch.split(flat, sizes)))
     tokens: list[list[torch.Tensor] | None] = [None] * len(counts)
     logps: list[list[torch.Tensor] | None] = [None] * len(counts)
-    words, works = {}, []
-    for e, count in enumerate(counts):
-        key = f"{kind}/{e}"
-        path = route(key)
-        if me not in path.ranks:
-            continue
-        room = count * max_len
-        words[e] = torch.zeros(count + width * room, dtype=torch.int32)
-        if me == path.src:
-            lengths = [len(t) for t in mine] if mine is not None else None
-            if lengths is None or len(lengths) != count or (lengths and max(lengths) > max_len):
-                raise exchange.ExchangeError(f"share_responses('{key}'): the engine has {len(lengths or [])} "
-                                             f"responses of up to {max(lengths or [0])} tokens; the ranks of the "
-                                             f"route expect {count} of at most {max_len}")
-            if with_logprobs and (mine_logps is None or [len(t) for t in mine_logps] != lengths):
-                raise exchange.ExchangeError(f"share_responses('{key}'): log-probs missing or not as long as the "
-                                             "responses")
-            flat, _ = exchange.pack_ragged(mine, torch.long)
-            if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < 2**31):
-                raise exchange.ExchangeError(f"share_responses('{key}'): token ids outside int32")
-            total = flat.numel()
-            words[e][:count] = torch.tensor(lengths, dtype=torch.int32)
-            words[e][count:count + total] = flat.to(torch.int32)
-            if with_logprobs:
-                logp_bits = exchange.pack_ragged(mine_logps, torch.float32)[0].view(torch.int32)
-                words[e][count + room:count + room + total] = logp_bits
-        words[e] = words[e].to(device)
-        works += _post(words[e], path, tag=e)
-    exchange.wait(works)
+    if me not in path.consumers:
+        return tokens, logps
     for e, flat in words.items():
         count, room = counts[e], counts[e] * max_len
         flat = flat.cpu()
@@ -217,6 +186,29 @@ def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[to
         if with_logprobs:
             logps[e] = list(torch.split(flat[count + room:count + room + total].view(torch.float32).clone(), lengths))
     return tokens, logps
+
+
+def _response_words(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[torch.Tensor] | None, what: str,
+                    count: int, max_len: int, with_logprobs: bool) -> torch.Tensor:
+    """One engine's message (see share_responses), checked against the size its consumers expect."""
+    room = count * max_len
+    words = torch.zeros(count + (2 if with_logprobs else 1) * room, dtype=torch.int32)
+    lengths = [len(t) for t in mine] if mine is not None else None
+    if lengths is None or len(lengths) != count or (lengths and max(lengths) > max_len):
+        raise exchange.ExchangeError(f"share_responses('{what}'): the engine has {len(lengths or [])} responses of "
+                                     f"up to {max(lengths or [0])} tokens; its consumers expect {count} of at most "
+                                     f"{max_len}")
+    if with_logprobs and (mine_logps is None or [len(t) for t in mine_logps] != lengths):
+        raise exchange.ExchangeError(f"share_responses('{what}'): log-probs missing or not as long as the responses")
+    flat, _ = exchange.pack_ragged(mine, torch.long)
+    if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < 2**31):
+        raise exchange.ExchangeError(f"share_responses('{what}'): token ids outside int32")
+    total = flat.numel()
+    words[:count] = torch.tensor(lengths, dtype=torch.int32)
+    words[count:count + total] = flat.to(torch.int32)
+    if with_logprobs:
+        words[count + room:count + room + total] = exchange.pack_ragged(mine_logps, torch.float32)[0].view(torch.int32)
+    return words
 
 
 def concatenated(per_engine: list[list[torch.Tensor] | None]) -> list[torch.Tensor] | None:
@@ -230,10 +222,9 @@ def share_generated(mine: list[torch.Tensor] | None, mine_logps: list[torch.Tens
                     n: int, max_len: int, with_logprobs: bool = False
                     ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
     """Each engine's share of a batch of `prompts` prompts x `n` samples of at most `max_len` tokens (`mine`, on
-    the engine's first rank) along the routes `to/E`: every response, prompt-major, on the ranks of all those
-    routes (the scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), and with `with_logprobs`
-    their sampling log-probs on the same ranks (in the same messages: `share_responses`); None elsewhere. Every
-    rank calls it."""
+    the engine's first rank) to the consumers of route `to`: every response, prompt-major, on those ranks (the
+    scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), and with `with_logprobs` their sampling
+    log-probs on the same ranks (in the same messages: `share_responses`); None elsewhere. Every rank calls it."""
     engines = len(groups.plan().role("rollout").engines)
     counts = [n * (end - start) for start, end in (shard_bounds(prompts, engines, e) for e in range(engines))]
     responses, logps = share_responses(mine, mine_logps, to, counts, max_len, with_logprobs)
@@ -269,18 +260,31 @@ def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], 
 # ------------------------------------------------------------------------------------------------ figures
 def critic_figures_to_logger(figures: dict[str, float]) -> dict[str, float]:
     """The critic's training figures (CRITIC_FIGURES, on its leader) to the logging rank: there, those it logs;
-    {} elsewhere. Every rank calls it."""
+    {} elsewhere. Every rank calls it.
+
+    Route `figures/critic`: a gather over the trained ranks, the others sending NaNs that rank 0 drops (a group
+    rank 0 belongs to anyway, rather than a point-to-point pair of its own on NCCL); on gloo, or with two trained
+    ranks, the critic's leader sends them to rank 0 directly."""
     if not groups.plan().has("critic"):
         return {}
     path = route("figures/critic")
-    me = dist.get_rank()
+    me, critic = dist.get_rank(), groups.role_leader("critic")
     if me not in path.ranks:
         return {}
-    values = torch.tensor([figures.get(k, float("nan")) for k in CRITIC_FIGURES], dtype=torch.float64)
-    if me != path.src:
-        values = exchange.recv_known(path.src, len(CRITIC_FIGURES), torch.float64)
-    elif path.consumers:
-        exchange.send_known(values, path.consumers[0], len(CRITIC_FIGURES), torch.float64)
+    values = torch.tensor([figures.get(k, float("nan")) if me == critic else float("nan") for k in CRITIC_FIGURES],
+                          dtype=torch.float64)
+    nbytes = values.numel() * values.element_size()
+    if critic == LOGGING_RANK:
+        pass
+    elif exchange.fans_out_directly(nbytes, exchange.backend_of()) or len(path.ranks) == 2:
+        if me == critic:
+            exchange.send_known(values, LOGGING_RANK, len(CRITIC_FIGURES), torch.float64)
+        elif me == LOGGING_RANK:
+            values = exchange.recv_known(critic, len(CRITIC_FIGURES), torch.float64)
+    else:
+        gathered = _gather(values.to(exchange.comm_device()), path)
+        if gathered is not None:
+            values = gathered[path.ranks.index(critic)].cpu()
     if me != LOGGING_RANK:
         return {}
     logged = dict(zip(CRITIC_FIGURES, values.tolist()))

@@ -2,7 +2,7 @@
 ranks (the worker code is at the bottom of this file)."""
 
 from hpc_rlhf.dist.placement import make_plan
-from hpc_rlhf.rl import messages
+from hpc_rlhf.rl import messages, routes
 from tests.distributed import run_ranks
 
 # 6 ranks as 2 nodes of 3: actor+ref 0-1, reward 2, critic 3, rollout 4-5 (one engine of 2).
@@ -10,15 +10,19 @@ COLOCATED = ("actor+ref=2,critic=1,reward=1,rollout=2,rollout_tp=2", 6, 3)
 
 
 def test_routes_go_to_the_ranks_that_consume_them():
-    """Responses (with their log-probs) to every scoring rank, scores to the trained roles (rank 0 logs), evaluation
-    responses and the critic's figures to rank 0 alone; pure, so every rank computes the same."""
-    routes = {key: (r.src, r.ranks) for key, r in messages.routes_of(make_plan(*COLOCATED)).items()}
-    assert routes == {
-        "responses/0": (4, (0, 1, 2, 3, 4)), "eval/0": (4, (0, 4)),
+    """The engines' first ranks to the hub, the batch from the hub to every scoring rank, scores to the trained roles
+    (rank 0 logs), evaluation responses and the critic's figures to rank 0 alone; pure, so every rank computes the
+    same."""
+    table = messages.routes_of(make_plan(*COLOCATED))
+    found = {key: (r.src, r.ranks) if isinstance(r, routes.Route) else ("to", r.dst, r.ranks)
+              for key, r in table.items()}
+    assert found == {
+        "engines": ("to", 4, (4,)), "responses": (4, (0, 1, 2, 3, 4)), "eval": (4, (0, 4)),
         "scores/actor": (0, (0, 1, 3)), "scores/critic": (3, (0, 1, 3)), "scores/ref": (0, (0, 1, 3)),
-        "scores/reward": (2, (0, 1, 2, 3)), "scores/rules": (2, (0, 1, 2, 3)), "figures/critic": (3, (0, 3))}
+        "scores/reward": (2, (0, 1, 2, 3)), "scores/rules": (2, (0, 1, 2, 3)), "figures/critic": ("to", 0, (0, 1, 3))}
     grpo = messages.routes_of(make_plan("actor=1,ref=1,rollout=2", 4, 4))
-    assert grpo["responses/1"].ranks == (0, 1, 3)
+    assert grpo["engines"].ranks == (2, 3) and grpo["engines"].dst == 2
+    assert grpo["responses"].src == 2 and grpo["responses"].ranks == (0, 1, 2)
     assert grpo["scores/actor"].ranks == (0,) and grpo["scores/rules"].src == 0  # no reward model: the actor
     assert "figures/critic" not in grpo
     hybrid = messages.routes_of(make_plan("actor+ref=1,rollout@actor", 1, 1))
@@ -27,8 +31,28 @@ def test_routes_go_to_the_ranks_that_consume_them():
 
 def test_only_routes_of_three_ranks_or_more_get_a_group():
     assert messages.message_groups(make_plan(*COLOCATED)) == {
-        "responses/0": (0, 1, 2, 3, 4), "scores/actor": (0, 1, 3), "scores/critic": (0, 1, 3),
-        "scores/ref": (0, 1, 3), "scores/reward": (0, 1, 2, 3), "scores/rules": (0, 1, 2, 3)}
+        "responses": (0, 1, 2, 3, 4), "scores/actor": (0, 1, 3), "scores/critic": (0, 1, 3),
+        "scores/ref": (0, 1, 3), "scores/reward": (0, 1, 2, 3), "scores/rules": (0, 1, 2, 3),
+        "figures/critic": (0, 1, 3)}
+    assert routes.point_to_point_pairs(make_plan(*COLOCATED)) == {(0, 4)}  # eval: the hub to rank 0
+
+
+def test_no_rank_holds_more_route_groups_as_engines_are_added():
+    """The groups and point-to-point peers the routes give a rank do not grow with the number of engines."""
+    def most(placement, world):
+        plan = make_plan(placement, world, 8)
+        member = {}
+        for ranks in set(messages.message_groups(plan).values()):
+            for r in ranks:
+                member[r] = member.get(r, 0) + 1
+        for pair in routes.point_to_point_pairs(plan):
+            for r in pair:
+                member[r] = member.get(r, 0) + 1
+        return max(member.values())
+
+    small = most("actor=4,critic=4,ref=4,reward=4,rollout=16,rollout_tp=4", 32)
+    assert small == most("actor=64,critic=32,ref=16,reward=16,rollout=128,rollout_tp=2", 256) == \
+        most("actor=256,critic=128,ref=64,reward=64,rollout=512,rollout_tp=1", 1024) == 5
 
 
 def test_a_steps_messages_on_six_ranks_both_ways():
@@ -85,16 +109,16 @@ if __name__ == "__main__":
                 assert got[key] is None, (key, rank)
 
         # A batch's responses with their sampling log-probs (share_responses), from engine 0's first rank (4) to
-        # the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5.
+        # the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5 nor back to rank 4.
         g = torch.Generator().manual_seed(5)
         want = [torch.randint(0, 2**31 - 1, (n,), generator=g) for n in (4, 0, 7, 1)]
         want_logps = [-torch.rand(len(t), generator=g) * 9 for t in want]
         got, got_logps = messages.share_responses(want if rank == 4 else None, want_logps if rank == 4 else None,
                                                   "responses", counts=[4], max_len=7, with_logprobs=True)
-        if rank <= 4:
+        if rank <= 3:
             assert all(torch.equal(a, b) for a, b in zip(got[0], want, strict=True)), got
             assert all(torch.equal(a, b) for a, b in zip(got_logps[0], want_logps, strict=True)), got_logps
-        else:
+        else:  # the engine's leader sends them and consumes none
             assert got == [None] and got_logps == [None]
 
         # The critic's figures reach the logging rank (0) from the critic's leader (3), without its skip flag.
@@ -104,6 +128,49 @@ if __name__ == "__main__":
         # Direct: no broadcast at all. Broadcast: every rank on a route of three ranks or more (0-4) takes part.
         assert bool(broadcasts) == (not direct_max and rank <= 4), (direct_max, len(broadcasts))
     dist.broadcast = real_broadcast
+    groups.destroy()
+
+    # ------------------------------------------------------------------ three engines: 0-1 actor, 2 critic, 3-5
+    # The engines' first ranks (3, 4, 5) gather their shares to the hub (3), which sends the batch to the consumers
+    # (0-2): over groups (DIRECT_MAX_BYTES = 0, as NCCL does), or each engine to each consumer directly (gloo).
+    engines_plan = make_plan("actor=2,critic=1,rollout=3", 6, 6)
+    groups.initialize(engines_plan, messages.message_groups(engines_plan), timeout_s=60)
+    real_gather, gathers = dist.gather, []
+
+    def counted_gather(*args, **kwargs):
+        gathers.append(args)
+        return real_gather(*args, **kwargs)
+
+    dist.gather = counted_gather
+    for direct_max in (exchange.DIRECT_MAX_BYTES, 0):
+        exchange.DIRECT_MAX_BYTES = direct_max
+        gathers.clear()
+        g = torch.Generator().manual_seed(11)
+        shares = [[torch.randint(0, 50, (n,), generator=g) for n in lengths] for lengths in ([3, 1], [2], [4, 0, 4])]
+        logps = [[-torch.rand(len(t), generator=g) for t in share] for share in shares]
+        mine = rank - 3 if rank >= 3 else None
+        got, got_logps = messages.share_responses(shares[mine] if mine is not None else None,
+                                                  logps[mine] if mine is not None else None, "responses",
+                                                  counts=[2, 1, 3], max_len=4, with_logprobs=True)
+        if rank <= 2:
+            for e in range(3):
+                assert all(torch.equal(a, b) for a, b in zip(got[e], shares[e], strict=True)), (e, got)
+                assert all(torch.equal(a, b) for a, b in zip(got_logps[e], logps[e], strict=True)), (e, got_logps)
+        else:
+            assert got == [None] * 3
+        # Evaluation: to rank 0 alone.
+        got, _ = messages.share_responses(shares[mine] if mine is not None else None, None, "eval", counts=[2, 1, 3],
+                                          max_len=4)
+        assert (got == [None] * 3) == (rank != 0)
+        if rank == 0:
+            assert all(torch.equal(a, b) for e in range(3) for a, b in zip(got[e], shares[e], strict=True))
+        # The critic's figures: a gather over the trained ranks 0-2 (or directly from rank 2 on gloo).
+        figures = {"value_loss": 0.5, "value_clip_fraction": 0.25, "critic_grad_norm": 2.0, "critic_skipped": 0.0}
+        logged = messages.critic_figures_to_logger(figures if rank == 2 else {})
+        assert logged == ({k: v for k, v in figures.items() if k != "critic_skipped"} if rank == 0 else {}), logged
+        # Gathers: the hub's of the engines' shares (ranks 3-5, twice) and the figures' (ranks 0-2), groups only.
+        assert len(gathers) == (0 if direct_max else 2 if rank >= 3 else 1), (direct_max, len(gathers))
+    dist.gather = real_gather
     dist.barrier()
     groups.destroy()
     dist.destroy_process_group()
