@@ -31,11 +31,12 @@ TRAINING_MODES = {
 }
 # command -> module defining main(argv) -> int
 COMMANDS = {
-    "plan": "hpc_rlhf.dist.plan_cli",
+    "plan": "hpc_rlhf.scale.plan",
     "assets": "hpc_rlhf.data.assets",
     "demo": "hpc_rlhf.demo",
     "submit": "hpc_rlhf.launch.slurm",
     "chat": "hpc_rlhf.chat",
+    "simulate": "hpc_rlhf.scale.simulate",
 }
 DESCRIPTIONS = {
     "sft": "supervised fine-tuning on prompt/response pairs or chats",
@@ -50,6 +51,7 @@ DESCRIPTIONS = {
     "idpo": "iterative DPO: generate, score, pair best/worst, DPO, in rounds",
     "chat": "chat with a model folder in the terminal",
     "plan": "print the role placement and per-rank memory estimate",
+    "simulate": "run the real set-up of every rank of a large RL job in one process",
     "assets": "generate the built-in tiny tokenizer, model configs and task data",
     "demo": "the built-in pipeline on CPU: SFT -> reward model -> PPO",
     "submit": "queue a training mode on Slurm with submitit (requeued on preemption)",

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollout-seqs", type=int, default=128,
                         help="sequences one rollout engine generates at once (its KV cache holds them)")
     parser.add_argument("--overhead-gb", type=float, default=DEFAULT_OVERHEAD_GB,
-                        help="per-rank allowance for CUDA context, NCCL buffers, fragmentation")
+                        help="per-rank allowance for the CUDA context and fragmentation (NCCL buffers: counted apart)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return parser
 

@@ -21,6 +21,7 @@ responses, and what one sender sends to the same ranks goes as one message).
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping, Sequence
 
 import torch
@@ -177,14 +178,25 @@ def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[to
     logps: list[list[torch.Tensor] | None] = [None] * len(counts)
     if me not in path.consumers:
         return tokens, logps
-    for e, flat in words.items():
-        count, room = counts[e], counts[e] * max_len
-        flat = flat.cpu()
-        lengths = flat[:count].tolist()
-        total = sum(lengths)
-        tokens[e] = list(torch.split(flat[count:count + total].long(), lengths))
+    # Every engine's part at once: one split for the whole batch (thousands of engines, thousands of responses).
+    parts = [(e, words[e].cpu()) for e in sorted(words)]
+    lengths = torch.cat([flat[:counts[e]] for e, flat in parts]).tolist()
+    totals, start = [], 0
+    for e, _ in parts:
+        totals.append(sum(lengths[start:start + counts[e]]))
+        start += counts[e]
+    ids = torch.cat([flat[counts[e]:counts[e] + total] for (e, flat), total in zip(parts, totals)])
+    per_sample = torch.split(ids.long(), lengths)
+    if with_logprobs:
+        bits = torch.cat([flat[counts[e] * (1 + max_len):counts[e] * (1 + max_len) + total]
+                          for (e, flat), total in zip(parts, totals)])
+        per_sample_logps = torch.split(bits.view(torch.float32).clone(), lengths)
+    start = 0
+    for e, _ in parts:
+        tokens[e] = list(per_sample[start:start + counts[e]])
         if with_logprobs:
-            logps[e] = list(torch.split(flat[count + room:count + room + total].view(torch.float32).clone(), lengths))
+            logps[e] = list(per_sample_logps[start:start + counts[e]])
+        start += counts[e]
     return tokens, logps
 
 
@@ -225,10 +237,15 @@ def share_generated(mine: list[torch.Tensor] | None, mine_logps: list[torch.Tens
     the engine's first rank) to the consumers of route `to`: every response, prompt-major, on those ranks (the
     scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), and with `with_logprobs` their sampling
     log-probs on the same ranks (in the same messages: `share_responses`); None elsewhere. Every rank calls it."""
-    engines = len(groups.plan().role("rollout").engines)
-    counts = [n * (end - start) for start, end in (shard_bounds(prompts, engines, e) for e in range(engines))]
+    counts = engine_counts(prompts, len(groups.plan().role("rollout").engines), n)
     responses, logps = share_responses(mine, mine_logps, to, counts, max_len, with_logprobs)
     return concatenated(responses), concatenated(logps) if with_logprobs else None
+
+
+@functools.lru_cache(maxsize=64)
+def engine_counts(prompts: int, engines: int, n: int) -> tuple[int, ...]:
+    """How many responses each engine generates for `prompts` prompts x `n` samples (contiguous prompt shards)."""
+    return tuple(n * (end - start) for start, end in (shard_bounds(prompts, engines, e) for e in range(engines)))
 
 
 # ------------------------------------------------------------------------------------------------ scores
@@ -238,16 +255,9 @@ def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], 
     to the trained roles, all in one round (`share_known`; the lengths follow from the responses): dense on those
     ranks, (B, T-1) per-token tensors for actor, critic and ref, (B,) scores of each reward model and "rules"
     (zeros without rule or remote rewards)."""
-    def lengths_of(role):
-        if batch is None:
-            return None
-        return [1] * len(batch.response_lens) if role.startswith("reward") or role == "rules" else batch.response_lens
-
-    messages = {f"scores/{role}": (local.get(role), lengths_of(role)) for role in roles}
-    if with_rules:
-        messages["scores/rules"] = (rules, None if batch is None else [len(batch.response_lens)])
+    response_lens = None if batch is None else batch.response_lens
     scored = {}
-    for key, full in share_known(messages).items():
+    for key, full in share_known(score_messages(local, roles, rules, with_rules, response_lens)).items():
         role = key.removeprefix("scores/")
         if full is not None:
             per_sample = role.startswith("reward") or role == "rules"
@@ -255,6 +265,21 @@ def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], 
     if not with_rules and batch is not None:
         scored["rules"] = torch.zeros(len(batch.response_lens))
     return scored
+
+
+def score_messages(local: dict[str, list[torch.Tensor] | None], roles: list[str], rules: list[torch.Tensor] | None,
+                   with_rules: bool, response_lens: list[int] | None) -> dict[str, tuple]:
+    """What `share_scores` hands `share_known`: per route `scores/ROLE`, (values on the sender, lengths on the
+    ranks that know the responses' lengths)."""
+    def lengths_of(role):
+        if response_lens is None:
+            return None
+        return [1] * len(response_lens) if role.startswith("reward") or role == "rules" else response_lens
+
+    messages = {f"scores/{role}": (local.get(role), lengths_of(role)) for role in roles}
+    if with_rules:
+        messages["scores/rules"] = (rules, None if response_lens is None else [len(response_lens)])
+    return messages
 
 
 # ------------------------------------------------------------------------------------------------ figures

@@ -32,6 +32,7 @@ and gloo holds no per-pair communicator.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hpc_rlhf.dist.placement import Plan, role_kind
@@ -47,7 +48,7 @@ class Route:
     src: int
     ranks: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def consumers(self) -> tuple[int, ...]:
         return tuple(r for r in self.ranks if r != self.src)
 
@@ -59,7 +60,7 @@ class Gather:
     dst: int
     ranks: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def senders(self) -> tuple[int, ...]:
         return tuple(r for r in self.ranks if r != self.dst)
 
