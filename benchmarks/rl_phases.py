@@ -79,12 +79,16 @@ def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
     def on_routes(keys, me=None) -> set[int]:
         return {r for key in keys for r in messages.route(key).ranks if me is None or me in messages.route(key).ranks}
 
-    def engine_routes(args):  # the engines' shares reach the hub, the batch goes from the hub to the consumers
-        return [args[2], "engines"]
+    def response_partners(args) -> set[int]:
+        """Every engine's first rank and every consumer of the batch: each engine's share reaches each consumer
+        (directly on gloo, or through the hub), so a rank on either route waits for all of them."""
+        everyone = set(messages.route(args[2]).ranks) | set(messages.route("engines").ranks)
+        return everyone if dist.get_rank() in everyone else set()
 
     messages.share_responses = timed(
         messages.share_responses, lambda *a, **kw: f"share_responses {a[2]}",
-        lambda *a, **kw: on_routes(engine_routes(a), dist.get_rank()), lambda *a, **kw: on_routes(engine_routes(a)))
+        lambda *a, **kw: response_partners(a),
+        lambda *a, **kw: set(messages.route(a[2]).ranks) | set(messages.route("engines").ranks))
     messages.share_known = timed(messages.share_known, "share_known",
                                  lambda sent, **kw: on_routes(sent, dist.get_rank()),
                                  lambda sent, **kw: on_routes(sent))

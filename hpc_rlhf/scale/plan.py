@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=defaults.prompt_len, help="step time: prompt tokens")
     parser.add_argument("--response-len", type=int, default=defaults.response_len,
                         help="step time: new tokens per response (the mean when known, else the maximum)")
+    parser.add_argument("--max-response-len", type=int, default=None,
+                        help="step time: the longest response (decode steps per wave; default --response-len)")
     parser.add_argument("--ppo-epochs", type=int, default=defaults.ppo_epochs, help="step time: passes per step")
     parser.add_argument("--train-batch", type=int, default=None,
                         help="step time: samples per optimizer step (default: the whole step)")
@@ -55,10 +57,14 @@ def settings_of(args: argparse.Namespace) -> step_time.StepSettings:
                         ("--bucket-mb", args.bucket_mb)):
         if value <= 0:
             raise JobInputError(flag, f"must be positive, got {value}")
+    if args.max_response_len is not None and args.max_response_len < args.response_len:
+        raise JobInputError("--max-response-len", f"is the longest response: at least --response-len "
+                                                  f"({args.response_len}), got {args.max_response_len}")
     if args.max_staleness < 0:
         raise JobInputError("--max-staleness", f"must be at least 0, got {args.max_staleness}")
     return step_time.StepSettings(
         prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len, response_len=args.response_len,
+        max_response_len=args.max_response_len,
         ppo_epochs=args.ppo_epochs, train_batch=args.train_batch, micro_batch_size=args.micro_batch_size,
         zero_stage=args.zero_stage, gradient_checkpointing=not args.no_gradient_checkpointing,
         bucket_mb=args.bucket_mb, max_staleness=args.max_staleness, rollout_seqs=args.rollout_seqs,

@@ -5,9 +5,10 @@ The table of its inputs, their sources and its validation: benchmarks/step_time.
 Phases, each on the ranks that run it (B = prompts x samples sequences of prompt_len + response_len tokens;
 N = a model's parameters; R = a role's ranks):
 - generation: every engine (rollout_tp ranks) generates its contiguous share of the prompts, `rollout_seqs`
-  sequences at a time. A wave is a prefill (FLOP-bound, as scoring) and `response_len` decode steps; a decode step
-  reads the engine's weights and its KV cache once (memory-bound: bytes / (HBM bandwidth x memory_efficiency)),
-  unless its matrix products take longer (2 N per sequence at mfu_decode), plus a fixed decode_step_overhead_s
+  sequences at a time. A wave is a prefill (FLOP-bound, as scoring) and as many decode steps as its longest
+  response (`max_response_len`); every step reads the engine's weights, every generated token (`response_len`
+  on average) reads its sequence's KV cache (memory-bound: bytes / (HBM bandwidth x memory_efficiency)), unless
+  the matrix products take longer (2 N per token at mfu_decode); plus a fixed decode_step_overhead_s per step
   and, with rollout_tp > 1, two all-reduces per layer (latency). The phase is the slowest engine.
 - exchange: the engines' responses (4-byte words: lengths, token ids, sampling log-probs) to the hub and on to
   the scoring ranks (rl/routes.py), then after scoring each role's results to the trained ranks, each at the
@@ -37,9 +38,11 @@ train this one: exchange + max(generation, scoring + exchange back + training) +
 On a `cpu` profile the ranks share `cores` cores, one thread each: a phase whose busy ranks outnumber the cores is
 slowed by busy / cores.
 
-What the model leaves out: response lengths shorter than the maximum (give the mean as response_len), stragglers
+Lengths: `response_len` is the mean response (tokens scored and trained on; the project's own recipe pads a
+micro-batch to its longest sequence, so give it the padded length for its runs), `max_response_len` the longest
+(decode steps of a wave, and the room every message keeps per response). What the model leaves out: stragglers
 and load imbalance between engines beyond their shares, vLLM's continuous batching refilling finished sequences
-(waves are taken as full), activation recomputation beyond gradient checkpointing, the CPU Adam of --adam-offload,
+(a wave lasts as long as its longest response), activation recomputation beyond gradient checkpointing, the CPU Adam of --adam-offload,
 MoE routing (active parameters are used for FLOPs, all parameters for weight bytes), and contention between
 messages sharing a link.
 """
@@ -63,7 +66,8 @@ class StepSettings:
     prompts: int = 128
     samples: int = 8
     prompt_len: int = 512
-    response_len: int = 1024  # mean new tokens per response (the maximum unless known)
+    response_len: int = 1024  # mean new tokens per response (what is scored and trained on)
+    max_response_len: int | None = None  # the longest response (None: response_len): decode steps, message room
     ppo_epochs: int = 1
     train_batch: int | None = None  # samples per optimizer step (None: the whole step's batch)
     micro_batch_size: int = 4  # sequences per rank in one training or scoring pass
@@ -81,6 +85,10 @@ class StepSettings:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.response_len
+
+    @property
+    def longest(self) -> int:
+        return self.max_response_len or self.response_len
 
 
 class StepTimeError(ValueError):
@@ -126,18 +134,22 @@ def generation_s(plan: Plan, shape: ModelShape, s: StepSettings, profile: Profil
     share = math.ceil(s.prompts / len(engines)) * s.samples
     weight_bytes = shape.num_params * profile.bytes_per_param / tp
     kv_per_token = shape.kv_bytes_per_token(tp, profile.bytes_per_param)
+    bandwidth = profile.memory_bytes_per_s * profile.memory_efficiency
     total, left = 0.0, share
     while left > 0:
         wave = min(left, s.rollout_seqs)
         left -= wave
         prefill = forward_flops(shape, wave, s.prompt_len) / tp / (profile.peak_flops * profile.mfu_score)
+        # A wave lasts as many decode steps as its longest response; each step reads the weights, each token
+        # of each response reads the KV cache of its context once (on average the prompt and half the response)
+        steps = s.longest
         context = s.prompt_len + s.response_len / 2
-        read = (weight_bytes + wave * context * kv_per_token) / (profile.memory_bytes_per_s * profile.memory_efficiency)
-        compute = wave * (2 * shape.active_params + attention_flops_per_token(shape, context)) / tp / \
-            (profile.peak_flops * profile.mfu_decode)
+        read = (steps * weight_bytes + wave * s.response_len * context * kv_per_token) / bandwidth
+        compute = wave * s.response_len * (2 * shape.active_params + attention_flops_per_token(shape, context)) / tp \
+            / (profile.peak_flops * profile.mfu_decode)
         tp_sync = 2 * shape.layers * profile.latency_s if tp > 1 else 0.0
-        step = profile.decode_step_overhead_s + max(read, compute) + tp_sync
-        total += prefill + profile.pass_overhead_s + s.response_len * step
+        total += prefill + profile.pass_overhead_s + steps * (profile.decode_step_overhead_s + tp_sync) \
+            + max(read, compute)
     return total
 
 
@@ -145,7 +157,7 @@ def response_bytes(plan: Plan, s: StepSettings) -> list[int]:
     """Each engine's message of a batch (messages.share_responses: lengths, ids, log-probs, 4-byte words)."""
     engines = len(plan.role("rollout").engines)
     shares = [s.samples * (s.prompts // engines + (1 if e < s.prompts % engines else 0)) for e in range(engines)]
-    return [4 * (n + 2 * n * s.response_len) for n in shares]
+    return [4 * (n + 2 * n * s.longest) for n in shares]
 
 
 def exchange_s(plan: Plan, s: StepSettings, profile: Profile) -> tuple[float, float]:
@@ -162,7 +174,7 @@ def exchange_s(plan: Plan, s: StepSettings, profile: Profile) -> tuple[float, fl
         gather = (len(engines.ranks) - 1) * max(sizes) / link + profile.latency_s if len(engines.ranks) > 1 else 0
         responses = gather + _broadcast_s(sum(sizes), consumers, link, profile)
     back = 0.0
-    per_token = 4 * s.sequences * s.response_len
+    per_token = 4 * s.sequences * s.longest
     for key, route in table.items():
         if not key.startswith("scores/") or key == "scores/rules" or not isinstance(route, routes.Route):
             continue
@@ -192,7 +204,7 @@ def scoring_s(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profil
         passes = math.ceil(per_rank / s.micro_batch_size)
         compute = forward_flops(shape, per_rank, s.seq_len, lm_head) / (profile.peak_flops * profile.mfu_score)
         zero = passes * _zero3_pass_s(plan, role.ranks, shape.params(lm_head), profile, 1) if s.zero_stage == 3 else 0
-        gather = (4 * s.sequences * (s.response_len if role.kind != "reward" else 1) / _link(plan, role.ranks, profile)
+        gather = (4 * s.sequences * (s.longest if role.kind != "reward" else 1) / _link(plan, role.ranks, profile)
                   + profile.latency_s if role.size > 1 else 0.0)
         out[name] = max(compute, zero) + passes * profile.pass_overhead_s + gather
     return out
