@@ -154,13 +154,13 @@ def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[to
         e = leaders.index(me)
         words[e] = _response_words(mine, mine_logps, f"{kind}/{e}", counts[e], max_len, with_logprobs).to(device)
     direct = len(leaders) > 1 and exchange.fans_out_directly(4 * max(sizes), exchange.backend_of())
-    if direct:  # each engine to each consumer
+    if direct:  # each engine to each consumer (the hub too, when it consumes)
         works = []
         for e, leader in enumerate(leaders):
-            if me in path.consumers and me != leader:
+            if me in path.takers and me != leader:
                 words[e] = torch.zeros(sizes[e], dtype=torch.int32, device=device)
-            if me in path.consumers or me == leader:
-                works += exchange.post(words[e], leader, path.consumers, tag=e)
+            if me in path.takers or me == leader:
+                works += exchange.post(words[e], leader, path.takers, tag=e)
         exchange.wait(works)
     else:  # to the hub, then the batch from the hub
         if me in leaders and len(leaders) > 1:
@@ -176,7 +176,7 @@ def share_responses(mine: Sequence[torch.Tensor] | None, mine_logps: Sequence[to
             words = dict(enumerate(torch.split(flat, sizes)))
     tokens: list[list[torch.Tensor] | None] = [None] * len(counts)
     logps: list[list[torch.Tensor] | None] = [None] * len(counts)
-    if me not in path.consumers:
+    if me not in path.takers:
         return tokens, logps
     # Every engine's part at once: one split for the whole batch (thousands of engines, thousands of responses).
     parts = [(e, words[e].cpu()) for e in sorted(words)]

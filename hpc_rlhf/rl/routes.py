@@ -43,14 +43,22 @@ ENGINES = "engines"
 
 @dataclass(frozen=True)
 class Route:
-    """One sender (`src`) to its consumers: `ranks` holds the sender and its consumers, sorted."""
+    """One sender (`src`) to its consumers: `ranks` holds the sender and its consumers, sorted. `keeps`: the sender
+    consumes the message too (a hub that scores, rank 0 sending to itself), though nothing travels to it."""
     key: str
     src: int
     ranks: tuple[int, ...]
+    keeps: bool = False
 
     @functools.cached_property
     def consumers(self) -> tuple[int, ...]:
+        """The ranks the message travels to."""
         return tuple(r for r in self.ranks if r != self.src)
+
+    @functools.cached_property
+    def takers(self) -> tuple[int, ...]:
+        """Every rank that consumes the message: its consumers, and its sender when it `keeps` it."""
+        return self.ranks if self.keeps else self.consumers
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,7 @@ def routes_of(plan: Plan) -> dict[str, Route | Gather]:
     routes: dict[str, Route | Gather] = {}
 
     def add(key: str, src: int, consumers: set[int]) -> None:
-        routes[key] = Route(key, src, tuple(sorted(consumers | {src})))
+        routes[key] = Route(key, src, tuple(sorted(consumers | {src})), keeps=src in consumers)
 
     leaders = engine_leaders(plan)
     if leaders:

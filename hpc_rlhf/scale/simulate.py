@@ -162,7 +162,7 @@ def _one_rank(rank: int, plan: Plan, batch: Batch, stream, recorder: fake_world.
         with_rules = batch.rule_rewards if batch.rule_rewards is not None else \
             not any(role.kind == "reward" for role in plan.roles.values())
         rules = [torch.zeros(samples)] if rank == routes.rule_reward_rank(plan) else None
-        knows = rank in messages.route("responses").consumers  # the ranks that hold the batch know its lengths
+        knows = rank in messages.route("responses").takers  # the ranks that hold the batch know its lengths
         messages.share_known(messages.score_messages(local, scoring_roles, rules, with_rules,
                                                      [batch.response_len] * samples if knows else None))
         messages.critic_figures_to_logger({k: 0.0 for k in messages.CRITIC_FIGURES})

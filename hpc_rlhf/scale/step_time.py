@@ -42,9 +42,9 @@ Lengths: `response_len` is the mean response (tokens scored and trained on; the 
 micro-batch to its longest sequence, so give it the padded length for its runs), `max_response_len` the longest
 (decode steps of a wave, and the room every message keeps per response). What the model leaves out: stragglers
 and load imbalance between engines beyond their shares, vLLM's continuous batching refilling finished sequences
-(a wave lasts as long as its longest response), activation recomputation beyond gradient checkpointing, the CPU Adam of --adam-offload,
-MoE routing (active parameters are used for FLOPs, all parameters for weight bytes), and contention between
-messages sharing a link.
+(a wave lasts as long as its longest response), activation recomputation beyond gradient checkpointing, the
+CPU Adam of --adam-offload, MoE routing (active parameters are used for FLOPs, all parameters for weight bytes),
+and contention between messages sharing a link.
 """
 
 from __future__ import annotations
@@ -230,7 +230,8 @@ def training_s(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profi
             comm = passes * _zero3_pass_s(plan, role.ranks, params, profile, 3)
         else:
             comm = steps * 2 * traffic  # reduce-scatter + all-gather (ZeRO 1-2), or an all-reduce (ZeRO-0)
-        out[name] = max(compute, comm) + 2 * passes * profile.pass_overhead_s + steps * profile.optimizer_step_overhead_s
+        overheads = 2 * passes * profile.pass_overhead_s + steps * profile.optimizer_step_overhead_s
+        out[name] = max(compute, comm) + overheads
     return out
 
 
@@ -308,6 +309,11 @@ def predict(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profile:
                 ("exchange back", back), ("training", training), ("weight_sync", sync)]
     phases = {"generation": generation, "exchange": responses + back, "scoring": scoring, "training": training,
               "weight_sync": sync}
+    # The phase times the recipe logs on rank 0 (rl/metrics.py step_timing): with K >= 1 rank 0 waits for the
+    # engines' generation at the weight sync, which they join when done.
+    waiting = max(0.0, generation - scoring - back - training) if overlap else 0.0
+    as_logged = {"time_generate": responses + (0.0 if overlap else generation), "time_score": scoring + back,
+                 "time_train": training, "time_sync": sync + waiting}
     total = sum(t for _, t in path)
     return {
         "phases": {k: round(v, 6) for k, v in phases.items()},
@@ -316,7 +322,8 @@ def predict(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profile:
         "detail": {"exchange_responses_s": round(responses, 6), "exchange_scores_s": round(back, 6),
                    "scoring_by_role_s": {k: round(v, 6) for k, v in per_role.items()},
                    "training_by_role_s": {k: round(v, 6) for k, v in per_role_train.items()},
-                   "generation_waiting_s": round(max(0.0, generation - scoring - back - training), 6) if overlap else 0,
+                   "generation_waiting_s": round(waiting, 6),
+                   "as_logged": {k: round(v, 6) for k, v in as_logged.items()},
                    "samples_per_s": round(s.sequences / total, 3) if total else None},
         "settings": asdict(s), "hardware": profile.name,
     }

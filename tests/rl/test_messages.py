@@ -85,6 +85,7 @@ if __name__ == "__main__":
         return real_broadcast(*args, **kwargs)
 
     dist.broadcast = counted_broadcast
+    real_direct_max = exchange.DIRECT_MAX_BYTES
     for direct_max in (exchange.DIRECT_MAX_BYTES, 0):
         exchange.DIRECT_MAX_BYTES = direct_max
         broadcasts.clear()
@@ -142,7 +143,7 @@ if __name__ == "__main__":
         return real_gather(*args, **kwargs)
 
     dist.gather = counted_gather
-    for direct_max in (exchange.DIRECT_MAX_BYTES, 0):
+    for direct_max in (real_direct_max, 0):
         exchange.DIRECT_MAX_BYTES = direct_max
         gathers.clear()
         g = torch.Generator().manual_seed(11)
@@ -171,6 +172,28 @@ if __name__ == "__main__":
         # Gathers: the hub's of the engines' shares (ranks 3-5, twice) and the figures' (ranks 0-2), groups only.
         assert len(gathers) == (0 if direct_max else 2 if rank >= 3 else 1), (direct_max, len(gathers))
     dist.gather = real_gather
+    groups.destroy()
+
+    # ------------------------------------------------------------------ hybrid: engines [0, 1] and [2, 3] on the
+    # actor's ranks, critic 4-5. The hub (rank 0) generates and scores: it keeps the batch, and engine 1's share
+    # reaches it too (from rank 2, directly or over the engines' group).
+    hybrid = make_plan("actor=4,critic=2,rollout@actor,rollout_tp=2", 6, 6)
+    groups.initialize(hybrid, messages.message_groups(hybrid), timeout_s=60)
+    for direct_max in (real_direct_max, 0):
+        exchange.DIRECT_MAX_BYTES = direct_max
+        g = torch.Generator().manual_seed(13)
+        shares = [[torch.randint(0, 50, (n,), generator=g) for n in lengths] for lengths in ([2, 3], [1, 4])]
+        mine = {0: 0, 2: 1}.get(rank)
+        got, _ = messages.share_responses(shares[mine] if mine is not None else None, None, "responses",
+                                          counts=[2, 2], max_len=4)
+        for e in range(2):  # every rank scores
+            assert all(torch.equal(a, b) for a, b in zip(got[e], shares[e], strict=True)), (rank, e, got)
+        got, _ = messages.share_responses(shares[mine] if mine is not None else None, None, "eval", counts=[2, 2],
+                                          max_len=4)
+        assert (got == [None, None]) == (rank != 0)
+        if rank == 0:
+            assert all(torch.equal(a, b) for e in range(2) for a, b in zip(got[e], shares[e], strict=True))
+    exchange.DIRECT_MAX_BYTES = real_direct_max
     dist.barrier()
     groups.destroy()
     dist.destroy_process_group()

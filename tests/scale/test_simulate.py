@@ -113,3 +113,17 @@ def test_bad_input_is_refused_in_one_line(capsys, tmp_path, command, change, fla
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith(f"hpc-rlhf {command}: ") and flag in err, err
+
+
+def test_a_hybrid_layout_runs_and_the_planner_agrees(capsys):
+    """Engines on the actor's ranks: the hub (rank 0) generates and scores, nothing is synced over the network."""
+    result = simulate(capsys, 16, "actor+ref=16,rollout@actor,rollout_tp=2", "--zero-stage", "0")
+    assert result["planner_agrees"] is True
+    hub = next(r for r in result["ranks"] if r["rank"] == 0)
+    # its two role groups, the weight-sync group (created on the actor's ranks, unused by the hybrid engine:
+    # counted all the same), one group for the batch and every score (the same ranks), the engines' group, and
+    # DeepSpeed's model-parallel group (ZeRO-0); evaluation responses stay on rank 0
+    assert hub["communicator_names"] == [
+        "role/actor", "role/ref", "weight_sync", "responses,scores/actor,scores/ref,scores/rules", "engines",
+        communicators.SINGLETON]
+    assert all(r["phases"]["weight_sync"]["messages"] == 0 for r in result["ranks"])
