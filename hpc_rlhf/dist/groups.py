@@ -15,6 +15,9 @@ because `new_group` must be entered by every rank of the world in the same order
    with the same ranks share one group. What the names mean, and which message travels over which group, is
    the caller's: for the RL step, hpc_rlhf/rl/messages.py (its route table).
 
+The list and its order are a pure function of the plan and the message groups (hpc_rlhf.dist.group_layout, which
+`hpc-rlhf plan` counts communicators from without torch); this module creates exactly that list.
+
 Every group carries a `group_desc` (`role/actor`, `weight_sync`, the message group's name), so that NCCL's and
 torch's own messages about a group say which one it is.
 
