@@ -22,6 +22,8 @@ about as much as the messages it measured.
 
     .venv/bin/python benchmarks/rl_phases.py
     .venv/bin/python benchmarks/rl_phases.py --steps 30 --placement actor=2,critic=1,ref=1,reward=1,rollout=1
+    .venv/bin/python benchmarks/rl_phases.py --config examples/tiny/grpo.yaml --placement actor=1,ref=1,rollout=2 \
+        --set rl.max_staleness=1
 """
 
 from __future__ import annotations
@@ -79,12 +81,16 @@ def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
     def on_routes(keys, me=None) -> set[int]:
         return {r for key in keys for r in messages.route(key).ranks if me is None or me in messages.route(key).ranks}
 
-    def engine_routes(args):
-        return [f"{args[2]}/{e}" for e in range(len(args[3]))]
+    def response_partners(args) -> set[int]:
+        """Every engine's first rank and every consumer of the batch: each engine's share reaches each consumer
+        (directly on gloo, or through the hub), so a rank on either route waits for all of them."""
+        everyone = set(messages.route(args[2]).ranks) | set(messages.route("engines").ranks)
+        return everyone if dist.get_rank() in everyone else set()
 
     messages.share_responses = timed(
         messages.share_responses, lambda *a, **kw: f"share_responses {a[2]}",
-        lambda *a, **kw: on_routes(engine_routes(a), dist.get_rank()), lambda *a, **kw: on_routes(engine_routes(a)))
+        lambda *a, **kw: response_partners(a),
+        lambda *a, **kw: set(messages.route(a[2]).ranks) | set(messages.route("engines").ranks))
     messages.share_known = timed(messages.share_known, "share_known",
                                  lambda sent, **kw: on_routes(sent, dist.get_rank()),
                                  lambda sent, **kw: on_routes(sent))
@@ -135,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="RL steps in the run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     parser.add_argument("--placement", default="actor=1,critic=1,ref=1,reward=1,rollout=2")
+    parser.add_argument("--config", default="examples/tiny/ppo.yaml",
+                        help="the tiny RL config (examples/tiny/grpo.yaml: critic-free, rule reward)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the run, e.g. rl.max_staleness=1 (repeatable)")
     parser.add_argument("--rows", type=int, default=1024, help="prompts loaded (set-up cost only)")
     parser.add_argument("--settle", action="store_true",
                         help="a barrier of the call's ranks before every exchange call (the older instrumentation)")
@@ -145,18 +155,22 @@ def main(argv: list[str] | None = None) -> int:
     from hpc_rlhf.dist.placement import world_size_of
 
     nproc = world_size_of(args.placement)
-    benchlib.header(f"PPO step phases, placement {args.placement} ({nproc} ranks, 1 thread each)")
+    benchlib.header(f"RL step phases, {args.config}, placement {args.placement} {' '.join(args.set)} "
+                    f"({nproc} ranks, 1 thread each)")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         actor, value = benchlib.random_actor_and_value(tmp)
         out = tmp / "ppo"
         out.mkdir()
-        ppo_args = ["--config", str(benchlib.REPO / "examples/tiny/ppo.yaml"), f"output_dir={out}",
-                    f"placement={args.placement}", f"actor.path={actor}", f"critic.path={value}",
-                    f"reward.models=[{value}]", f"train.max_steps={args.steps}", f"critic_train.max_steps={args.steps}",
+        roles = {entry.split("=")[0] for entry in args.placement.replace("+", ",").split(",")}
+        value_roles = ([f"critic.path={value}"] if "critic" in roles else []) + \
+            ([f"reward.models=[{value}]"] if "reward" in roles else [])
+        ppo_args = ["--config", str(benchlib.REPO / args.config), f"output_dir={out}",
+                    f"placement={args.placement}", f"actor.path={actor}", *value_roles,
+                    f"train.max_steps={args.steps}", f"critic_train.max_steps={args.steps}",
                     f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", f"data.max_train_rows={args.rows}",
                     "data.eval_files=[]", "log.every_steps=1", "log.eval_every_steps=0", "log.tensorboard=false",
-                    "log.progress=false", "checkpoint.resume=false"]
+                    "log.progress=false", "checkpoint.resume=false", *args.set]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "--max_restarts=0", str(Path(__file__).resolve()), "--worker", str(out),
                "settle" if args.settle else "clock", *ppo_args]
@@ -173,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(args, metrics: list[dict], ranks: list[dict], wall: float) -> None:
     timed = metrics[args.warmup:]
     steady = range(args.warmup, len(metrics))
-    med = {key: benchlib.median(r[key] for r in timed) for key in (*PHASES, "time_step", "samples_per_s")}
+    med = {key: benchlib.median(r[key] for r in timed)
+           for key in (*PHASES, "time_step", "samples_per_s", "response_length")}
     per_step = wait_and_move(ranks, len(metrics))
     move0 = benchlib.median(per_step[0][i]["move"] for i in steady)
     wait0 = benchlib.median(per_step[0][i]["wait"] for i in steady)
@@ -181,8 +196,9 @@ def report(args, metrics: list[dict], ranks: list[dict], wall: float) -> None:
     calls = per_step[0][args.warmup]["calls"]
     step = med["time_step"]
     print("   models: random init (llama-tiny actor/ref, value-model critic/reward) - timing only, not learning")
-    print(f"   {len(metrics)} RL steps ({len(timed)} after warmup), 16 prompts x 4 samples, 6 new tokens; "
-          f"whole run {wall:.0f} s wall (start-up included)")
+    print(f"   {len(metrics)} RL steps ({len(timed)} after warmup), the config's prompts and samples, "
+          f"{med['response_length']:.2f} new tokens per response (median of steps); whole run {wall:.0f} s wall "
+          f"(start-up included)")
     print(f"   machine after: {benchlib.machine_state()}\n")
     rows = [[name.removeprefix("time_"), med[name], benchlib.ratio(med[name], step)] for name in PHASES]
     rows.append(["step (total)", step, benchlib.ratio(sum(med[n] for n in PHASES), step)])

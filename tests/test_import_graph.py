@@ -18,6 +18,8 @@ The layering, lowest first; an area may import itself and the areas listed for i
                                  get generation as a callable; data gives the chat templates and the tiny task)
     trainers                     everything above but envs (the one-model recipes and what every recipe shares)
     rl                           everything above, trainers/ included (the RL recipe; trainers never import it)
+    scale                        everything above, rl/ included (a large job without a cluster: the simulated
+                                 world, the communicator count, the step-time model, `plan` and `simulate`)
     launch                       everything above (starting jobs and modes: the library under the command line)
     cli, __main__, chat, demo    the entry points: anything
 
@@ -48,8 +50,10 @@ LOWER = {
     "envs": {"data", "config", "utils"},
     "trainers": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards"},
     "rl": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "trainers"},
+    "scale": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "trainers",
+              "rl"},
     "launch": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "trainers",
-               "rl"},
+               "rl", "scale"},
 }
 # The package root (hpc_rlhf/__init__.py) pins the CPU kernels before torch loads, and nothing more.
 ROOT_MAY_IMPORT = {"hpc_rlhf.utils.cpu_kernels"}

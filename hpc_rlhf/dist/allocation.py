@@ -77,10 +77,13 @@ def plan_on(placement, allocation: Allocation, placement_key: str) -> Plan:
 
 
 def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, str], RoleLoad],
-                     placement_key: str = "--placement") -> dict:
+                     placement_key: str = "--placement",
+                     extra_gb_of: Callable[[Plan], Mapping[str, float]] | None = None) -> dict:
     """The plan of `placement` on the allocation and each role's memory per GPU, as the JSON-ready dictionary that
     `hpc-rlhf plan --json` prints (`fits` per role and overall). `load_of(role name, role kind)` gives a role's
-    load. Raises AllocationError when the placement cannot be laid out on the allocation or a role's settings
+    load; `extra_gb_of(plan)`, GB more on each rank of a role, by role name (the NCCL communicators' buffers a
+    rank holds: hpc_rlhf.scale.communicators, which knows the RL job's routes), counted in the breakdown as
+    `nccl`. Raises AllocationError when the placement cannot be laid out on the allocation or a role's settings
     make no sense to the memory model (Adam offload without ZeRO, ...)."""
     for name, value in (("world_size", allocation.world_size), ("gpus_per_node", allocation.gpus_per_node)):
         if value < 1:
@@ -104,12 +107,13 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
         except ValueError as exc:  # settings the memory model refuses: name the setting that is wrong
             key = load.keys.get("adam_offload" if "offload" in str(exc) else "zero_stage", name)
             raise AllocationError(key, f"role '{name}': {exc}") from None
+    extra = dict(extra_gb_of(plan)) if extra_gb_of is not None else {}
     roles = {}
     for name, role in plan.roles.items():
         # Colocated roles share every rank (placement never overlaps roles partially), so a rank of this role
         # holds every role with the same rank set.
         sharing = [other for other, p in plan.roles.items() if p.ranks == role.ranks]
-        per_rank = sum(own[other]["total"] for other in sharing) + allocation.overhead_gb
+        per_rank = sum(own[other]["total"] for other in sharing) + allocation.overhead_gb + extra.get(name, 0.0)
         share = loads[name].gpu_share
         limit = allocation.gpu_memory_gb * share if share is not None else allocation.gpu_memory_gb
         roles[name] = {
@@ -121,7 +125,8 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
             "own_memory_gb": round(own[name]["total"], 3),
             "limit_gb": round(limit, 3),
             "breakdown_gb": {k: round(own[name][k], 3) for k in BREAKDOWN}
-            | {"cpu_optimizer": round(own[name]["cpu_optimizer"], 3)},
+            | {"cpu_optimizer": round(own[name]["cpu_optimizer"], 3)}
+            | ({"nccl": round(extra[name], 3)} if name in extra else {}),
             # A role capped at a share of the GPU (a vLLM engine) must fit its own model in that share; the GPU
             # as a whole must hold every role on the rank.
             "fits": per_rank <= allocation.gpu_memory_gb and (share is None or own[name]["total"] <= limit),

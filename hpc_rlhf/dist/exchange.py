@@ -189,10 +189,17 @@ def _check_known(t, numel: int, dtype: torch.dtype, what: str) -> None:
                             "(sizes derived from shared state disagree: a bug, not bad input)")
 
 
-def goes_direct(nbytes: int, consumers: int, device: torch.device) -> bool:
+def goes_direct(nbytes: int, consumers: int, backend: str) -> bool:
     """Whether `post` sends a message of `nbytes` to `consumers` ranks point to point rather than by a collective:
-    a single consumer always; several on gloo (a CPU tensor) up to DIRECT_MAX_BYTES."""
-    return consumers == 1 or (device.type == "cpu" and nbytes <= DIRECT_MAX_BYTES)
+    a single consumer always; several when `fans_out_directly`."""
+    return consumers == 1 or fans_out_directly(nbytes, backend)
+
+
+def fans_out_directly(nbytes: int, backend: str) -> bool:
+    """Whether a message of `nbytes` for several ranks goes to each of them point to point: on gloo up to
+    DIRECT_MAX_BYTES. Other backends (NCCL, the fake backend of hpc_rlhf.dist.fake_world) use a collective over a
+    group: NCCL sets up a communicator for every pair of ranks that talk point to point, a group has one."""
+    return backend == "gloo" and nbytes <= DIRECT_MAX_BYTES
 
 
 def post(buffer: torch.Tensor, src: int, consumers: Sequence[int], group: dist.ProcessGroup | None = None,
@@ -213,13 +220,30 @@ def post(buffer: torch.Tensor, src: int, consumers: Sequence[int], group: dist.P
         return []
     if me != src and me not in consumers:
         raise ExchangeError(f"post from rank {src}: rank {me} is neither the sender nor a consumer ({consumers})")
-    if not goes_direct(buffer.numel() * buffer.element_size(), len(consumers), buffer.device):
+    if not goes_direct(buffer.numel() * buffer.element_size(), len(consumers), backend_of(group)):
         if group is None:
             raise ExchangeError(f"post from rank {src} to {len(consumers)} ranks needs the group of those ranks")
         return [dist.broadcast(buffer, src, group=group, async_op=True)]
     if me == src:
         return [dist.isend(buffer, other, tag=tag) for other in consumers]
     return [dist.irecv(buffer, src, tag=tag)]
+
+
+def backend_of(group: dist.ProcessGroup | None = None) -> str:
+    """The backend of `group` (None: the default group), as torch names it: "gloo", "nccl", "fake", ..."""
+    return str(dist.get_backend(group))
+
+
+def gather_known(buffer: torch.Tensor, dst: int, group: dist.ProcessGroup) -> list[torch.Tensor] | None:
+    """Every rank of `group` sends `buffer` (1-D, the same size and dtype on every rank: known to all from state
+    they share) to global rank `dst`, which gets them in group-rank order; None elsewhere."""
+    _check_member(group, dst, "gather_known")
+    if dist.get_rank() != dst:
+        dist.gather(buffer, None, dst=dst, group=group)
+        return None
+    out = [torch.empty_like(buffer) for _ in range(dist.get_world_size(group))]
+    dist.gather(buffer, out, dst=dst, group=group)
+    return out
 
 
 def wait(works: Iterable) -> None:

@@ -15,6 +15,9 @@ because `new_group` must be entered by every rank of the world in the same order
    with the same ranks share one group. What the names mean, and which message travels over which group, is
    the caller's: for the RL step, hpc_rlhf/rl/messages.py (its route table).
 
+The list and its order are a pure function of the plan and the message groups (hpc_rlhf.dist.group_layout, which
+`hpc-rlhf plan` counts communicators from without torch); this module creates exactly that list.
+
 Every group carries a `group_desc` (`role/actor`, `weight_sync`, the message group's name), so that NCCL's and
 torch's own messages about a group say which one it is.
 
@@ -32,6 +35,7 @@ from typing import Mapping, Sequence
 
 import torch.distributed as dist
 
+from hpc_rlhf.dist import group_layout
 from hpc_rlhf.dist.placement import Plan, PlacementError, format_ranks, role_kind
 
 class NotInGroupError(RuntimeError):
@@ -45,6 +49,7 @@ _WEIGHT_SYNC_GROUP: dist.ProcessGroup | None = None
 _WEIGHT_SYNC_RANKS: tuple[int, ...] = ()
 _MESSAGE_RANKS: dict[str, tuple[int, ...]] = {}
 _MESSAGE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+_HELD: list[tuple[str, tuple[int, ...]]] = []
 
 
 def _new_group(ranks, timeout, desc: str) -> dist.ProcessGroup | None:
@@ -57,7 +62,7 @@ def initialize(plan: Plan, message_groups: Mapping[str, Sequence[int]] | None = 
                timeout_s: float | None = None) -> None:
     """Create and hold every group of `plan`, and one per rank set of `message_groups` (name -> ranks). Call on
     every rank, with the same arguments, once."""
-    global _PLAN, _RANK, _ROLE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _MESSAGE_RANKS, _MESSAGE_GROUPS
+    global _PLAN, _RANK, _ROLE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _MESSAGE_RANKS, _MESSAGE_GROUPS, _HELD
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("hpc_rlhf.dist.groups.initialize needs an initialised torch.distributed world "
                            "(hpc_rlhf.dist.bootstrap, or dist.init_process_group)")
@@ -73,21 +78,16 @@ def initialize(plan: Plan, message_groups: Mapping[str, Sequence[int]] | None = 
         outside = [r for r in ranks if not 0 <= r < world]
         if outside:
             raise PlacementError(f"message group '{name}' names ranks {outside} outside the world of {world}")
-    role_groups = {name: _new_group(role.ranks, timeout, f"role/{name}") for name, role in plan.roles.items()
-                   if role.kind != "rollout"}
-    sync_group, sync_ranks = None, ()
-    if plan.has("rollout"):
-        sync_ranks = tuple(sorted({plan.role("actor").leader} | set(plan.role("rollout").ranks)))
-        sync_group = _new_group(sync_ranks, timeout, "weight_sync")
-    names_of: dict[tuple[int, ...], list[str]] = {}
-    for name, ranks in message_ranks.items():
-        names_of.setdefault(ranks, []).append(name)
-    message_group_handles = {ranks: _new_group(ranks, timeout, ",".join(names_of[ranks])) for ranks in sorted(names_of)}
+    specs = group_layout.group_specs(plan, message_ranks)  # the same list `hpc-rlhf plan` counts from
+    handles = [(spec, _new_group(spec.ranks, timeout, spec.desc)) for spec in specs]
 
     _PLAN, _RANK = plan, dist.get_rank()
-    _ROLE_GROUPS = role_groups
-    _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS = sync_group, sync_ranks
-    _MESSAGE_RANKS, _MESSAGE_GROUPS = message_ranks, message_group_handles
+    _ROLE_GROUPS = {spec.desc.removeprefix("role/"): group for spec, group in handles if spec.kind == "role"}
+    _WEIGHT_SYNC_GROUP = next((group for spec, group in handles if spec.kind == "weight_sync"), None)
+    _WEIGHT_SYNC_RANKS = group_layout.weight_sync_ranks(plan)
+    _MESSAGE_RANKS = message_ranks
+    _MESSAGE_GROUPS = {spec.ranks: group for spec, group in handles if spec.kind == "message"}
+    _HELD = [(spec.desc, spec.ranks) for spec, group in handles if group is not None]
 
 
 def is_initialized() -> bool:
@@ -96,7 +96,7 @@ def is_initialized() -> bool:
 
 def destroy() -> None:
     """Destroy the groups this rank holds and forget the plan (a later `initialize` starts afresh)."""
-    global _PLAN, _RANK, _ROLE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _MESSAGE_RANKS, _MESSAGE_GROUPS
+    global _PLAN, _RANK, _ROLE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _MESSAGE_RANKS, _MESSAGE_GROUPS, _HELD
     held = list(_ROLE_GROUPS.values()) + [_WEIGHT_SYNC_GROUP] + list(_MESSAGE_GROUPS.values())
     if dist.is_initialized():
         for group in held:
@@ -106,6 +106,7 @@ def destroy() -> None:
     _ROLE_GROUPS = {}
     _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS = None, ()
     _MESSAGE_RANKS, _MESSAGE_GROUPS = {}, {}
+    _HELD = []
 
 
 def _state() -> Plan:
@@ -209,15 +210,7 @@ def message_group(name: str) -> dist.ProcessGroup:
 
 
 def held_groups() -> list[tuple[str, tuple[int, ...]]]:
-    """(description, ranks) of every group this rank belongs to (WORLD aside): what it holds a communicator for on
-    a GPU cluster."""
-    plan_ = _state()
-    held = [(f"role/{name}", plan_.role(name).ranks) for name, group in _ROLE_GROUPS.items() if group is not None]
-    if _WEIGHT_SYNC_GROUP is not None:
-        held.append(("weight_sync", _WEIGHT_SYNC_RANKS))
-    names_of: dict[tuple[int, ...], list[str]] = {}
-    for name, ranks in _MESSAGE_RANKS.items():
-        names_of.setdefault(ranks, []).append(name)
-    held += [(",".join(names_of[ranks]), ranks) for ranks, group in sorted(_MESSAGE_GROUPS.items())
-             if group is not None]
-    return held
+    """(description, ranks) of every group this rank belongs to (WORLD aside), in creation order: what it holds a
+    communicator for on a GPU cluster (hpc_rlhf.dist.group_layout.held_by computes the same without torch)."""
+    _state()
+    return list(_HELD)

@@ -33,8 +33,9 @@ Activation allowance (b = micro batch, s = sequence length, h = hidden, L = laye
     their gradient as well (8 * b * s * V in all);
     inference roles keep one layer's working set; rollout engines one layer's working set over a prefill
     chunk of `ROLLOUT_PREFILL_TOKENS` tokens, split over tp.
-Overhead: a flat allowance per rank (`overhead_gb`, default 2 GB) for the CUDA context, NCCL buffers and
-allocator fragmentation.
+Overhead: a flat allowance per rank (`overhead_gb`, default 1 GB) for the CUDA context and allocator
+fragmentation. NCCL's buffers are counted apart, per communicator the rank holds, by `hpc-rlhf plan`
+(hpc_rlhf.scale.communicators), since their number depends on the placement (it was 2 GB before they were).
 Roles colocated on the same ranks (`actor+ref`, `rollout@actor`) add up (`hpc-rlhf plan` sums them): the
 estimate is the peak with every model resident, which is what happens while a hybrid vLLM engine generates
 beside the actor's training state (the hybrid hf engine generates with the actor's own module and holds no
@@ -63,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 GB = 1e9
-DEFAULT_OVERHEAD_GB = 2.0
+DEFAULT_OVERHEAD_GB = 1.0
 ROLLOUT_PREFILL_TOKENS = 8192  # vLLM's default chunked-prefill token budget
 ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN = 34
 TRAINING_KINDS = ("actor", "critic")
@@ -164,10 +165,49 @@ class ModelShape:
         per_layer = sum(rank * sum(sizes[t]) * (self.experts if t in PROJECTIONS[4:] else 1) for t in set(targets))
         return self.layers * per_layer
 
+    def streamed_tensors(self) -> list[tuple[str, int]]:
+        """(Hugging Face name, elements) of every weight of the causal LM in the order the weight sync streams them
+        (models.lora.merged_tensors: module by module, as transformers 5 builds Llama, Qwen2 and Mixtral; a tied
+        LM head is streamed under its own name too)."""
+        h, q_width, kv_width = self.hidden, self.heads * self.head_size, self.kv_heads * self.head_size
+        out = [("model.embed_tokens.weight", self.vocab * h)]
+        for i in range(self.layers):
+            layer = f"model.layers.{i}"
+            for proj, rows in (("q_proj", q_width), ("k_proj", kv_width), ("v_proj", kv_width)):
+                out.append((f"{layer}.self_attn.{proj}.weight", rows * h))
+                if self.attention_bias:
+                    out.append((f"{layer}.self_attn.{proj}.bias", rows))
+            out.append((f"{layer}.self_attn.o_proj.weight", h * q_width))
+            if self.experts > 1:  # transformers 5 keeps the experts' weights fused, one tensor per projection
+                out += [(f"{layer}.mlp.gate.weight", self.experts * h),
+                        (f"{layer}.mlp.experts.gate_up_proj", self.experts * 2 * self.intermediate * h),
+                        (f"{layer}.mlp.experts.down_proj", self.experts * h * self.intermediate)]
+            else:
+                out += [(f"{layer}.mlp.{proj}.weight", self.intermediate * h)
+                        for proj in ("gate_proj", "up_proj", "down_proj")]
+            out += [(f"{layer}.input_layernorm.weight", h), (f"{layer}.post_attention_layernorm.weight", h)]
+        out.append(("model.norm.weight", h))
+        out.append(("lm_head.weight", self.vocab * h))  # tied to the embeddings or not, it is streamed by name
+        return out
+
     def kv_bytes_per_token(self, tp: int = 1, dtype_bytes: int = 2) -> int:
         """KV-cache bytes per token on one rank of a tensor-parallel engine of `tp` ranks."""
         kv_heads_per_rank = math.ceil(self.kv_heads / tp)
         return 2 * self.layers * kv_heads_per_rank * self.head_size * dtype_bytes
+
+    def to_config_json(self) -> dict[str, Any]:
+        """This shape as a Hugging Face config.json (Llama, or Mixtral with experts): what a model on the meta
+        device is built from for a preset (`hpc-rlhf simulate`). `from_config_json` reads it back unchanged."""
+        config = {"model_type": "mixtral" if self.experts > 1 else "llama", "hidden_size": self.hidden,
+                  "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                  "num_key_value_heads": self.kv_heads, "intermediate_size": self.intermediate,
+                  "vocab_size": self.vocab, "tie_word_embeddings": self.tied_embeddings,
+                  "attention_bias": self.attention_bias, "torch_dtype": "bfloat16"}
+        if self.head_dim is not None:
+            config["head_dim"] = self.head_dim
+        if self.experts > 1:
+            config |= {"num_local_experts": self.experts, "num_experts_per_tok": self.experts_per_token}
+        return config
 
     @classmethod
     def preset(cls, name: str) -> "ModelShape":
@@ -191,6 +231,12 @@ class ModelShape:
             raise ModelShapeError(f"{path}: not valid JSON: {exc}") from None
         if not isinstance(config, dict):
             raise ModelShapeError(f"{path}: the top level must be a JSON object")
+        return cls.from_config(config, str(path), name=str(path.parent.name or config.get("model_type", "")))
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], where: str, name: str = "") -> "ModelShape":
+        """The shape of a Hugging Face config (the contents of a config.json; `where` names it in errors)."""
+        path = where
         if "text_config" in config and "hidden_size" not in config:  # multimodal wrappers
             config = config["text_config"]
 
@@ -212,7 +258,7 @@ class ModelShape:
                        experts=experts, experts_per_token=config.get("num_experts_per_tok", 1) if experts > 1
                        else 1, head_dim=config.get("head_dim"),
                        attention_bias=bool(config.get("attention_bias", model_type.startswith("qwen2"))),
-                       name=str(path.parent.name or model_type))
+                       name=name or model_type)
         except ModelShapeError as exc:
             raise ModelShapeError(f"{path}: {exc}") from None
 

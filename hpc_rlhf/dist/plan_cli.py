@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpc-rlhf plan", description="Print the role placement and the GPU memory each rank needs.",
         epilog="example: hpc-rlhf plan --world-size 32 --gpus-per-node 8 --model 70b "
-               "--placement actor=4,critic=4,ref=4,reward=4,rollout=16,rollout_tp=4")
+               "--placement actor=8,critic=8,ref=4,reward=4,rollout=8,rollout_tp=4")
     parser.add_argument("--world-size", type=int, required=True, help="total ranks (GPUs)")
     parser.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node")
     parser.add_argument("--placement", required=True,
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollout-seqs", type=int, default=128,
                         help="sequences one rollout engine generates at once (its KV cache holds them)")
     parser.add_argument("--overhead-gb", type=float, default=DEFAULT_OVERHEAD_GB,
-                        help="per-rank allowance for CUDA context, NCCL buffers, fragmentation")
+                        help="per-rank allowance for the CUDA context and fragmentation (NCCL buffers: counted apart)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="the actor trains a LoRA adapter of this rank (0: full fine-tuning); its reference is "
@@ -63,9 +63,10 @@ FLAG_NAMES = {"zero_stage": "--zero-stage", "adam_offload": "--adam-offload", "m
               "rollout_tp": "--placement", "tokens_in_flight": "--rollout-seqs"}
 
 
-def compute(args: argparse.Namespace) -> dict:
+def compute(args: argparse.Namespace, extra_gb_of=None) -> dict:
     """The plan and its memory estimate (hpc_rlhf.dist.allocation.check_allocation, the check a training mode's
-    --dry-run makes too), from this command's flags."""
+    --dry-run makes too), from this command's flags; `extra_gb_of`: as check_allocation's (the communicators'
+    buffers, which `hpc-rlhf plan` adds: hpc_rlhf.scale.plan)."""
     shape = _load(args.model, "--model")
     shapes = {"critic": _load(args.critic_model, "--critic-model") if args.critic_model else shape,
               "reward": _load(args.reward_model, "--reward-model") if args.reward_model else shape}
@@ -80,7 +81,7 @@ def compute(args: argparse.Namespace) -> dict:
                         **(lora if kind in ("actor", "rollout") else {}))
 
     allocation = Allocation(args.world_size, args.gpus_per_node, args.gpu_memory_gb, args.overhead_gb)
-    result = check_allocation(args.placement, allocation, load_of)
+    result = check_allocation(args.placement, allocation, load_of, extra_gb_of=extra_gb_of)
     if lora:
         adapter = shape.lora_params(args.lora_rank, lora["lora_targets"])
         result["lora"] = {"rank": args.lora_rank, "targets": list(lora["lora_targets"]), "params": adapter,

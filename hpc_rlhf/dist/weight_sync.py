@@ -54,6 +54,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from hpc_rlhf.dist import bucket_plan
 from hpc_rlhf.dist.exchange import (DTYPES, HEADER_LEN, MAX_NDIM, ExchangeError, Kind, comm_device,
                                     make_header, message_tag, read_header)
 
@@ -61,10 +62,7 @@ LoadFn = Callable[[list[tuple[str, torch.Tensor]]], object]
 _META_WIDTH = 2 + MAX_NDIM
 _TAG = message_tag("weights.bucket")
 _LAYOUT_TAG = message_tag("weights.layout")
-# A tensor this large travels alone from its own storage even when it would fit in a bucket: copying it costs
-# about what its own message does (CPU, 3 gloo ranks: 6.7 ms to copy 40 MB on the sender, ~0.7 ms a message;
-# benchmarks/README.md).
-STRAIGHT_THROUGH_MB = 4.0
+STRAIGHT_THROUGH_MB = bucket_plan.STRAIGHT_THROUGH_MB  # the rule, as data: dist/bucket_plan.py
 
 
 @dataclasses.dataclass
@@ -190,7 +188,7 @@ class Bucketer:
         if pool is not None and pool.bucket_bytes != bucket_bytes:
             raise ValueError(f"the pool's buffers hold {pool.bucket_bytes} bytes, not {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
-        self.straight_through_bytes = min(bucket_bytes, int(STRAIGHT_THROUGH_MB * 2**20))
+        self.straight_through_bytes = bucket_plan.straight_through_bytes(bucket_bytes)
         self.device = device
         self.pool = pool
         self.open: dict[torch.dtype, tuple[torch.Tensor, Bucket, int]] = {}  # dtype -> (buffer, bucket, fill)
@@ -339,15 +337,18 @@ def _differs(expected: tuple | None, got: tuple, index: int) -> ExchangeError:
 
 
 def send_weights(named_params: Iterable[tuple[str, torch.Tensor]], src: int,
-                 group: dist.ProcessGroup | None, bucket_mb: float = 256.0, reuse_layout: bool = False) -> SyncStats:
+                 group: dist.ProcessGroup | None, bucket_mb: float = 256.0, reuse_layout: bool = False,
+                 device: torch.device | None = None) -> SyncStats:
     """Run on global rank `src` (the actor's leader) while every other rank of `group` runs receive_weights.
 
     reuse_layout: the stream has the same names, shapes and dtypes as at this sender's first such sync on this
-    group with this bucket size, so the payloads go without their headers (see the module docstring)."""
+    group with this bucket size, so the payloads go without their headers (see the module docstring).
+    device: where buckets are packed and sent from; default the group's communication device (`hpc-rlhf
+    simulate` streams a model on the meta device through the meta device: the same buckets, no bytes)."""
     if dist.get_rank() != src:
         raise ExchangeError(f"send_weights runs on the source rank {src}, not on rank {dist.get_rank()}")
     start, stats = time.perf_counter(), SyncStats()
-    device = comm_device(group)
+    device = torch.device(device) if device is not None else comm_device(group)
     pool = bucket_pool(bucket_mb, device)
     pool.peak_lent_bytes = pool.lent * pool.buffer_bytes
     key = (_group_key(group), src, pool.bucket_bytes)

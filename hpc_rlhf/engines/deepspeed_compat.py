@@ -80,6 +80,12 @@ def singleton_group():
     return _SINGLETON[rank]
 
 
+def forget_singleton_group() -> None:
+    """Forget this process's singleton groups (their world is gone): `hpc-rlhf simulate` visits one fake world
+    per rank in one process."""
+    _SINGLETON.clear()
+
+
 class RoleMpu:
     """The `mpu` object DeepSpeed reads its groups from: data parallel over the role, no model parallelism.
 

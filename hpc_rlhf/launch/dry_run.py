@@ -31,6 +31,7 @@ from hpc_rlhf.dist.allocation import (Allocation, AllocationError, RoleLoad, che
                                      refusal)
 from hpc_rlhf.dist.memory import PROJECTIONS, ModelShape, ModelShapeError, load_shape
 from hpc_rlhf.dist.plan_cli import format_report, refuse
+from hpc_rlhf.scale import communicators
 
 ALLOCATION_FLAGS = {"world_size": "--world-size", "gpus_per_node": "--gpus-per-node",
                     "gpu_memory_gb": "--gpu-memory-gb"}
@@ -183,10 +184,13 @@ def check_config(mode: str, cfg: Any, world_size: int, gpus_per_node: int, model
         plan = plan_on(cfg.placement, allocation, "placement")
         _check_rl(cfg, plan, allocation)
         report = check_allocation(cfg.placement, allocation, _rl_loads(cfg, plan, model, stand_ins),
-                                  placement_key="placement")
+                                  placement_key="placement",
+                                  extra_gb_of=lambda p: communicators.buffers_gb(p, cfg.train.zero_stage))
     else:
         placement, load_of = _one_model(mode, cfg, allocation, model, stand_ins)
-        report = check_allocation(placement, allocation, load_of, placement_key="dist.nproc")
+        zero_stage = cfg.train.zero_stage if hasattr(cfg, "train") else 0
+        report = check_allocation(placement, allocation, load_of, placement_key="dist.nproc",
+                                  extra_gb_of=lambda p: communicators.buffers_gb(p, zero_stage))
     report["stand_in_shapes"] = stand_ins  # model folders not there yet, sized by --model
     return report
 

@@ -35,11 +35,12 @@ TRAINING_MODES = {
 }
 # command -> module defining main(argv) -> int
 COMMANDS = {
-    "plan": "hpc_rlhf.dist.plan_cli",
+    "plan": "hpc_rlhf.scale.plan",
     "assets": "hpc_rlhf.data.assets",
     "demo": "hpc_rlhf.demo",
     "submit": "hpc_rlhf.launch.slurm",
     "chat": "hpc_rlhf.chat",
+    "simulate": "hpc_rlhf.scale.simulate",
 }
 DESCRIPTIONS = {
     "sft": "supervised fine-tuning on prompt/response pairs or chats",
@@ -53,7 +54,8 @@ DESCRIPTIONS = {
     "csft": "conditional SFT on score-labelled responses (SteerLM style)",
     "idpo": "iterative DPO: generate, score, pair best/worst, DPO, in rounds",
     "chat": "chat with a model folder in the terminal",
-    "plan": "print the role placement and per-rank memory estimate",
+    "plan": "print the role placement, per-rank memory estimate and (--step-time) one RL step's time",
+    "simulate": "run the real set-up of every rank of a large RL job in one process",
     "assets": "generate the built-in tiny tokenizer, model configs and task data",
     "demo": "the built-in pipeline on CPU: SFT -> reward model -> PPO",
     "submit": "queue a training mode on Slurm with submitit (requeued on preemption)",

@@ -1,19 +1,16 @@
-"""The RL step's messages: which message goes from whom to whom (the route table), and the calls that move them.
-
-A message kind has a route: its sender and its consumers, a pure function of the placement (`routes_of`), the same
-on every rank. Rank 0, the actor's leader, logs the step's figures:
-- `responses/E`: engine E's responses and their sampling log-probs, from its first rank to every scoring rank
-  (actor, critic, ref, reward models; the rule rewards run on one of them) and rank 0. The log-probs are for the
-  trained roles; they ride in the same message (`share_responses` says why);
-- `scores/ROLE` (actor, critic, ref, reward, reward2, ..., and `rules` for the rule/remote rewards): that role's
-  per-sample results, from its leader (the rule rewards' rank for `rules`) to the trained roles and rank 0;
-- `eval/E`: engine E's greedy responses of an evaluation, to rank 0 only (the one rank that decodes them);
-- `figures/critic`: the critic's training figures, from its leader to rank 0, which logs them.
+"""The RL step's messages: the calls that move a step's responses, scores and figures along the route table
+(routes.py: which message goes from whom to whom, and why it is shaped so that no rank's communicators grow with
+the number of rollout engines).
 
 How a message travels is hpc_rlhf.dist.exchange's (`post`): nowhere when its sender is its only consumer, point to
 point to a single consumer (and on gloo to each consumer when it is small), by a broadcast over the route's group
-otherwise. The groups are created once by hpc_rlhf.dist.groups from the rank sets this module names
+otherwise. The groups are created once by hpc_rlhf.dist.groups from the rank sets the route table names
 (`message_groups`); ranks outside a route take no part and get None.
+
+A batch's responses travel in two hops: each engine's first rank sends its share to the hub (the `engines`
+gather), which sends the whole batch to the consumers (`responses` or `eval`). On gloo, when every engine's share
+is small, each engine sends its share to each consumer directly instead (one hop, no relay: where ranks share
+cores a hop's latency costs more than its bytes, and gloo sets up nothing per pair of ranks).
 
 On a machine where roles share cores, a message costs a rank far more in latency (its partner must be scheduled)
 than in bytes, so the messages of one phase travel together, all in flight before any is waited for:
@@ -24,102 +21,66 @@ responses, and what one sender sends to the same ranks goes as one message).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hpc_rlhf.dist import exchange, groups
-from hpc_rlhf.dist.placement import Plan, role_kind
 from hpc_rlhf.rl.experience import EPISODE_FIELDS, Generated, SampleBatch, from_ragged, shard_bounds
+from hpc_rlhf.rl.routes import (ENGINES, LOGGING_RANK, Gather, Route, engine_leaders, message_groups,  # noqa: F401
+                                routes_of, rule_reward_rank, travels_over_a_group)
 
-LOGGING_RANK = 0  # the actor's leader (placement puts the actor first), which logs the step's figures
 CRITIC_FIGURES = ("value_loss", "value_clip_fraction", "critic_grad_norm", "critic_skipped")
 
-
-@dataclass(frozen=True)
-class Route:
-    """Who sends one kind of message (`src`) and every rank that takes part (`ranks`: the sender and its consumers,
-    sorted)."""
-    key: str
-    src: int
-    ranks: tuple[int, ...]
-
-    @property
-    def consumers(self) -> tuple[int, ...]:
-        return tuple(r for r in self.ranks if r != self.src)
-
-
-# ------------------------------------------------------------------------------------------------ the route table
-def rule_reward_rank(plan: Plan) -> int:
-    """Where the rule and remote rewards run: the first reward model's leader, else the actor's leader."""
-    rewards = [name for name in plan.roles if role_kind(name) == "reward"]
-    return plan.role(rewards[0] if rewards else "actor").leader
-
-
-def routes_of(plan: Plan, ref_role: str = "ref") -> dict[str, Route]:
-    """Every route of `plan` (see the module docstring). Pure: every rank computes the same. `ref_role`: the role
-    whose leader sends `scores/ref` when it is not the `ref` role (a LoRA actor's own ranks compute the reference
-    with the adapter off: `ref_mode=adapter_disabled`)."""
-    def ranks_of(kinds) -> set[int]:
-        return {r for name, role in plan.roles.items() if role.kind in kinds for r in role.ranks}
-
-    trained = ranks_of(("actor", "critic")) | {LOGGING_RANK}
-    scorers = ranks_of(("actor", "critic", "ref", "reward")) | {LOGGING_RANK}
-    routes: dict[str, Route] = {}
-
-    def add(key: str, src: int, consumers: set[int]) -> None:
-        routes[key] = Route(key, src, tuple(sorted(consumers | {src})))
-
-    if plan.has("rollout"):
-        for index, engine in enumerate(plan.role("rollout").engines):
-            add(f"responses/{index}", engine[0], scorers)
-            add(f"eval/{index}", engine[0], {LOGGING_RANK})
-    for name, role in plan.roles.items():
-        if role.kind != "rollout":
-            add(f"scores/{name}", role.leader, trained)
-    if ref_role != "ref":
-        add("scores/ref", plan.role(ref_role).leader, trained)
-    add("scores/rules", rule_reward_rank(plan), trained)
-    if plan.has("critic"):
-        add("figures/critic", plan.role("critic").leader, {LOGGING_RANK})
-    return routes
-
-
-def message_groups(plan: Plan, ref_role: str = "ref") -> dict[str, tuple[int, ...]]:
-    """The rank sets that need a group of their own (routes of three ranks or more; the others travel point to
-    point or not at all): what hpc_rlhf.dist.groups.initialize creates, named by route."""
-    return {key: r.ranks for key, r in routes_of(plan, ref_role).items() if len(r.ranks) > 2}
-
-
-_TABLE: tuple[tuple | None, dict[str, Route]] = (None, {})
+_TABLE: tuple[tuple | None, dict[str, Route | Gather]] = (None, {})
 _REF_ROLE = "ref"  # the role that sends scores/ref in this job (set_reference_role), for `route`
 
 
 def set_reference_role(role: str) -> None:
-    """Which role's leader sends this job's reference log-probs (`routes_of`'s `ref_role`); set before the first
-    message, the same on every rank."""
+    """Which role's leader sends this job's reference log-probs (`routes_of`'s `ref_role`: "actor" when a LoRA
+    actor's own ranks compute the reference with the adapter off); set before the first message, the same on every
+    rank."""
     global _REF_ROLE
     _REF_ROLE = role
 
 
-def route(key: str) -> Route:
+def route(key: str) -> Route | Gather:
     """The route of message `key` in the placement of this job (public knowledge: any rank may ask)."""
     global _TABLE
     plan = groups.plan()
-    if _TABLE[0] is None or _TABLE[0][0] is not plan or _TABLE[0][1] != _REF_ROLE:
-        _TABLE = ((plan, _REF_ROLE), routes_of(plan, _REF_ROLE))
+    if _TABLE[0] != (id(plan), _REF_ROLE):
+        _TABLE = ((id(plan), _REF_ROLE), routes_of(plan, _REF_ROLE))
     table = _TABLE[1]
     if key not in table:
         raise KeyError(f"no route '{key}' in this placement; routes: {', '.join(table)}")
     return table[key]
 
 
+def _group(path: Route | Gather) -> dist.ProcessGroup | None:
+    return groups.message_group(path.key) if travels_over_a_group(path) else None
+
+
 def _post(flat: torch.Tensor, path: Route, tag: int) -> list:
     """Start moving `flat` along `path` (this rank is on it): the works to wait for."""
-    group = groups.message_group(path.key) if len(path.ranks) > 2 else None
-    return exchange.post(flat, path.src, path.consumers, group=group, tag=tag)
+    return exchange.post(flat, path.src, path.consumers, group=_group(path), tag=tag)
+
+
+def _gather(flat: torch.Tensor, path: Gather) -> list[torch.Tensor] | None:
+    """`flat` from every rank of `path` (this rank is on it) to its `dst`: there, one per rank in rank order."""
+    me = dist.get_rank()
+    if len(path.ranks) == 1:
+        return [flat]
+    if travels_over_a_group(path):
+        return exchange.gather_known(flat, path.dst, _group(path))
+    other = path.senders[0]  # two ranks: point to point
+    if me == path.dst:
+        received = torch.empty_like(flat)
+        exchange.wait(exchange.post(received, other, [me]))
+        return [flat, received] if me < other else [received, flat]
+    exchange.wait(exchange.post(flat, me, [path.dst]))
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ known lengths
@@ -250,46 +211,70 @@ def _unpack(words: torch.Tensor, count: int, layout: dict[str, tuple[int, int]])
 def share_responses(mine: Generated | None, kind: str, counts: Sequence[int], max_len: int,
                     with_logprobs: bool = False, with_episodes: bool = False) -> list[Generated | None]:
     """Every engine's share of a batch (`mine`, on the engine's first rank; engine E generated `counts[E]` responses
-    of at most `max_len` tokens) along the routes `kind/E`: per engine, what it generated on the ranks of its route,
-    None elsewhere. `with_logprobs`: their sampling log-probs too; `with_episodes`: the episodes' masks and figures
-    too (multi-turn samples). Every rank calls it.
+    of at most `max_len` tokens) to the consumers of route `kind` ("responses" or "eval"): per engine, what it
+    generated on those consumers, None elsewhere. `with_logprobs`: their sampling log-probs too; `with_episodes`:
+    the episodes' masks and figures too (multi-turn samples). Every rank calls it.
 
-    One message per engine, all in flight at once, of a size every rank knows: 4-byte words, the lengths, then
-    room for `max_len` token ids (int32: vocabularies are far below 2^31) per response, then as much for the
-    log-probs' bits, then (episodes) a byte per token slot for the mask and each episode's EPISODE_FIELDS. Padding
-    to the longest possible batch costs bytes, which are cheap next to the round trip that announcing the size would
-    cost; the log-probs ride in the room int64 ids would have taken, so the ranks that do not need them (ref,
-    reward) get no more bytes than the ids alone would have cost them."""
+    One message per engine, of a size every rank knows: 4-byte words, the lengths, then room for `max_len` token
+    ids (int32: vocabularies are far below 2^31) per response, then as much for the log-probs' bits, then
+    (episodes) a byte per token slot for the mask and each episode's EPISODE_FIELDS (`_layout`). Padding to the
+    longest possible batch costs bytes, which are cheap next to the round trip that announcing the size would cost;
+    the log-probs ride in the room int64 ids would have taken, so the ranks that do not need them (ref, reward) get
+    no more bytes than the ids alone would have cost them. The engines' messages reach the hub (the `engines`
+    gather, padded to the largest), which sends them on as one; or, small on gloo, go from each engine to each
+    consumer directly (see the module docstring)."""
     device, me = exchange.comm_device(), dist.get_rank()
-    out: list[Generated | None] = [None] * len(counts)
-    words, works, layouts = {}, [], {}
-    for e, count in enumerate(counts):
-        key = f"{kind}/{e}"
-        path = route(key)
-        if me not in path.ranks:
-            continue
-        layouts[e] = layout = _layout(count, max_len, with_logprobs, with_episodes)
-        if me == path.src:
-            words[e] = _pack(mine, key, count, max_len, layout).to(device)
-        else:
-            words[e] = torch.zeros(sum(size for _, size in layout.values()), dtype=torch.int32, device=device)
-        works += _post(words[e], path, tag=e)
-    exchange.wait(works)
-    for e, flat in words.items():
-        out[e] = _unpack(flat, counts[e], layouts[e])
-    return out
+    layouts = [_layout(count, max_len, with_logprobs, with_episodes) for count in counts]
+    sizes = [sum(size for _, size in layout.values()) for layout in layouts]
+    path, engines = route(kind), route(ENGINES)
+    leaders = engines.ranks
+    if len(leaders) != len(counts):
+        raise exchange.ExchangeError(f"share_responses('{kind}'): {len(counts)} counts for {len(leaders)} engines")
+    words: dict[int, torch.Tensor] = {}
+    if me in leaders:
+        e = leaders.index(me)
+        words[e] = _pack(mine, f"{kind}/{e}", counts[e], max_len, layouts[e]).to(device)
+    direct = len(leaders) > 1 and exchange.fans_out_directly(4 * max(sizes), exchange.backend_of())
+    if direct:  # each engine to each consumer (the hub too, when it consumes)
+        works = []
+        for e, leader in enumerate(leaders):
+            if me in path.takers and me != leader:
+                words[e] = torch.zeros(sizes[e], dtype=torch.int32, device=device)
+            if me in path.takers or me == leader:
+                works += exchange.post(words[e], leader, path.takers, tag=e)
+        exchange.wait(works)
+    else:  # to the hub, then the batch from the hub
+        if me in leaders and len(leaders) > 1:
+            padded = torch.zeros(max(sizes), dtype=torch.int32, device=device)
+            padded[:sizes[e]] = words[e]
+            gathered = _gather(padded, engines)
+            if gathered is not None:
+                words = {e: part[:sizes[e]] for e, part in enumerate(gathered)}
+        if me in path.ranks:
+            flat = (torch.cat([words[e] for e in range(len(leaders))]) if me == path.src
+                    else torch.zeros(sum(sizes), dtype=torch.int32, device=device))
+            exchange.wait(_post(flat, path, tag=0))
+            words = dict(enumerate(torch.split(flat, sizes)))
+    if me not in path.takers:
+        return [None] * len(counts)
+    return [_unpack(words[e], counts[e], layouts[e]) for e in range(len(counts))]
 
 
 def share_generated(mine: Generated | None, to: str, prompts: int, n: int, max_len: int, with_logprobs: bool = False,
                     with_episodes: bool = False) -> Generated | None:
     """Each engine's share of a batch of `prompts` prompts x `n` samples of at most `max_len` tokens (`mine`, on
-    the engine's first rank) along the routes `to/E`: the whole batch, prompt-major, on the ranks of all those
-    routes (the scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), None elsewhere; with the parts
+    the engine's first rank) to the consumers of route `to`: the whole batch, prompt-major, on those ranks (the
+    scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), None elsewhere; with the parts
     `share_responses` is asked for. Every rank calls it."""
-    engines = len(groups.plan().role("rollout").engines)
-    counts = [n * (end - start) for start, end in (shard_bounds(prompts, engines, e) for e in range(engines))]
+    counts = engine_counts(prompts, len(groups.plan().role("rollout").engines), n)
     parts = share_responses(mine, to, counts, max_len, with_logprobs, with_episodes)
     return None if any(p is None for p in parts) else Generated.concatenated(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def engine_counts(prompts: int, engines: int, n: int) -> tuple[int, ...]:
+    """How many responses each engine generates for `prompts` prompts x `n` samples (contiguous prompt shards)."""
+    return tuple(n * (end - start) for start, end in (shard_bounds(prompts, engines, e) for e in range(engines)))
 
 
 # ------------------------------------------------------------------------------------------------ scores
@@ -305,16 +290,9 @@ def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], 
     to the trained roles, all in one round (`share_known`; the lengths follow from the responses): dense on those
     ranks, (B, T-1) per-token tensors for actor, critic and ref, (B,) scores of each reward model and "rules"
     (zeros without rule or remote rewards)."""
-    def lengths_of(role):
-        if batch is None:
-            return None
-        return [1] * len(batch.response_lens) if per_sample_role(role) else batch.response_lens
-
-    messages = {f"scores/{role}": (local.get(role), lengths_of(role)) for role in roles}
-    if with_rules:
-        messages["scores/rules"] = (rules, None if batch is None else [len(batch.response_lens)])
+    response_lens = None if batch is None else batch.response_lens
     scored = {}
-    for key, full in share_known(messages).items():
+    for key, full in share_known(score_messages(local, roles, rules, with_rules, response_lens)).items():
         role = key.removeprefix("scores/")
         if full is not None:
             scored[role] = torch.cat(full) if per_sample_role(role) else from_ragged(full, batch)
@@ -323,21 +301,49 @@ def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], 
     return scored
 
 
+def score_messages(local: dict[str, list[torch.Tensor] | None], roles: list[str], rules: list[torch.Tensor] | None,
+                   with_rules: bool, response_lens: list[int] | None) -> dict[str, tuple]:
+    """What `share_scores` hands `share_known`: per route `scores/ROLE`, (values on the sender, lengths on the
+    ranks that know the responses' lengths)."""
+    def lengths_of(role):
+        if response_lens is None:
+            return None
+        return [1] * len(response_lens) if per_sample_role(role) else response_lens
+
+    messages = {f"scores/{role}": (local.get(role), lengths_of(role)) for role in roles}
+    if with_rules:
+        messages["scores/rules"] = (rules, None if response_lens is None else [len(response_lens)])
+    return messages
+
+
 # ------------------------------------------------------------------------------------------------ figures
 def critic_figures_to_logger(figures: dict[str, float]) -> dict[str, float]:
     """The critic's training figures (CRITIC_FIGURES, on its leader) to the logging rank: there, those it logs;
-    {} elsewhere. Every rank calls it."""
+    {} elsewhere. Every rank calls it.
+
+    Route `figures/critic`: a gather over the trained ranks, the others sending NaNs that rank 0 drops (a group
+    rank 0 belongs to anyway, rather than a point-to-point pair of its own on NCCL); on gloo, or with two trained
+    ranks, the critic's leader sends them to rank 0 directly."""
     if not groups.plan().has("critic"):
         return {}
     path = route("figures/critic")
-    me = dist.get_rank()
+    me, critic = dist.get_rank(), groups.role_leader("critic")
     if me not in path.ranks:
         return {}
-    values = torch.tensor([figures.get(k, float("nan")) for k in CRITIC_FIGURES], dtype=torch.float64)
-    if me != path.src:
-        values = exchange.recv_known(path.src, len(CRITIC_FIGURES), torch.float64)
-    elif path.consumers:
-        exchange.send_known(values, path.consumers[0], len(CRITIC_FIGURES), torch.float64)
+    values = torch.tensor([figures.get(k, float("nan")) if me == critic else float("nan") for k in CRITIC_FIGURES],
+                          dtype=torch.float64)
+    nbytes = values.numel() * values.element_size()
+    if critic == LOGGING_RANK:
+        pass
+    elif exchange.fans_out_directly(nbytes, exchange.backend_of()) or len(path.ranks) == 2:
+        if me == critic:
+            exchange.send_known(values, LOGGING_RANK, len(CRITIC_FIGURES), torch.float64)
+        elif me == LOGGING_RANK:
+            values = exchange.recv_known(critic, len(CRITIC_FIGURES), torch.float64)
+    else:
+        gathered = _gather(values.to(exchange.comm_device()), path)
+        if gathered is not None:
+            values = gathered[path.ranks.index(critic)].cpu()
     if me != LOGGING_RANK:
         return {}
     logged = dict(zip(CRITIC_FIGURES, values.tolist()))

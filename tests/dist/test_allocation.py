@@ -4,7 +4,7 @@ mode's --dry-run (config keys). Refusals are one line starting with the name the
 import pytest
 
 from hpc_rlhf.dist.allocation import Allocation, AllocationError, RoleLoad, check_allocation, plan_on, refusal
-from hpc_rlhf.dist.memory import ModelShape, estimate
+from hpc_rlhf.dist.memory import DEFAULT_OVERHEAD_GB, ModelShape, estimate
 
 SEVEN_B = ModelShape.preset("7b")
 KEYS = {"zero_stage": "train.zero_stage", "adam_offload": "train.adam_offload", "share": "rollout.share",
@@ -19,7 +19,7 @@ def test_memory_per_rank_is_the_memory_models_and_colocated_roles_add_up():
     report = check_allocation("actor+ref=4,rollout=4", Allocation(8, 8, 80.0), loads())
     actor = estimate("actor", SEVEN_B, 4, 3, overhead_gb=0)["total"]
     ref = estimate("ref", SEVEN_B, 4, 3, overhead_gb=0)["total"]
-    assert report["roles"]["actor"]["memory_gb_per_rank"] == pytest.approx(actor + ref + 2.0, abs=2e-3)
+    assert report["roles"]["actor"]["memory_gb_per_rank"] == pytest.approx(actor + ref + DEFAULT_OVERHEAD_GB, abs=2e-3)
     assert report["fits"] and refusal(report) is None
 
 

@@ -176,7 +176,7 @@ def test_activation_allowance_and_total():
     assert full["activations"] == pytest.approx((34 * tokens * 4096 * 32 + 8 * tokens * 32000) / GB)
     parts = ("weights", "gradients", "optimizer", "activations", "kv_cache", "overhead")
     assert checkpointed["total"] == pytest.approx(sum(checkpointed[k] for k in parts))
-    assert checkpointed["overhead"] == 2.0
+    assert checkpointed["overhead"] == 1.0  # CUDA context and fragmentation; NCCL counted per communicator
 
 
 @pytest.mark.parametrize("kwargs,message", [

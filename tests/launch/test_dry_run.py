@@ -122,12 +122,12 @@ def test_dry_run_flags_need_dry_run_and_an_allocation(capsys):
 def test_the_dry_run_and_hpc_rlhf_plan_compute_the_same_plan(capsys):
     """One check for both: the dry run of a config and `hpc-rlhf plan` with the flags that say the same."""
     code, out, _ = dry_run(capsys, *PPO_70B, "--json", "critic_train.adam_offload=true", "data.max_len=2048",
-                           "rollout.prompts_per_step=128", "rollout.n_samples=4", "rollout.gpu_memory_utilization=1.0",
+                           "rollout.prompts_per_step=64", "rollout.n_samples=4", "rollout.gpu_memory_utilization=1.0",
                            "rollout.weight_sync_bucket_mb=1")  # the plan has no weight-sync buffers: 2 MiB here
     assert code == 0
     from_config = json.loads(out)
     assert main(["plan", "--world-size", "32", "--gpus-per-node", "8", "--model", "70b", "--adam-offload",
-                 "--placement", "actor=4,critic=4,ref=4,reward=4,rollout=16,rollout_tp=4", "--seq-len", "2048",
+                 "--placement", "actor=8,critic=8,ref=4,reward=4,rollout=8,rollout_tp=4", "--seq-len", "2048",
                  "--rollout-seqs", "128", "--json"]) == 0
     from_flags = json.loads(capsys.readouterr().out)
     for name in from_flags["roles"]:
@@ -139,7 +139,7 @@ def test_the_dry_run_and_hpc_rlhf_plan_compute_the_same_plan(capsys):
 def test_check_config_is_a_function_other_commands_call():
     cfg = load_config(ppo.Config, EXAMPLES / "ppo_70b.yaml")
     report = check_config("ppo", cfg, 32, 8, model="70b")
-    assert report["fits"] and report["roles"]["rollout"]["engines"][0] == [16, 17, 18, 19]
+    assert report["fits"] and report["roles"]["rollout"]["engines"][0] == [24, 25, 26, 27]
     assert report["stand_in_shapes"]["actor.path"] == "/path/to/models/llama-2-70b-sft"
     with pytest.raises(AllocationError) as refused:
         check_config("ppo", cfg, 16, 8, model="70b")

@@ -92,9 +92,9 @@ def test_ppo_70b_is_the_32_gpu_layout():
     found = directives(path)
     assert (found["nodes"], found["ntasks-per-node"], found["gpus-per-node"]) == ("4", "8", "8")
     plan = make_plan(default_of(path, "PLACEMENT"), 32, 8)
-    assert {name: role.size for name, role in plan.roles.items()} == {"actor": 4, "critic": 4, "ref": 4,
-                                                                      "reward": 4, "rollout": 16}
-    assert [len(e) for e in plan.role("rollout").engines] == [4, 4, 4, 4]
+    assert {name: role.size for name, role in plan.roles.items()} == {"actor": 8, "critic": 8, "ref": 4,
+                                                                      "reward": 4, "rollout": 8}
+    assert [len(e) for e in plan.role("rollout").engines] == [4, 4]
 
 
 def test_tiny_job_mode_and_config_are_single_variables():

@@ -2,7 +2,7 @@
 ranks (the worker code is at the bottom of this file)."""
 
 from hpc_rlhf.dist.placement import make_plan
-from hpc_rlhf.rl import messages
+from hpc_rlhf.rl import messages, routes
 from tests.distributed import run_ranks
 
 # 6 ranks as 2 nodes of 3: actor+ref 0-1, reward 2, critic 3, rollout 4-5 (one engine of 2).
@@ -10,15 +10,19 @@ COLOCATED = ("actor+ref=2,critic=1,reward=1,rollout=2,rollout_tp=2", 6, 3)
 
 
 def test_routes_go_to_the_ranks_that_consume_them():
-    """Responses (with their log-probs) to every scoring rank, scores to the trained roles (rank 0 logs), evaluation
-    responses and the critic's figures to rank 0 alone; pure, so every rank computes the same."""
-    routes = {key: (r.src, r.ranks) for key, r in messages.routes_of(make_plan(*COLOCATED)).items()}
-    assert routes == {
-        "responses/0": (4, (0, 1, 2, 3, 4)), "eval/0": (4, (0, 4)),
+    """The engines' first ranks to the hub, the batch from the hub to every scoring rank, scores to the trained roles
+    (rank 0 logs), evaluation responses and the critic's figures to rank 0 alone; pure, so every rank computes the
+    same."""
+    table = messages.routes_of(make_plan(*COLOCATED))
+    found = {key: (r.src, r.ranks) if isinstance(r, routes.Route) else ("to", r.dst, r.ranks)
+              for key, r in table.items()}
+    assert found == {
+        "engines": ("to", 4, (4,)), "responses": (4, (0, 1, 2, 3, 4)), "eval": (4, (0, 4)),
         "scores/actor": (0, (0, 1, 3)), "scores/critic": (3, (0, 1, 3)), "scores/ref": (0, (0, 1, 3)),
-        "scores/reward": (2, (0, 1, 2, 3)), "scores/rules": (2, (0, 1, 2, 3)), "figures/critic": (3, (0, 3))}
+        "scores/reward": (2, (0, 1, 2, 3)), "scores/rules": (2, (0, 1, 2, 3)), "figures/critic": ("to", 0, (0, 1, 3))}
     grpo = messages.routes_of(make_plan("actor=1,ref=1,rollout=2", 4, 4))
-    assert grpo["responses/1"].ranks == (0, 1, 3)
+    assert grpo["engines"].ranks == (2, 3) and grpo["engines"].dst == 2
+    assert grpo["responses"].src == 2 and grpo["responses"].ranks == (0, 1, 2)
     assert grpo["scores/actor"].ranks == (0,) and grpo["scores/rules"].src == 0  # no reward model: the actor
     assert "figures/critic" not in grpo
     hybrid = messages.routes_of(make_plan("actor+ref=1,rollout@actor", 1, 1))
@@ -29,17 +33,37 @@ def test_a_lora_actor_sends_the_reference_from_its_own_leader():
     """ref_mode=adapter_disabled (issue 27): no ref role; the actor's ranks score the reference with the adapter
     off, and its leader sends it to the trained roles on the same ranks as the actor's own scores."""
     plan = make_plan("actor=2,critic=1,rollout=1", 4, 4)
-    routes = messages.routes_of(plan, ref_role="actor")
-    assert (routes["scores/ref"].src, routes["scores/ref"].ranks) == (0, (0, 1, 2)) == \
-        (routes["scores/actor"].src, routes["scores/actor"].ranks)
+    table = messages.routes_of(plan, ref_role="actor")
+    assert (table["scores/ref"].src, table["scores/ref"].ranks) == (0, (0, 1, 2)) == \
+        (table["scores/actor"].src, table["scores/actor"].ranks)
     assert "scores/ref" not in messages.routes_of(plan)
     assert messages.message_groups(plan, ref_role="actor")["scores/ref"] == (0, 1, 2)
 
 
 def test_only_routes_of_three_ranks_or_more_get_a_group():
     assert messages.message_groups(make_plan(*COLOCATED)) == {
-        "responses/0": (0, 1, 2, 3, 4), "scores/actor": (0, 1, 3), "scores/critic": (0, 1, 3),
-        "scores/ref": (0, 1, 3), "scores/reward": (0, 1, 2, 3), "scores/rules": (0, 1, 2, 3)}
+        "responses": (0, 1, 2, 3, 4), "scores/actor": (0, 1, 3), "scores/critic": (0, 1, 3),
+        "scores/ref": (0, 1, 3), "scores/reward": (0, 1, 2, 3), "scores/rules": (0, 1, 2, 3),
+        "figures/critic": (0, 1, 3)}
+    assert routes.point_to_point_pairs(make_plan(*COLOCATED)) == {(0, 4)}  # eval: the hub to rank 0
+
+
+def test_no_rank_holds_more_route_groups_as_engines_are_added():
+    """The groups and point-to-point peers the routes give a rank do not grow with the number of engines."""
+    def most(placement, world):
+        plan = make_plan(placement, world, 8)
+        member = {}
+        for ranks in set(messages.message_groups(plan).values()):
+            for r in ranks:
+                member[r] = member.get(r, 0) + 1
+        for pair in routes.point_to_point_pairs(plan):
+            for r in pair:
+                member[r] = member.get(r, 0) + 1
+        return max(member.values())
+
+    small = most("actor=4,critic=4,ref=4,reward=4,rollout=16,rollout_tp=4", 32)
+    assert small == most("actor=64,critic=32,ref=16,reward=16,rollout=128,rollout_tp=2", 256) == \
+        most("actor=256,critic=128,ref=64,reward=64,rollout=512,rollout_tp=1", 1024) == 5
 
 
 def test_a_steps_messages_on_six_ranks_both_ways():
@@ -73,6 +97,7 @@ if __name__ == "__main__":
         return real_broadcast(*args, **kwargs)
 
     dist.broadcast = counted_broadcast
+    real_direct_max = exchange.DIRECT_MAX_BYTES
     for direct_max in (exchange.DIRECT_MAX_BYTES, 0):
         exchange.DIRECT_MAX_BYTES = direct_max
         broadcasts.clear()
@@ -97,7 +122,8 @@ if __name__ == "__main__":
                 assert got[key] is None, (key, rank)
 
         # A batch's responses with their sampling log-probs (share_responses), from engine 0's first rank (4) to
-        # the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5. Episodes: with their
+        # the scoring ranks 0-3, bit for bit, token ids above 2^16 included; not to rank 5 nor back to rank 4 (the
+        # engine's leader sends them and consumes none). Episodes: with their
         # model-token masks and figures, so that the trajectories rebuilt there are the engine's, token for token.
         for episodes in (False, True):
             g = torch.Generator().manual_seed(5)
@@ -108,7 +134,7 @@ if __name__ == "__main__":
                 want.episodes = torch.randn(4, len(EPISODE_FIELDS), generator=g)
             got = messages.share_responses(want if rank == 4 else None, "responses", counts=[4], max_len=7,
                                            with_logprobs=True, with_episodes=episodes)
-            if rank > 4:
+            if rank >= 4:
                 assert got == [None]
                 continue
             for name in ("responses", "logprobs") + (("masks",) if episodes else ()):
@@ -124,6 +150,67 @@ if __name__ == "__main__":
         # Direct: no broadcast at all. Broadcast: every rank on a route of three ranks or more (0-4) takes part.
         assert bool(broadcasts) == (not direct_max and rank <= 4), (direct_max, len(broadcasts))
     dist.broadcast = real_broadcast
+    groups.destroy()
+
+    # ------------------------------------------------------------------ three engines: 0-1 actor, 2 critic, 3-5
+    # The engines' first ranks (3, 4, 5) gather their shares to the hub (3), which sends the batch to the consumers
+    # (0-2): over groups (DIRECT_MAX_BYTES = 0, as NCCL does), or each engine to each consumer directly (gloo).
+    engines_plan = make_plan("actor=2,critic=1,rollout=3", 6, 6)
+    groups.initialize(engines_plan, messages.message_groups(engines_plan), timeout_s=60)
+    real_gather, gathers = dist.gather, []
+
+    def counted_gather(*args, **kwargs):
+        gathers.append(args)
+        return real_gather(*args, **kwargs)
+
+    dist.gather = counted_gather
+    for direct_max in (real_direct_max, 0):
+        exchange.DIRECT_MAX_BYTES = direct_max
+        gathers.clear()
+        g = torch.Generator().manual_seed(11)
+        shares = [[torch.randint(0, 50, (n,), generator=g) for n in lengths] for lengths in ([3, 1], [2], [4, 0, 4])]
+        logps = [[-torch.rand(len(t), generator=g) for t in share] for share in shares]
+        mine = Generated(shares[rank - 3], logps[rank - 3]) if rank >= 3 else None
+        got = messages.share_responses(mine, "responses", counts=[2, 1, 3], max_len=4, with_logprobs=True)
+        if rank <= 2:
+            for e in range(3):
+                assert all(torch.equal(a, b) for a, b in zip(got[e].responses, shares[e], strict=True)), (e, got)
+                assert all(torch.equal(a, b) for a, b in zip(got[e].logprobs, logps[e], strict=True)), (e, got)
+        else:
+            assert got == [None] * 3
+        # Evaluation: to rank 0 alone.
+        got = messages.share_responses(mine, "eval", counts=[2, 1, 3], max_len=4)
+        assert (got == [None] * 3) == (rank != 0)
+        if rank == 0:
+            assert all(torch.equal(a, b) for e in range(3) for a, b in zip(got[e].responses, shares[e], strict=True))
+        # The critic's figures: a gather over the trained ranks 0-2 (or directly from rank 2 on gloo).
+        figures = {"value_loss": 0.5, "value_clip_fraction": 0.25, "critic_grad_norm": 2.0, "critic_skipped": 0.0}
+        logged = messages.critic_figures_to_logger(figures if rank == 2 else {})
+        assert logged == ({k: v for k, v in figures.items() if k != "critic_skipped"} if rank == 0 else {}), logged
+        # Gathers: the hub's of the engines' shares (ranks 3-5, twice) and the figures' (ranks 0-2), groups only.
+        assert len(gathers) == (0 if direct_max else 2 if rank >= 3 else 1), (direct_max, len(gathers))
+    dist.gather = real_gather
+    groups.destroy()
+
+    # ------------------------------------------------------------------ hybrid: engines [0, 1] and [2, 3] on the
+    # actor's ranks, critic 4-5. The hub (rank 0) generates and scores: it keeps the batch, and engine 1's share
+    # reaches it too (from rank 2, directly or over the engines' group).
+    hybrid = make_plan("actor=4,critic=2,rollout@actor,rollout_tp=2", 6, 6)
+    groups.initialize(hybrid, messages.message_groups(hybrid), timeout_s=60)
+    for direct_max in (real_direct_max, 0):
+        exchange.DIRECT_MAX_BYTES = direct_max
+        g = torch.Generator().manual_seed(13)
+        shares = [[torch.randint(0, 50, (n,), generator=g) for n in lengths] for lengths in ([2, 3], [1, 4])]
+        engine = {0: 0, 2: 1}.get(rank)
+        mine = Generated(shares[engine]) if engine is not None else None
+        got = messages.share_responses(mine, "responses", counts=[2, 2], max_len=4)
+        for e in range(2):  # every rank scores
+            assert all(torch.equal(a, b) for a, b in zip(got[e].responses, shares[e], strict=True)), (rank, e, got)
+        got = messages.share_responses(mine, "eval", counts=[2, 2], max_len=4)
+        assert (got == [None, None]) == (rank != 0)
+        if rank == 0:
+            assert all(torch.equal(a, b) for e in range(2) for a, b in zip(got[e].responses, shares[e], strict=True))
+    exchange.DIRECT_MAX_BYTES = real_direct_max
     dist.barrier()
     groups.destroy()
     dist.destroy_process_group()
