@@ -12,13 +12,16 @@ from tests.recipes import QUIET, assert_rl_beats_the_plateau, learning
 
 EVAL_ROWS = "eval.max_rows=300"
 MAX_KL = 5.0
-# Calibrated over seeds 0-4 (300 held-out prompts; scripts/calibrate_learning_tests.py, README's learning table):
-# see the figures beside each bar.
+# Calibrated over seeds 0-4 on an AMD EPYC (2026-11-26; scripts/calibrate_learning_tests.py --seeds 0 1 2 3 4
+# --control -k test_rlvr, each seed's own SFT base; 300 held-out prompts): DAPO gained +0.150 to +0.270 in 30 steps
+# (0.62 -> 0.89 at seed 0), GSPO +0.147 to +0.270 (max KL 0.37-1.07); with train.lr=0 both +0.000. The SFT base
+# trained on at its final learning rate (the continued-SFT plateau) stays at 0.57-0.68 at seed 0 (150-300 steps),
+# below the bar's 0.72 there.
 DAPO = ["placement=actor=1,rollout@actor", "rl.kl_coef=0", "rl.dynamic_sampling=true",
         "rl.dynamic_sampling_max_rounds=2", "rl.overlong_buffer=2", "rl.overlong_filter=true", "rl.clip_eps_high=0.28"]
 GSPO = ["placement=actor+ref=1,rollout@actor", "rl.policy_loss=gspo", "rl.loss_agg=seq-mean-token-mean"]
-DAPO_GAIN = 0.08
-GSPO_GAIN = 0.08
+DAPO_GAIN = 0.10
+GSPO_GAIN = 0.10
 
 
 @pytest.mark.learning
