@@ -137,12 +137,12 @@ EVAL_ROWS = "eval.max_rows=300"
 # LoRA learns at a larger learning rate than full fine-tuning (the GRPO tests use 5e-5 on every weight).
 LORA_GRPO = ["actor.lora.rank=8", "actor.lora.alpha=16", "train.lr=1e-3"]
 LORA_STEPS = 20
-# Calibrated over train.seed 0-4 (HPC_RLHF_TEST_SEED, scripts/calibrate_learning_tests.py's way), each on seed 0's
-# SFT base (HPC_RLHF_TEST_SFT_BASE; 0.62 held-out exact match on 300 prompts), 2026-11-26: after 20 steps 0.877,
-# 0.870, 0.887, 0.867, 0.890 (gains +0.257, +0.250, +0.267, +0.247, +0.270; max KL 0.93, 0.60, 0.86, 0.54, 1.42).
-# The control (HPC_RLHF_TEST_NO_LEARNING=1: train.lr=0) stays at 0.62, gain 0, and fails. Continued SFT from the
-# same base (lr 2e-4, batch 128, 300 steps: twice the RL run's time) reached 0.677, 0.650, 0.643 at steps 100,
-# 200, 300: the plateau. The bar, 0.62 + 0.15 = 0.77 at seed 0, is above it and 0.10 below every seed.
-# Cost: 20-22 CPU-seconds (the run and its two evaluations, one rank).
-LORA_GAIN = 0.15
+# Calibrated over train.seed 0-4 (scripts/calibrate_learning_tests.py --seeds 0 1 2 3 4 -k lora_grpo_beats, each
+# seed with its own SFT base, 300 held-out prompts, an AMD EPYC, 2026-11-26): after 20 steps 0.62 -> 0.877,
+# 0.707 -> 0.873, 0.797 -> 0.943, 0.693 -> 0.910, 0.677 -> 0.873 (gains +0.257, +0.167, +0.147, +0.217, +0.197);
+# on seed 0's base at seeds 0-4 +0.247 to +0.270. The control (train.lr=0) stays at 0.62, gain 0, and fails.
+# Continued SFT from seed 0's base (lr 2e-4, batch 128, 300 steps: twice the RL run's time) reached 0.677, 0.650,
+# 0.643 at steps 100, 200, 300: the plateau. The bar, 0.62 + 0.10 = 0.72 at seed 0, is above it and 0.047 below
+# the lowest seed. Cost: 20-22 CPU-seconds (the run and its two evaluations, one rank).
+LORA_GAIN = 0.10
 MAX_KL = 5.0
