@@ -55,8 +55,9 @@ LOWER = {
     "launch": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "trainers",
                "rl", "scale"},
 }
-# The package root (hpc_rlhf/__init__.py) pins the CPU kernels before torch loads, and nothing more.
-ROOT_MAY_IMPORT = {"hpc_rlhf.utils.cpu_kernels"}
+# The package root (hpc_rlhf/__init__.py) pins the CPU kernels and quiets torch's C++ warnings before torch loads,
+# and nothing more.
+ROOT_MAY_IMPORT = {"hpc_rlhf.utils.cpu_kernels", "hpc_rlhf.utils.console"}
 
 
 def module_files() -> dict[str, Path]:
