@@ -41,6 +41,7 @@ COMMANDS = {
     "submit": "hpc_rlhf.launch.slurm",
     "chat": "hpc_rlhf.chat",
     "simulate": "hpc_rlhf.scale.simulate",
+    "plot": "hpc_rlhf.plot",
 }
 DESCRIPTIONS = {
     "sft": "supervised fine-tuning on prompt/response pairs or chats",
@@ -59,6 +60,7 @@ DESCRIPTIONS = {
     "assets": "generate the built-in tiny tokenizer, model configs and task data",
     "demo": "the built-in pipeline on CPU: SFT -> reward model -> PPO",
     "submit": "queue a training mode on Slurm with submitit (requeued on preemption)",
+    "plot": "draw an RL run's reward, KL and held-out accuracy (PNG), with a control run as a line",
 }
 
 
