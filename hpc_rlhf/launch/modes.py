@@ -42,6 +42,7 @@ COMMANDS = {
     "chat": "hpc_rlhf.chat",
     "simulate": "hpc_rlhf.scale.simulate",
     "plot": "hpc_rlhf.plot",
+    "from-openrlhf": "hpc_rlhf.openrlhf",
 }
 DESCRIPTIONS = {
     "sft": "supervised fine-tuning on prompt/response pairs or chats",
@@ -61,6 +62,7 @@ DESCRIPTIONS = {
     "demo": "the built-in pipeline on CPU: SFT -> reward model -> PPO",
     "submit": "queue a training mode on Slurm with submitit (requeued on preemption)",
     "plot": "draw an RL run's reward, KL and held-out accuracy (PNG), with a control run as a line",
+    "from-openrlhf": "print the hpc_rlhf config of an OpenRLHF command's flags (ppo, dpo, rm, sft)",
 }
 
 

@@ -656,5 +656,5 @@ def _collective_timeout_worker() -> None:
 
 
 if __name__ == "__main__":
-    {"phases": _phases_worker, "store_dies": _store_dies_worker, "uneven": _uneven_worker, "sigterm_in_setup": _sigterm_in_setup_worker,
-     "collective_timeout": _collective_timeout_worker}[sys.argv[1]]()
+    {"phases": _phases_worker, "store_dies": _store_dies_worker, "uneven": _uneven_worker,
+     "sigterm_in_setup": _sigterm_in_setup_worker, "collective_timeout": _collective_timeout_worker}[sys.argv[1]]()
