@@ -24,7 +24,6 @@ counts come from the role flags, with OpenRLHF's default of 1 node x 8 GPUs for 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import importlib
 import sys
@@ -85,10 +84,10 @@ class Flag:
         return "mapped" if self.apply is not None else ("ignored" if self.ignored else "refused")
 
 
-def _sections(conv: "Conversion", template: str) -> list[str]:
-    """`template` with {model} and {train} filled in for the mode: PPO trains an actor and a critic."""
-    models = ("actor", "critic") if conv.mode == "ppo" else ("model",)
-    trains = ("train", "critic_train") if conv.mode == "ppo" else ("train",)
+def _sections(mode: str, template: str) -> list[str]:
+    """`template` with {model} and {train} filled in for `mode`: PPO trains an actor and a critic."""
+    models = ("actor", "critic") if mode == "ppo" else ("model",)
+    trains = ("train", "critic_train") if mode == "ppo" else ("train",)
     if "{model}" in template:
         return [template.format(model=m) for m in models]
     if "{train}" in template:
@@ -99,7 +98,7 @@ def _sections(conv: "Conversion", template: str) -> list[str]:
 def to(template: str, transform: Callable[[Any], Any] | None = None) -> Callable[["Conversion", Any], None]:
     """Set every key of `template` (see _sections) to the flag's value, transformed."""
     def apply(conv: "Conversion", value: Any) -> None:
-        for key in _sections(conv, template):
+        for key in _sections(conv.mode, template):
             conv.set(key, transform(value) if transform else value)
     return apply
 
@@ -172,7 +171,7 @@ def keep_per(template: str, what: str) -> Callable[["Conversion", Any], None]:
         if what == "scheduler" and value not in SCHEDULERS:
             raise ConversionError(f"{conv.flag} {value}: hpc_rlhf's schedule is warmup, then cosine to a floor; the "
                                   f"converter takes cosine_with_min_lr or constant_with_warmup")
-        for section in _sections(conv, template):
+        for section in _sections(conv.mode, template):
             if (section, what) in conv.kept and conv.kept[(section, what)] != value:
                 raise ConversionError(f"{conv.flag} {value} contradicts another flag that gave {section} "
                                       f"{conv.kept[(section, what)]}")
@@ -211,7 +210,7 @@ def _eps_clip_low_high(conv: "Conversion", value: Any) -> None:
 
 def _adam_betas(template: str) -> Callable[["Conversion", Any], None]:
     def apply(conv: "Conversion", value: Any) -> None:
-        for section in _sections(conv, template):
+        for section in _sections(conv.mode, template):
             conv.set(f"{section}.adam_beta1", float(value[0]))
             conv.set(f"{section}.adam_beta2", float(value[1]))
     return apply
@@ -684,13 +683,15 @@ class Conversion:
             self.keys[key], self.source[key] = value, "--set"
 
     def set_derived(self, key: str, value: Any) -> None:
-        self.flag = "(derived)"
-        self.set(key, value)
+        """A key that follows from several flags; a key given with --set is the user's instead."""
+        if key not in self.sets:
+            self.flag = "(derived)"
+            self.set(key, value)
 
     def _schedule(self) -> None:
         """train.min_lr_ratio of each training section from --lr_scheduler and --min_lr_ratio (OpenRLHF's scheduler
         is cosine_with_min_lr with a floor of 0.1 x lr unless they say otherwise)."""
-        for section in _sections(self, "{train}"):
+        for section in _sections(self.mode, "{train}"):
             scheduler = self.kept.get((section, "scheduler"))
             floor = self.kept.get((section, "floor"))
             self.flag = "--lr_scheduler"
@@ -728,15 +729,17 @@ class Conversion:
         return (self.kept.get(f"{role}_nodes", ROLE_DEFAULT_NODES) * self.kept.get(f"{role}_gpus", ROLE_DEFAULT_GPUS))
 
     def _roles_and_placement(self, defaults: Any) -> None:
-        value = (lambda key: self.keys.get(key, _get(defaults, key)))
+        def value(key: str) -> Any:
+            return self.sets.get(key, self.keys.get(key, _get(defaults, key)))
+
         critic = value("rl.advantage") == "gae"
         ref = value("rl.kl_coef") > 0
         if "reward.models" not in self.keys:
             self.set_derived("reward.models", [])  # no --reward_pretrain: OpenRLHF has no reward model
-        reward = bool(self.keys["reward.models"])
+        reward = bool(value("reward.models"))
         if critic and "critic.path" not in self.keys:
             # OpenRLHF: the critic starts from the reward model (from the actor without one).
-            start = self.keys["reward.models"][0] if reward else self.keys.get("actor.path")
+            start = value("reward.models")[0] if reward else self.keys.get("actor.path")
             if start is not None:
                 self.set_derived("critic.path", start)
         if not critic:
@@ -901,7 +904,7 @@ def render(mode: str, argv: list[str], tree: dict[str, Any], conv: Conversion) -
         if mode not in flag.modes or flag in conv.given or not flag.core:
             continue
         named = [part.split(" ")[0].split("=")[0] for part in flag.keys.split(", ")]
-        keys = [k for part in named for k in _sections(conv, part) if _has(defaults, k)]
+        keys = [k for part in named for k in _sections(conv.mode, part) if _has(defaults, k)]
         keys = [k for k in keys if k not in conv.keys]
         if keys:
             shown = ", ".join(f"{k}={_shown(_get(defaults, k))}" for k in keys)
@@ -934,18 +937,13 @@ def _shown(value: Any) -> str:
 # ================================================================================================ the table
 def flag_table(mode: str) -> str:
     """The markdown table of OpenRLHF's `mode` script flags: name (aliases), hpc_rlhf key(s) or why not, notes."""
-    class Shown:  # what _sections needs to fill in {model} and {train}
-        pass
-
-    shown = Shown()
-    shown.mode = mode
     rows = ["| OpenRLHF flag | hpc_rlhf | notes |", "|---|---|---|"]
     for flag in FLAGS:
         if mode not in flag.modes:
             continue
         names = " ".join(f"`{n}`" for n in dict.fromkeys(flag.names))
         if flag.kind == "mapped":
-            target = ", ".join(f"`{k.strip()}`" for part in flag.keys.split(", ") for k in _sections(shown, part))
+            target = ", ".join(f"`{k.strip()}`" for part in flag.keys.split(", ") for k in _sections(mode, part))
             if flag.keys.startswith("placement"):
                 target = f"`placement`: {flag.keys.removeprefix('placement ').strip('()')}"
         elif flag.kind == "ignored":
