@@ -85,14 +85,15 @@ def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
 
     def response_partners(args) -> set[int]:
         """Every engine's first rank and every consumer of the batch: each engine's share reaches each consumer
-        (directly on gloo, or through the hub), so a rank on either route waits for all of them."""
-        everyone = set(messages.route(args[2]).ranks) | set(messages.route("engines").ranks)
+        (directly on gloo, or through the hub), so a rank on either route waits for all of them. `args`:
+        share_responses(mine, kind, counts, max_len, ...), `kind` the batch's route."""
+        everyone = set(messages.route(args[1]).ranks) | set(messages.route("engines").ranks)
         return everyone if dist.get_rank() in everyone else set()
 
     messages.share_responses = timed(
-        messages.share_responses, lambda *a, **kw: f"share_responses {a[2]}",
+        messages.share_responses, lambda *a, **kw: f"share_responses {a[1]}",
         lambda *a, **kw: response_partners(a),
-        lambda *a, **kw: set(messages.route(a[2]).ranks) | set(messages.route("engines").ranks))
+        lambda *a, **kw: set(messages.route(a[1]).ranks) | set(messages.route("engines").ranks))
     messages.share_known = timed(messages.share_known, "share_known",
                                  lambda sent, **kw: on_routes(sent, dist.get_rank()),
                                  lambda sent, **kw: on_routes(sent))

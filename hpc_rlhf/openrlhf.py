@@ -613,14 +613,14 @@ FLAGS: list[Flag] = _flags()
 
 
 # The documentation's worked example: an OpenRLHF-style command for the layout of sbatch/ppo_70b.sbatch (4 nodes x 8
-# GPUs: actor, critic, reference and reward model 4 GPUs each, 4 vLLM engines of tensor-parallel 4), and the
+# GPUs: actor and critic 8 GPUs each, reference and reward model 4 each, 2 vLLM engines of tensor-parallel 4), and the
 # --set keys that OpenRLHF expresses otherwise (its episodes and warmup ratio). Converted, it gives the keys of
 # examples/cluster/ppo_70b.yaml (tests/test_openrlhf.py checks it).
 EXAMPLE_70B = ("ppo", [
-    "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "4", "--critic_num_nodes", "1",
-    "--critic_num_gpus_per_node", "4", "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "4",
+    "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "8", "--critic_num_nodes", "1",
+    "--critic_num_gpus_per_node", "8", "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "4",
     "--reward_num_nodes", "1", "--reward_num_gpus_per_node", "4",
-    "--vllm_num_engines", "4", "--vllm_tensor_parallel_size", "4", "--vllm_gpu_memory_utilization", "0.85",
+    "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "4", "--vllm_gpu_memory_utilization", "0.85",
     "--pretrain", "/path/to/models/llama-2-70b-sft", "--reward_pretrain", "/path/to/models/llama-2-70b-rm",
     "--critic_pretrain", "/path/to/models/llama-2-70b-rm",
     "--prompt_data", "/path/to/data/prompts_train.jsonl", "--input_key", "prompt",

@@ -88,8 +88,8 @@ def openrlhf_reference() -> str:
         "converter stops naming it). A flag in no table is refused by name. Only the flags given are translated: "
         "the other keys keep hpc_rlhf's defaults, which the printed config lists.\n",
         "## Worked example: PPO of a 70B model\n",
-        "An OpenRLHF-style command for the layout of `sbatch/ppo_70b.sbatch` (4 nodes x 8 GPUs: actor, critic, "
-        "reference and reward model on 4 GPUs each, 4 vLLM engines of tensor-parallel 4). OpenRLHF counts "
+        "An OpenRLHF-style command for the layout of `sbatch/ppo_70b.sbatch` (4 nodes x 8 GPUs: actor and critic "
+        "on 8 GPUs each, reference and reward model on 4 each, 2 vLLM engines of tensor-parallel 4). OpenRLHF counts "
         "episodes and a warmup ratio; hpc_rlhf counts steps, so those come with `--set`:\n",
         f"```bash\n{command}\n```\n",
         "It prints this config (the comments it adds are left out here):\n",

@@ -48,7 +48,7 @@ def test_the_70b_ppo_command_converts_to_the_layout_of_sbatch_ppo_70b(tmp_path, 
         return obj
 
     assert {k: get(cfg, k) for k in same} == {k: get(ours, k) for k in same}
-    assert cfg.placement == "actor=4,critic=4,ref=4,reward=4,rollout=16,rollout_tp=4"
+    assert cfg.placement == "actor=8,critic=8,ref=4,reward=4,rollout=8,rollout_tp=4"
 
 
 @pytest.mark.parametrize("mode, flags, sets, expected", [

@@ -45,6 +45,8 @@ TRL = {
     "ppo_vs_trl": ["--layouts", "colocated", "--rounds", "1", "--steps", "1", "--warmup", "1", "--rows", "64"],
 }
 GPU_ONLY = ["gpu_throughput"]
+# Reads the outputs of rl_phases runs (none given: only its table of published runs, computed), so not in run_all.sh.
+ANALYSES = {"step_time_validation": []}
 TRL_112 = REPO / ".venv-trl112" / "bin" / "python"
 
 
@@ -65,10 +67,11 @@ def run(name: str, args: list[str]) -> subprocess.CompletedProcess:
 
 def test_every_benchmark_has_a_smoke_run():
     scripts = {p.stem for p in BENCHMARKS.glob("*.py")} - {"benchlib"}
-    listed = set(IN_PROCESS) | set(COMMANDS) | set(VLLM) | set(TRL) | set(GPU_ONLY)
+    listed = set(IN_PROCESS) | set(COMMANDS) | set(VLLM) | set(TRL) | set(GPU_ONLY) | set(ANALYSES)
     assert scripts == listed, f"not listed here: {sorted(scripts - listed)}; gone: {sorted(listed - scripts)}"
     run_all = (BENCHMARKS / "run_all.sh").read_text()
-    assert all(name in run_all for name in scripts - set(GPU_ONLY)), "run_all.sh leaves out a CPU benchmark"
+    assert all(name in run_all for name in scripts - set(GPU_ONLY) - set(ANALYSES)), \
+        "run_all.sh leaves out a CPU benchmark"
 
 
 @pytest.mark.parametrize("name", list(IN_PROCESS))
@@ -81,6 +84,12 @@ def test_in_process_smoke_run(name, capsys):
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_smoke_run(name):
     assert "---" in run(name, COMMANDS[name]).stdout
+
+
+@pytest.mark.parametrize("name", list(ANALYSES))
+def test_analysis_runs(name, capsys):
+    assert load(name).main(ANALYSES[name]) == 0
+    assert "|---" in capsys.readouterr().out
 
 
 @pytest.mark.vllm

@@ -54,4 +54,4 @@ def test_the_openrlhf_page_has_the_converters_tables_and_the_worked_example():
     page = docs_hooks().openrlhf_reference()
     for mode in SCRIPTS:
         assert flag_table(mode) in page
-    assert "placement: actor=4,critic=4,ref=4,reward=4,rollout=16,rollout_tp=4" in page
+    assert "placement: actor=8,critic=8,ref=4,reward=4,rollout=8,rollout_tp=4" in page
