@@ -157,7 +157,17 @@ def _run_on_this_rank(mode: str, cfg: Any, run_fn: Callable[[Any], Any], needed:
         console.say(f"rank {launch.rank}: {type(exc).__name__}: {exc}")
         return 1
     finally:
+        _forget_groups()
         shutdown()
+
+
+def _forget_groups() -> None:
+    """Destroy the run's process groups (dist.groups) if it made any: no rank process needs it, as it ends
+    anyway, but a run in a process that goes on (a test, an interactive session) leaves the groups' plan behind
+    otherwise, and the next run there refuses to initialise them again."""
+    groups = sys.modules.get("hpc_rlhf.dist.groups")  # loaded by the run if it made groups; never imported here
+    if groups is not None and groups.is_initialized():
+        groups.destroy()
 
 
 # ------------------------------------------------------------------------------------------- local launcher
