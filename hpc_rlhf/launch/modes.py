@@ -68,8 +68,10 @@ DESCRIPTIONS = {
 
 def usage() -> str:
     lines = ["usage: hpc-rlhf MODE [--config FILE.yaml] [key=value ...]", "", "modes:"]
-    for name in list(TRAINING_MODES) + list(COMMANDS):
-        lines.append(f"  {name:<8} {DESCRIPTIONS.get(name, '')}")
+    names = list(TRAINING_MODES) + list(COMMANDS)
+    width = max(len(name) for name in names)
+    for name in names:
+        lines.append(f"  {name:<{width}} {DESCRIPTIONS.get(name, '')}")
     lines.append("")
     lines.append("`hpc-rlhf MODE --help` lists every key of a mode with its default.")
     return "\n".join(lines)
