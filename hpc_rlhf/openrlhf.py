@@ -234,34 +234,34 @@ def _flags() -> list[Flag]:
     ppo, dpo, rm, sft = ("ppo",), ("dpo",), ("rm",), ("sft",)
     flags = [
         # ---- placement (PPO): counts worked out in Conversion.placement()
-        F(("--actor_num_nodes", "--actor.num_nodes"), ppo, cast=int, keys="placement (actor)",
+        F(("--actor_num_nodes", "--actor.num_nodes"), ppo, cast=int, keys="placement: actor",
           apply=keep("actor_nodes"),
           note="ranks of the actor = nodes x GPUs per node (OpenRLHF's default 1 x 8)"),
-        F(("--actor_num_gpus_per_node", "--actor.num_gpus_per_node"), ppo, cast=int, keys="placement (actor)",
+        F(("--actor_num_gpus_per_node", "--actor.num_gpus_per_node"), ppo, cast=int, keys="placement: actor",
           apply=keep("actor_gpus")),
-        F(("--critic_num_nodes", "--critic.num_nodes"), ppo, cast=int, keys="placement (critic)",
+        F(("--critic_num_nodes", "--critic.num_nodes"), ppo, cast=int, keys="placement: critic",
           apply=keep("critic_nodes"), note="a critic only with --advantage_estimator gae, as in OpenRLHF"),
-        F(("--critic_num_gpus_per_node", "--critic.num_gpus_per_node"), ppo, cast=int, keys="placement (critic)",
+        F(("--critic_num_gpus_per_node", "--critic.num_gpus_per_node"), ppo, cast=int, keys="placement: critic",
           apply=keep("critic_gpus")),
-        F(("--ref_num_nodes", "--ref.num_nodes"), ppo, cast=int, keys="placement (ref)", apply=keep("ref_nodes"),
+        F(("--ref_num_nodes", "--ref.num_nodes"), ppo, cast=int, keys="placement: ref", apply=keep("ref_nodes"),
           note="a reference only when rl.kl_coef > 0, as in OpenRLHF (--init_kl_coef)"),
-        F(("--ref_num_gpus_per_node", "--ref.num_gpus_per_node"), ppo, cast=int, keys="placement (ref)",
+        F(("--ref_num_gpus_per_node", "--ref.num_gpus_per_node"), ppo, cast=int, keys="placement: ref",
           apply=keep("ref_gpus")),
-        F(("--reward_num_nodes", "--reward.num_nodes"), ppo, cast=int, keys="placement (reward)",
+        F(("--reward_num_nodes", "--reward.num_nodes"), ppo, cast=int, keys="placement: reward",
           apply=keep("reward_nodes")),
-        F(("--reward_num_gpus_per_node", "--reward.num_gpus_per_node"), ppo, cast=int, keys="placement (reward)",
+        F(("--reward_num_gpus_per_node", "--reward.num_gpus_per_node"), ppo, cast=int, keys="placement: reward",
           apply=keep("reward_gpus")),
         F(("--vllm_num_engines", "--vllm.num_engines"), ppo, cast=int,
-          keys="placement (rollout = engines x TP), rollout.backend=vllm", apply=keep("engines"),
+          keys="placement: rollout = engines x TP; rollout.backend=vllm", apply=keep("engines"),
           note="0 or absent: the actor generates with transformers on its own ranks (rollout@actor, backend hf)"),
         F(("--vllm_tensor_parallel_size", "--vllm.tensor_parallel_size"), ppo, cast=int,
-          keys="placement (rollout_tp)", apply=keep("tp")),
-        F(("--colocate_actor_ref", "--train.colocate_actor_ref"), ppo, takes="switch", keys="placement (actor+ref=N)",
+          keys="placement: rollout_tp", apply=keep("tp")),
+        F(("--colocate_actor_ref", "--train.colocate_actor_ref"), ppo, takes="switch", keys="placement: actor+ref=N",
           apply=keep("colocate_actor_ref"), note="the two counts must be equal, as OpenRLHF asserts"),
         F(("--colocate_critic_reward", "--train.colocate_critic_reward"), ppo, takes="switch",
-          keys="placement (critic+reward=N)", apply=keep("colocate_critic_reward")),
+          keys="placement: critic+reward=N", apply=keep("colocate_critic_reward")),
         F(("--colocate_all_models", "--train.colocate_all"), ppo, takes="switch",
-          keys="placement (actor+critic+ref+reward=N, rollout@actor)", apply=keep("colocate_all"),
+          keys="placement: actor+critic+ref+reward=N, rollout@actor", apply=keep("colocate_all"),
           note="the vLLM engines run on the actor's ranks (hpc_rlhf's hybrid engine): engines x TP must equal the "
                "actor's ranks, as OpenRLHF asserts"),
         F(("--vllm_gpu_memory_utilization", "--vllm.gpu_memory_utilization"), ppo, cast=float,
@@ -272,7 +272,7 @@ def _flags() -> list[Flag]:
           ignored="how weights reach the engines: hpc_rlhf broadcasts them over its weight-sync group (NCCL on GPUs)"),
         F(("--vllm_sync_with_ray", "--vllm.sync_with_ray"), ppo, takes="switch", ignored="there is no Ray here"),
         F(("--enable_prefix_caching", "--vllm.enable_prefix_caching"), ppo, takes="switch",
-          ignored="a speed setting of vLLM; the samples drawn do not depend on it"),
+          ignored="a speed setting of vLLM (computed prompt prefixes reused); it computes the same distribution"),
         F(("--vllm_enable_sleep", "--vllm.enable_sleep"), ppo, takes="switch",
           ignored="hpc_rlhf's hybrid vLLM engine always sleeps while the actor trains (rl/sync.py engine_awake)"),
         F(("--vllm_generate_batch_size", "--rollout.vllm_generate_batch_size"), ppo, cast=int,
@@ -944,8 +944,8 @@ def flag_table(mode: str) -> str:
         names = " ".join(f"`{n}`" for n in dict.fromkeys(flag.names))
         if flag.kind == "mapped":
             target = ", ".join(f"`{k.strip()}`" for part in flag.keys.split(", ") for k in _sections(mode, part))
-            if flag.keys.startswith("placement"):
-                target = f"`placement`: {flag.keys.removeprefix('placement ').strip('()')}"
+            if flag.keys.startswith("placement:"):
+                target = f"`placement`:{flag.keys.removeprefix('placement:')}"
         elif flag.kind == "ignored":
             target = "ignored"
         else:
