@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 STAMP := $(VENV)/.hpc_rlhf-installed
 
-.PHONY: venv assets demo test test-fast plan clean-venv
+.PHONY: venv assets demo test test-fast plan clean-venv docs
 
 venv: $(STAMP)
 
@@ -17,8 +17,9 @@ OPENMPI_PACKAGES := openmpi-bin libopenmpi-dev
 
 # Debian's Open MPI first (see above), then torch (the CPU wheel), the pinned libraries, deepspeed built against
 # that torch with its CPU communication and CPU Adam (offload) ops precompiled (otherwise every rank compiles
-# them on first use), then this package with its `mpi` extra (mpi4py, for launch/mpirun.sh). No wheel cache for
-# deepspeed: a cached wheel may have been built without these ops.
+# them on first use), then this package with its `mpi` extra (mpi4py, for launch/mpirun.sh) and its `docs` extra
+# (mkdocs, for `make docs` and the suite's strict build of the site). No wheel cache for deepspeed: a cached wheel
+# may have been built without these ops.
 $(STAMP): setup.cfg requirements-cpu.txt
 	@if command -v mpirun >/dev/null 2>&1 && dpkg -s libopenmpi-dev >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -34,7 +35,7 @@ $(STAMP): setup.cfg requirements-cpu.txt
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 $(PIP) install -q --no-build-isolation --no-cache-dir "$(DEEPSPEED_SPEC)"
 	$(PIP) install -q --no-build-isolation --no-deps -e .
-	$(PIP) install -q --no-build-isolation -e ".[mpi]"
+	$(PIP) install -q --no-build-isolation -e ".[mpi,docs]"
 	touch $(STAMP)
 
 assets: venv
@@ -53,6 +54,11 @@ test-fast: venv
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The documentation site into site/ (strict: a broken link or a missing page fails; the reference pages are generated
+# from the code at each build by scripts/docs_hooks.py). `$(PY) -m mkdocs serve` shows it while it is edited.
+docs: venv
+	OMP_NUM_THREADS=1 $(PY) -m mkdocs build --strict --site-dir site
 
 .PHONY: bench
 # Side-by-side benchmarks against TRL (CPU, ~10-20 min). TRL goes in without dependencies so nothing else moves.

@@ -49,6 +49,7 @@ benchlib.single_thread_env()
 PLACEMENT = "actor=1,critic=1,ref=1,reward=1,rollout=2"
 RANK_FILE = "async_rank{rank}.json"
 SAMPLES_PER_STEP = 64  # examples/tiny/ppo.yaml: 16 prompts x 4 samples
+SMOKE = ["--steps", "3", "--warmup", "1", "--ks", "0", "1", "--rows", "64", "--new-tokens", "2"]
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -108,8 +109,8 @@ def run_once(tmp: Path, actor: Path, value: Path, k: int, args, name: str) -> di
                 f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", f"data.max_train_rows={args.rows}",
                 "data.eval_files=[]", "log.every_steps=1", "log.eval_every_steps=0", "log.tensorboard=false",
                 "log.progress=false", "checkpoint.resume=false"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=6", "--max_restarts=0",
-           str(Path(__file__).resolve()), "--worker", str(out), *ppo_args]
+    cmd = benchlib.ranks_command(6, Path(__file__).resolve(), ["--worker", str(out), *ppo_args],
+                                 "local" if args.smoke else "torchrun")
     benchlib.run_command(cmd, what=f"6-rank PPO, rl.max_staleness={k}", timeout=1800)
     metrics = benchlib.read_jsonl(out / "metrics.jsonl")
     ranks = [json.loads((out / RANK_FILE.format(rank=r)).read_text()) for r in range(6)]
@@ -174,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=6,
                         help="rollout.max_new_tokens (6 as examples/tiny/ppo.yaml; the random models rarely stop "
                              "early, so this sets the generation's share of the step)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"that it runs, not a measurement: {' '.join(SMOKE)}, ranks forked by the local launcher")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args = parser.parse_args([*argv, *SMOKE])
     if args.steps <= args.warmup + 1 or args.ks[0] != 0:
         parser.error("--steps must exceed --warmup + 1, and --ks must start with 0 (the baseline)")
     benchlib.ensure_assets()

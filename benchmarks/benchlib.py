@@ -293,7 +293,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         return str(v)
 
     text = [[cell(v) for v in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in text)) for i, h in enumerate(headers)]
+    widths = [max([len(str(h)), *(len(r[i]) for r in text)]) for i, h in enumerate(headers)]  # rows may be none
     line = "  ".join(f"{h:<{w}}" for h, w in zip(headers, widths))
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(f"{c:<{w}}" for c, w in zip(r, widths)) for r in text]
@@ -383,3 +383,29 @@ def quiet_run_overrides(output_dir: str | Path, total_steps: int) -> list[str]:
     return [f"output_dir={output_dir}", f"train.max_steps={total_steps}", f"log.every_steps={total_steps}",
             "log.eval_every_steps=0", "log.tensorboard=false", "log.progress=false", "checkpoint.resume=false",
             "data.eval_files=[]", "eval.prompt_files=[]"]
+
+
+def no_recomputation(config_class) -> dict[str, bool]:
+    """The keyword that turns activation recomputation off in a TRL config: transformers' TrainingArguments (which
+    TRL's configs extend) names it `gradient_checkpointing`, and `activation_checkpointing` in later releases than
+    the 5.19 that vLLM's CPU build pins; whichever `config_class` has."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_class)}
+    key = next((k for k in ("gradient_checkpointing", "activation_checkpointing") if k in names), None)
+    if key is None:
+        raise RuntimeError(f"{config_class.__name__} has neither gradient_checkpointing nor activation_checkpointing")
+    return {key: False}
+
+
+def ranks_command(nproc: int, script: str | Path, args: Sequence[str], launcher: str = "torchrun") -> list[str]:
+    """The command that runs `script args` as every rank of a local `nproc`-rank world. `torchrun`: a fresh
+    interpreter per rank (what the figures are measured with); `local`: hpc_rlhf's local launcher, which forks the
+    ranks from one interpreter that imported everything once (what the smoke runs use: a third of the CPU time).
+    The script's worker installs its instrumentation before it calls the CLI, so forked ranks inherit it."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                "--max_restarts=0", str(script), *args]
+    if launcher == "local":
+        return [sys.executable, str(script), *args]
+    raise ValueError(f"launcher must be torchrun or local, not {launcher!r}")

@@ -84,7 +84,7 @@ def run_trl(algo: str, model_dir: Path, out_dir: Path, steps: int, warmup: int, 
     round) time after `warmup` RL steps."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, TrainingArguments
 
     clock = benchlib.StepClock()
 
@@ -99,9 +99,9 @@ def run_trl(algo: str, model_dir: Path, out_dir: Path, steps: int, warmup: int, 
                   max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, beta=BETA,
                   epsilon=0.2, num_iterations=1, learning_rate=LR, lr_scheduler_type="constant",
                   max_steps=(warmup + steps) * updates_per_rl_step, adam_beta2=0.95, max_grad_norm=1.0,
-                  use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False, report_to="none",
+                  use_cpu=True, bf16=False, fp16=False, report_to="none",
                   logging_strategy="no", save_strategy="no", seed=0, disable_tqdm=True, use_vllm=False,
-                  dataloader_num_workers=0)
+                  dataloader_num_workers=0, **benchlib.no_recomputation(TrainingArguments))
     data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]}
                               for r in benchlib.read_jsonl(benchlib.DATA / "prompts_train.jsonl")[:rows]])
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -25,6 +25,7 @@ Nothing is asserted; the ratios are the figures to keep (README.md, "LoRA RL").
 
     .venv/bin/python benchmarks/lora_rl.py
     .venv/bin/python benchmarks/lora_rl.py --repeats 9 --steps 6 --json
+    .venv/bin/python benchmarks/lora_rl.py --smoke     # does it run (the suite's smoke run): no figures to keep
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ benchlib.single_thread_env()
 
 MODEL = {"hidden_size": 640, "intermediate_size": 1728, "num_hidden_layers": 12, "num_attention_heads": 10,
          "num_key_value_heads": 10}
+SMOKE_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 4}  # --smoke: that it runs, on a model that loads at once
 RANK = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MB = 2**20
@@ -140,6 +143,7 @@ def grpo_worker(out: Path, args: list[str]) -> int:
     """One rank of a GRPO run: its roles, its RSS before its models were built, its peak RSS over the steps."""
     from hpc_rlhf import cli
     from hpc_rlhf.dist import groups, watchdog
+    from hpc_rlhf.rl import grpo
     from hpc_rlhf.rl import step as rl_step
 
     page = os.sysconf("SC_PAGE_SIZE")
@@ -160,8 +164,6 @@ def grpo_worker(out: Path, args: list[str]) -> int:
 
     import torch
 
-    threading.Thread(target=sampler, daemon=True).start()
-    torch.nn.modules.module.register_module_forward_hook(sample)
     setup = rl_step.RLRecipe.setup
 
     def setup_and_note(self):  # the rank's memory before any model exists, and its roles
@@ -177,13 +179,21 @@ def grpo_worker(out: Path, args: list[str]) -> int:
         set_step(step)
 
     watchdog.set_step = start_window
-    code = cli.main(args)
-    sample()
-    (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(state))
-    return code
+    run = grpo.run
+
+    def measured_run(cfg, *a, **kw):  # in the rank's own process (forked ranks inherit the patches, not threads)
+        threading.Thread(target=sampler, daemon=True).start()
+        torch.nn.modules.module.register_module_forward_hook(sample)
+        result = run(cfg, *a, **kw)
+        sample()
+        (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(state))
+        return result
+
+    grpo.run = measured_run  # the CLI looks the mode's run function up when it starts it
+    return cli.main(args)
 
 
-def grpo_run(name: str, model: Path, tmp: Path, steps: int, rule: Path) -> dict:
+def grpo_run(name: str, model: Path, tmp: Path, steps: int, rule: Path, launcher: str = "torchrun") -> dict:
     placement, overrides = RUNS[name]
     out = tmp / name
     out.mkdir(parents=True)
@@ -196,8 +206,7 @@ def grpo_run(name: str, model: Path, tmp: Path, steps: int, rule: Path) -> dict:
             f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", "data.max_train_rows=256",
             "data.eval_files=[]", "log.eval_every_steps=0", "log.tensorboard=false", "log.progress=false",
             "checkpoint.every_steps=0", "checkpoint.resume=false", *overrides]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           "--max_restarts=0", str(Path(__file__).resolve()), "--grpo-worker", str(out), *args]
+    cmd = benchlib.ranks_command(ranks, Path(__file__).resolve(), ["--grpo-worker", str(out), *args], launcher)
     started = time.perf_counter()
     benchlib.run_command(cmd, env=benchlib.child_env(MALLOC), what=f"GRPO {name}", timeout=1800)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
@@ -247,12 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="GRPO steps per run (the first is not counted)")
     parser.add_argument("--rounds", type=int, default=2, help="GRPO runs of each kind, in alternating order")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--smoke", action="store_true",
+                        help="that it runs, not a measurement: a 2-layer model of hidden size 64, 1 repeat, 2 steps, "
+                             "1 round, the GRPO ranks forked by the local launcher")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.repeats, args.steps, args.rounds = 1, 2, 1
     benchlib.ensure_assets()
     benchlib.header(f"LoRA RL (rank {RANK} on {', '.join(TARGETS)}) against full fine-tuning")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model = benchlib.make_bench_model(tmp / "llama-60m", seed=0, **MODEL)
+        model = benchlib.make_bench_model(tmp / "llama", seed=0, **(SMOKE_MODEL if args.smoke else MODEL))
         params = benchlib.count_params(model)
         rule = tmp / "rule.py"
         rule.write_text("def length(prompts, responses, answers):\n    return [float(len(r)) for r in responses]\n")
@@ -261,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds = []
         for index in range(args.rounds):
             order = list(RUNS) if index % 2 == 0 else list(reversed(RUNS))
-            done = {name: grpo_run(name, model, tmp / f"round{index}", args.steps, rule) for name in order}
+            done = {name: grpo_run(name, model, tmp / f"round{index}", args.steps, rule,
+                                   "local" if args.smoke else "torchrun") for name in order}
             rounds.append({name: done[name] for name in RUNS})
     runs = {name: {key: benchlib.median(r[name][key] for r in rounds) for key in rounds[0][name]} for name in RUNS}
     full_b, lora_b = sync["bytes"]["full"], sync["bytes"]["lora"]

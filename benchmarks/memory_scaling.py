@@ -29,6 +29,7 @@ same shapes, fp32, micro-batch and sequence length.
 
     .venv/bin/python benchmarks/memory_scaling.py
     .venv/bin/python benchmarks/memory_scaling.py --ranks 1 2 4 --json      # last line: one JSON object
+    .venv/bin/python benchmarks/memory_scaling.py --smoke     # does it run (the suite's smoke run): no figures to keep
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ benchlib.single_thread_env()
 
 MODEL = {"hidden_size": 640, "intermediate_size": 1728, "num_hidden_layers": 12, "num_attention_heads": 10,
          "num_key_value_heads": 10}
+SMOKE_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 4}  # --smoke: that the measurement runs, on a model that loads at once
 MICRO_BATCH = 4  # per rank and pass, for every rank count: the same activations whatever N
 PROMPTS, SAMPLES, NEW_TOKENS = 4, 4, 4
 MB = 2**20
@@ -64,6 +67,7 @@ def worker(out: Path, args: list[str]) -> int:
 
     from hpc_rlhf import cli
     from hpc_rlhf.dist import watchdog
+    from hpc_rlhf.rl import ppo
     from hpc_rlhf.rl import step as rl_step
     from hpc_rlhf.rl import sync as rl_sync
 
@@ -86,9 +90,6 @@ def worker(out: Path, args: list[str]) -> int:
         while True:
             sample()
             time.sleep(0.002)
-
-    threading.Thread(target=sampler, daemon=True).start()
-    torch.nn.modules.module.register_module_forward_hook(sample)
 
     actor_modules: list = []
 
@@ -131,21 +132,28 @@ def worker(out: Path, args: list[str]) -> int:
         return score(self, *a, **kw)
 
     rl_step.RLRecipe._score = score_and_watch
-    code = cli.main(args)
-    rank = os.environ["RANK"]
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "role": state["role"], "baseline": state["baseline"], "peak": state["peak"], "phases": state["phases"],
-        "gathered": state["gathered"]}))
-    return code
+    run = ppo.run
+
+    def measured_run(cfg, *a, **kw):  # in the rank's own process (forked ranks inherit the patches, not threads)
+        threading.Thread(target=sampler, daemon=True).start()
+        torch.nn.modules.module.register_module_forward_hook(sample)
+        result = run(cfg, *a, **kw)
+        (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps({
+            "role": state["role"], "baseline": state["baseline"], "peak": state["peak"], "phases": state["phases"],
+            "gathered": state["gathered"]}))
+        return result
+
+    ppo.run = measured_run  # the CLI looks the mode's run function up when it starts it
+    return cli.main(args)
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def make_model(folder: Path) -> tuple[Path, int]:
-    path = benchlib.make_bench_model(folder / "llama-60m", seed=0, **MODEL)
+def make_model(folder: Path, shape: dict) -> tuple[Path, int]:
+    path = benchlib.make_bench_model(folder / "llama", seed=0, **shape)
     return path, benchlib.count_params(path)
 
 
-def run_config(ranks: int, model: Path, tmp: Path) -> list[dict]:
+def run_config(ranks: int, model: Path, tmp: Path, launcher: str = "torchrun") -> list[dict]:
     out = tmp / f"actor{ranks}"
     out.mkdir()
     args = ["ppo", "--config", str(benchlib.REPO / "examples/tiny/ppo.yaml"), f"output_dir={out / 'run'}",
@@ -161,8 +169,7 @@ def run_config(ranks: int, model: Path, tmp: Path) -> list[dict]:
             f"rollout.weight_sync_bucket_mb={BUCKET_MB}", "data.eval_files=[]", "log.eval_every_steps=0",
             "log.tensorboard=false", "log.progress=false",
             "checkpoint.every_steps=0", "checkpoint.resume=false"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks + 2}",
-           "--max_restarts=0", str(Path(__file__).resolve()), "--worker", str(out), *args]
+    cmd = benchlib.ranks_command(ranks + 2, Path(__file__).resolve(), ["--worker", str(out), *args], launcher)
     benchlib.run_command(cmd, env=benchlib.child_env(MALLOC), what=f"{ranks}-rank actor PPO step", timeout=1200)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks + 2)]
 
@@ -182,19 +189,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4], help="actor rank counts")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--smoke", action="store_true",
+                        help="that it runs, not a measurement: one actor rank, a 2-layer model of hidden size 64, "
+                             "ranks forked by the local launcher")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.ranks = [1]
     benchlib.ensure_assets()
     benchlib.header(f"Actor peak memory over one PPO step, ZeRO-3 over {', '.join(map(str, args.ranks))} ranks")
     from hpc_rlhf.dist.memory import ModelShape
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model, params = make_model(tmp)
+        model, params = make_model(tmp, SMOKE_MODEL if args.smoke else MODEL)
         shape = ModelShape.from_config_json(model / "config.json")
         results = {}
         for ranks in args.ranks:
             started = time.perf_counter()
-            reports = run_config(ranks, model, tmp)
+            reports = run_config(ranks, model, tmp, "local" if args.smoke else "torchrun")
             actors = [r for r in reports if r["role"] == "actor"]
             results[ranks] = {"actors": actors, "seconds": time.perf_counter() - started}
     model_mb = params * 4 / MB

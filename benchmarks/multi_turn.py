@@ -13,7 +13,7 @@ temperature 1, seeded. The three take turns, `--repeats` times; medians are comp
 seconds; tokens/s = the model's generated tokens / seconds (observations not counted). Nothing is asserted.
 
     .venv/bin/python benchmarks/multi_turn.py
-    .venv/bin/python benchmarks/multi_turn.py --prompts 8 --n 2 --repeats 1     # the smoke run of the suite
+    .venv/bin/python benchmarks/multi_turn.py --prompts 2 --n 2 --turns 2 --new-tokens 2 --repeats 1   # smoke run
 """
 
 from __future__ import annotations

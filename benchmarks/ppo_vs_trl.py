@@ -100,8 +100,8 @@ def trl_worker(actor: Path, out: Path, steps: int, warmup: int, rows: int) -> in
                        kl_coef=KL, kl_estimator="k1", gamma=1.0, lam=0.95, cliprange=0.2, cliprange_value=0.2,
                        stop_token="eos", missing_eos_penalty=None, local_rollout_forward_batch_size=EPISODES,
                        num_sample_generations=0, learning_rate=LR, lr_scheduler_type="constant", adam_beta2=0.95,
-                       max_grad_norm=1.0, use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False,
-                       report_to="none", save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0)
+                       max_grad_norm=1.0, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no",
+                       seed=0, disable_tqdm=True, dataloader_num_workers=0, **benchlib.no_recomputation(PPOConfig))
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=causal_lm(), ref_model=causal_lm(),
                          reward_model=value_model(), value_model=value_model(), train_dataset=data,
                          eval_dataset=data.select(range(EPISODES)), callbacks=[Clock()])

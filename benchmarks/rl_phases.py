@@ -24,6 +24,7 @@ about as much as the messages it measured.
     .venv/bin/python benchmarks/rl_phases.py --steps 30 --placement actor=2,critic=1,ref=1,reward=1,rollout=1
     .venv/bin/python benchmarks/rl_phases.py --config examples/tiny/grpo.yaml --placement actor=1,ref=1,rollout=2 \
         --set rl.max_staleness=1
+    .venv/bin/python benchmarks/rl_phases.py --smoke       # does it run (the suite's smoke run): no figures to keep
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ benchlib.single_thread_env()
 
 PHASES = ("time_generate", "time_score", "time_train", "time_sync")
 EXCHANGE_FILE = "exchange_rank{rank}.json"
+SMOKE = ["--steps", "2", "--warmup", "1", "--rows", "64", "--placement", "actor+critic+ref+reward=1,rollout=1"]
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -83,14 +85,15 @@ def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
 
     def response_partners(args) -> set[int]:
         """Every engine's first rank and every consumer of the batch: each engine's share reaches each consumer
-        (directly on gloo, or through the hub), so a rank on either route waits for all of them."""
-        everyone = set(messages.route(args[2]).ranks) | set(messages.route("engines").ranks)
+        (directly on gloo, or through the hub), so a rank on either route waits for all of them. `args`:
+        share_responses(mine, kind, counts, max_len, ...), `kind` the batch's route."""
+        everyone = set(messages.route(args[1]).ranks) | set(messages.route("engines").ranks)
         return everyone if dist.get_rank() in everyone else set()
 
     messages.share_responses = timed(
-        messages.share_responses, lambda *a, **kw: f"share_responses {a[2]}",
+        messages.share_responses, lambda *a, **kw: f"share_responses {a[1]}",
         lambda *a, **kw: response_partners(a),
-        lambda *a, **kw: set(messages.route(a[2]).ranks) | set(messages.route("engines").ranks))
+        lambda *a, **kw: set(messages.route(a[1]).ranks) | set(messages.route("engines").ranks))
     messages.share_known = timed(messages.share_known, "share_known",
                                  lambda sent, **kw: on_routes(sent, dist.get_rank()),
                                  lambda sent, **kw: on_routes(sent))
@@ -148,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1024, help="prompts loaded (set-up cost only)")
     parser.add_argument("--settle", action="store_true",
                         help="a barrier of the call's ranks before every exchange call (the older instrumentation)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"that it runs, not a measurement: {' '.join(SMOKE)}, ranks forked by the local launcher")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args = parser.parse_args([*argv, *SMOKE])
     if args.steps <= args.warmup:
         parser.error("--steps must be larger than --warmup")
     benchlib.ensure_assets()
@@ -171,11 +178,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", f"data.max_train_rows={args.rows}",
                     "data.eval_files=[]", "log.every_steps=1", "log.eval_every_steps=0", "log.tensorboard=false",
                     "log.progress=false", "checkpoint.resume=false", *args.set]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "--max_restarts=0", str(Path(__file__).resolve()), "--worker", str(out),
-               "settle" if args.settle else "clock", *ppo_args]
+        cmd = benchlib.ranks_command(nproc, Path(__file__).resolve(),
+                                     ["--worker", str(out), "settle" if args.settle else "clock", *ppo_args],
+                                     "local" if args.smoke else "torchrun")
         started = time.perf_counter()
-        benchlib.run_command(cmd, what="6-rank PPO", timeout=1200)
+        benchlib.run_command(cmd, what=f"{nproc}-rank PPO", timeout=1200)
         wall = time.perf_counter() - started
         metrics = sorted((r for r in benchlib.read_jsonl(out / "metrics.jsonl") if "time_step" in r),
                          key=lambda r: r["step"])

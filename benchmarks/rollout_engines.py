@@ -19,6 +19,7 @@ Every vLLM process runs with one thread, as the hf side does (OMP_NUM_THREADS=1)
 
     .venv/bin/python benchmarks/rollout_engines.py
     .venv/bin/python benchmarks/rollout_engines.py --repeats 9 --steps 30 --skip grpo
+    .venv/bin/python benchmarks/rollout_engines.py --smoke   # does it run (the suite's smoke run): no figures to keep
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ import benchlib  # noqa: E402
 
 benchlib.single_thread_env()
 
+# --smoke: that the weight sync into vLLM's worker runs (the section that reaches into vLLM's internals), not a
+# measurement. Each section starts vLLM engines (~15 CPU-seconds each here): generation (engine calls the engine
+# tests cover) and GRPO (three engines) are left out.
+SMOKE = ["--skip", "generation", "grpo", "--repeats", "1", "--sync-mb", "1"]
 SYNC_SHAPES = {"hidden_size": 320, "intermediate_size": 864, "num_hidden_layers": 4, "num_attention_heads": 4,
                "num_key_value_heads": 4, "vocab_size": 8000}  # 10.1M parameters, as benchmarks/weight_sync.py
 
@@ -169,7 +174,8 @@ def grpo_run(backend: str, placement: str, out: Path, args) -> dict:
             "samples": rows[-1]["samples_per_s"] * rows[-1]["time_step"], "spread": benchlib.spread(steps)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
@@ -182,7 +188,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="GRPO: runs per backend and placement")
     parser.add_argument("--skip", nargs="*", default=[], choices=["generation", "sync", "grpo"],
                         help="sections to leave out")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help=f"that it runs, not a measurement: {' '.join(SMOKE)}")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args = parser.parse_args([*argv, *SMOKE])
     benchlib.header("rollout engines: vLLM (CPU build) vs transformers generate")
     benchlib.ensure_assets()
     import importlib.metadata as md

@@ -67,7 +67,7 @@ def trl_trainer(mode: str, model_dir: Path, work: Path, batch: int, total_steps:
     """TRL's SFTTrainer or DPOTrainer on the same model and rows, and the tokens of each training row."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
@@ -75,8 +75,9 @@ def trl_trainer(mode: str, model_dir: Path, work: Path, batch: int, total_steps:
     common = dict(output_dir=str(work), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
                   max_steps=total_steps, learning_rate=LR, lr_scheduler_type="cosine", warmup_steps=WARMUP_LR_STEPS,
                   adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=False, fp16=False,
-                  activation_checkpointing=False, report_to="none", logging_strategy="no", save_strategy="no",
-                  eval_strategy="no", dataloader_num_workers=0, seed=0, disable_tqdm=True, max_length=MAX_LEN)
+                  report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no",
+                  dataloader_num_workers=0, seed=0, disable_tqdm=True, max_length=MAX_LEN,
+                  **benchlib.no_recomputation(TrainingArguments))
     if mode == "sft":
         from trl import SFTConfig, SFTTrainer
 

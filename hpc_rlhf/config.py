@@ -89,10 +89,37 @@ def all_keys(cls, prefix: str = "") -> list[str]:
     return keys
 
 
-def describe(cls) -> list[tuple[str, str, str]]:
-    """(dotted key, default as YAML, help) for every leaf key: what `--help` prints."""
-    rows = []
-    default = cls()
+@dataclasses.dataclass(frozen=True)
+class KeyInfo:
+    """What is known of one leaf key: `--help` prints key, default and meaning (with the choices); the generated
+    configuration reference (scripts/docs_hooks.py) adds the type and the range."""
+    key: str
+    type: str       # e.g. int, float, str or null, list[str]
+    default: str    # as YAML, on one line
+    choices: tuple  # () when any value of the type goes
+    min: float | None
+    max: float | None
+    help: str       # the field's help, without the choices
+
+
+def _type_text(tp) -> str:
+    optional, inner = _is_optional(tp)
+    origin = typing.get_origin(inner)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(inner)[:1] or (Any,)
+        text = f"list[{_type_text(item)}]"
+    elif origin is dict:
+        text = "mapping"
+    elif origin in (typing.Union, types.UnionType):
+        text = " or ".join(_type_text(a) for a in typing.get_args(inner))
+    else:
+        text = _type_name(inner)
+    return f"{text} or null" if optional else text
+
+
+def key_infos(cls) -> list[KeyInfo]:
+    """Every leaf key of a config class with its type, default, choices, range and help, in declaration order."""
+    infos = []
 
     def walk(obj, klass, prefix):
         hints = _hints(klass)
@@ -102,16 +129,23 @@ def describe(cls) -> list[tuple[str, str, str]]:
             if dataclasses.is_dataclass(tp):
                 walk(value, tp, f"{prefix}{f.name}.")
                 continue
-            extra = ""
-            if "choices" in f.metadata:
-                extra = " [" + "|".join(str(c) for c in f.metadata["choices"]) + "]"
             shown = yaml.safe_dump(value, default_flow_style=True).strip()
             if shown.endswith("\n..."):
                 shown = shown[:-4]
             shown = shown.removesuffix("...").strip()
-            rows.append((prefix + f.name, shown, (f.metadata.get("help", "") + extra).strip()))
+            infos.append(KeyInfo(prefix + f.name, _type_text(tp), shown, tuple(f.metadata.get("choices", ())),
+                                 f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("help", "")))
 
-    walk(default, cls, "")
+    walk(cls(), cls, "")
+    return infos
+
+
+def describe(cls) -> list[tuple[str, str, str]]:
+    """(dotted key, default as YAML, help) for every leaf key: what `--help` prints."""
+    rows = []
+    for info in key_infos(cls):
+        extra = " [" + "|".join(str(c) for c in info.choices) + "]" if info.choices else ""
+        rows.append((info.key, info.default, (info.help + extra).strip()))
     return rows
 
 

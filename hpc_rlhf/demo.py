@@ -9,8 +9,8 @@
 Each stage is the ordinary `hpc-rlhf MODE --config examples/tiny/MODE.yaml` command, run as a subprocess, so
 the demo is also a worked example of chaining the modes. At the end it prints held-out exact-match accuracy of
 the SFT model, of the PPO actor and of the control, so what RL adds over more imitation shows beside what it
-adds over the starting point, and writes `ppo/plot.png` (reward, KL, accuracy per step) next to the
-TensorBoard logs. `--seed N` runs every stage at train.seed N.
+adds over the starting point, and writes `ppo/plot.png` (reward, KL, accuracy per step, the control's accuracy as
+a line: `hpc-rlhf plot`) next to the TensorBoard logs. `--seed N` runs every stage at train.seed N.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from hpc_rlhf.data.assets import ensure_assets
+from hpc_rlhf.plot import draw
 from hpc_rlhf.utils.metrics import read_metrics
 
 EXAMPLES = Path("examples/tiny")
@@ -48,26 +49,6 @@ def last(rows: list[dict], key: str):
 def first(rows: list[dict], key: str):
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return values[0] if values else None
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, title in zip(axes, ("reward", "kl_k1", "eval_accuracy"),
-                              ("reward (mean score)", "KL to reference (k1, per sequence)", "held-out exact match")):
-        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        if points:
-            ax.plot(*zip(*points), marker="o" if key == "eval_accuracy" else None, markersize=3)
-        ax.set_title(title)
-        ax.set_xlabel("PPO step")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def seconds_per_step(rows: list[dict], stage_seconds: float) -> float:
@@ -105,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                               "train.min_lr_ratio=1.0", f"log.eval_every_steps={control_steps}",
                               "checkpoint.resume=false"])
     rm_rows, ppo_rows, control_rows = (read_metrics(out / m) for m in ("rm", "ppo", "sft_control"))
-    plot(ppo_rows, out / "ppo" / "plot.png")
+    plot = draw(out / "ppo", out / "ppo" / "plot.png", out / "sft_control",
+                control_label="control: SFT trained on for the same time")
     before, after = first(ppo_rows, "eval_accuracy"), last(ppo_rows, "eval_accuracy")
     print("\n=== results (held-out 2-digit additions, greedy, exact match)")
     print(f"SFT model                      : {last(sft_rows, 'eval_accuracy')}")
@@ -115,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"control, SFT trained on        : {last(control_rows, 'eval_accuracy')} ({control_steps} more SFT steps at "
           f"lr {sft_lr:.2g}, {times['control']:.0f} s against PPO's {times['ppo']:.0f} s)")
     print("stage times (s)                : " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
-    print(f"plot                           : {out / 'ppo' / 'plot.png'}")
+    print(f"plot                           : {plot} (hpc-rlhf plot {out / 'ppo'} --control {out / 'sft_control'})")
     print(f"TensorBoard                    : tensorboard --logdir {out}")
     return 0
 

@@ -1,9 +1,9 @@
 """With CI=true, a skip of a test that the CI machine can run fails the run (tests/conftest.py loads these hooks).
 
-The local Slurm tests (marker `cluster`), the MPI tests (`mpi`) and the vLLM tests (`vllm`) skip when their
-component is missing, which on a developer's machine is a fact worth a line, but in CI means the claim they
-check was never checked: `make test` installs Open MPI and mpi4py, the vLLM CPU build, and brings the local
-Slurm up, so in CI a skip of theirs is a failure. The one skip they may take anywhere is the CUDA one: a test
+The local Slurm tests (marker `cluster`), the MPI tests (`mpi`), the vLLM tests (`vllm`) and the documentation
+build (`docs`) skip when their component is missing, which on a developer's machine is a fact worth a line, but in
+CI means the claim they check was never checked: `make test` installs Open MPI and mpi4py, the vLLM CPU build and
+mkdocs (the `docs` extra), and brings the local Slurm up, so in CI a skip of theirs is a failure. The one skip they may take anywhere is the CUDA one: a test
 marked `cuda` needs a CUDA GPU and is skipped without one (every CI machine here is CPU-only).
 """
 
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-MUST_RUN_MARKERS = ("cluster", "mpi", "vllm")
+MUST_RUN_MARKERS = ("cluster", "mpi", "vllm", "docs")
 CUDA_MARKER = "cuda"
 
 
@@ -31,6 +31,7 @@ def must_run(markers: set[str]) -> str | None:
 def pytest_configure(config):
     for name, text in (("mpi", "needs Open MPI and mpi4py (make venv installs them); a skip fails CI"),
                        ("vllm", "runs vLLM (its CPU build here); a skip fails CI"),
+                       ("docs", "builds the documentation site with mkdocs (the docs extra); a skip fails CI"),
                        (CUDA_MARKER, "needs a CUDA GPU: skipped without one, the only skip CI accepts from a "
                                      "cluster, mpi or vllm test")):
         config.addinivalue_line("markers", f"{name}: {text}")

@@ -327,15 +327,31 @@ CLI_CASES = [
 
 
 @pytest.mark.parametrize("case", CLI_CASES, ids=[c[0] for c in CLI_CASES])
-def test_cli_refuses_bad_input_with_one_clear_message(case, d, capsys, monkeypatch):
+def test_cli_refuses_bad_input_with_one_clear_message(case, d, capfd, monkeypatch):
     _, argv, expected, *env = case
     for key, value in (env[0] if env else {}).items():
         monkeypatch.setenv(key, value)
     code = main([arg.format(d=d) for arg in argv])
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err  # a run's error line is one write(2) to fd 2 (utils/console.py)
     assert code == 2, err[-3000:]
     assert expected.format(d=d) in err, err[-3000:]
     assert "Traceback" not in err
+
+
+def test_an_error_during_the_run_stands_on_its_own_line_after_the_progress_bar(d, capfd):
+    """A reward function's NaN at step 1 of a one-rank GRPO run with its progress bar on: the bar's line ends
+    before the message, and no bar is drawn after it (in a Slurm output file the message once sat inside a
+    `grpo:   0%|...` line)."""
+    argv = ["grpo", "actor.path={d}/model", "output_dir={d}/out_bar", "placement=actor=1,rollout@actor",
+            "rl.kl_coef=0", "reward.functions=[{d}/rewards.py:nan]", "rollout.prompts_per_step=2",
+            "rollout.n_samples=2", "rollout.max_new_tokens=2", "train.batch_size=4", "train.micro_batch_size=4",
+            "train.max_steps=2", "log.tensorboard=false", "data.eval_files=[]", "log.eval_every_steps=0"]
+    assert main([arg.format(d=d) for arg in argv]) == 2
+    err = capfd.readouterr().err
+    message = f"rank 0: reward function '{d}/rewards.py:nan' returned nan for response 0; rewards must be finite"
+    assert "\rgrpo:   0%|" in err.split(message)[0], err[-3000:]  # the bar was drawn before the failure
+    assert f"\n{message}\n" in err, err[-3000:]
+    assert "grpo:" not in err.split(message)[1], err[-3000:]
 
 
 # ================================================================================= reward functions

@@ -21,7 +21,8 @@ The layering, lowest first; an area may import itself and the areas listed for i
     scale                        everything above, rl/ included (a large job without a cluster: the simulated
                                  world, the communicator count, the step-time model, `plan` and `simulate`)
     launch                       everything above (starting jobs and modes: the library under the command line)
-    cli, __main__, chat, demo    the entry points: anything
+    cli, __main__, chat, demo,   the entry points: anything
+    plot, openrlhf
 
 Within dist/, the modules a process joins the world with sit below those that run on the world:
 hostlist, placement, launch_env, liveness <- store_host, watchdog <- bootstrap (tested by the acyclicity and
@@ -37,7 +38,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hpc_rlhf"
 
-ENTRY_POINTS = {"cli", "__main__", "chat", "demo"}
+ENTRY_POINTS = {"cli", "__main__", "chat", "demo", "plot", "openrlhf"}
 LOWER = {
     "utils": set(),
     "config": set(),
@@ -55,8 +56,9 @@ LOWER = {
     "launch": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "trainers",
                "rl", "scale"},
 }
-# The package root (hpc_rlhf/__init__.py) pins the CPU kernels before torch loads, and nothing more.
-ROOT_MAY_IMPORT = {"hpc_rlhf.utils.cpu_kernels"}
+# The package root (hpc_rlhf/__init__.py) pins the CPU kernels and quiets torch's C++ warnings before torch loads,
+# and nothing more.
+ROOT_MAY_IMPORT = {"hpc_rlhf.utils.cpu_kernels", "hpc_rlhf.utils.console"}
 
 
 def module_files() -> dict[str, Path]:

@@ -36,6 +36,7 @@ from hpc_rlhf.dist.launch_env import LOOPBACK, BootstrapError, detect_launch
 from hpc_rlhf.dist.liveness import ERROR_FILE_VAR
 from hpc_rlhf.dist.placement import PlacementError
 from hpc_rlhf.rewards import RewardFunctionError
+from hpc_rlhf.utils import console
 
 PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.checkpointing.Preempted: checkpoint written, requeue me
 
@@ -134,6 +135,7 @@ def _run_on_this_rank(mode: str, cfg: Any, run_fn: Callable[[Any], Any], needed:
         return 0
     except SystemExit as exc:
         if exc.code != PREEMPTED_EXIT_CODE:
+            console.close_progress_bars()  # its message (a text code) is printed next: on a line of its own
             raise
         # Checkpoint written: leave with the requeue code. srun --kill-on-bad-exit SIGTERMs the other ranks
         # as soon as one exits, and a stop signal may reach this node late; a rank still tearing down must not
@@ -145,16 +147,27 @@ def _run_on_this_rank(mode: str, cfg: Any, run_fn: Callable[[Any], Any], needed:
     except RUN_INPUT_ERRORS as exc:
         liveness.record_failure(str(exc))
         watchdog.report_failure(exc)  # failure handling: tell the other ranks at once
-        print(f"rank {launch.rank}: {exc}", file=sys.stderr)
+        console.say(f"rank {launch.rank}: {exc}")
         return 2
     except Exception as exc:  # noqa: BLE001 - any failure of a rank ends that rank with a message
         liveness.record_failure(f"{type(exc).__name__}: {exc}")
         watchdog.report_failure(exc)  # failure handling: tell the other ranks at once
+        console.close_progress_bars()  # the traceback starts a line of its own
         traceback.print_exc()
-        print(f"rank {launch.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        console.say(f"rank {launch.rank}: {type(exc).__name__}: {exc}")
         return 1
     finally:
+        _forget_groups()
         shutdown()
+
+
+def _forget_groups() -> None:
+    """Destroy the run's process groups (dist.groups) if it made any: no rank process needs it, as it ends
+    anyway, but a run in a process that goes on (a test, an interactive session) leaves the groups' plan behind
+    otherwise, and the next run there refuses to initialise them again."""
+    groups = sys.modules.get("hpc_rlhf.dist.groups")  # loaded by the run if it made groups; never imported here
+    if groups is not None and groups.is_initialized():
+        groups.destroy()
 
 
 # ------------------------------------------------------------------------------------------- local launcher
@@ -222,9 +235,10 @@ def _fork_rank(env: Mapping[str, str], target: Callable[[], int], handlers: Mapp
             code = int(target())
         except SystemExit as exc:  # as an interpreter ends on sys.exit(...)
             if exc.code is not None and not isinstance(exc.code, int):
-                print(exc.code, file=sys.stderr)
+                console.say(str(exc.code))
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         except BaseException:  # noqa: BLE001 - KeyboardInterrupt and the like: as an interpreter ends on them
+            console.close_progress_bars()
             traceback.print_exc()
             code = 1
         atexit._run_exitfuncs()  # this rank's own (the watchdog's stop, ...), as at any interpreter's end
@@ -342,6 +356,5 @@ def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = 
     code = failures[rank][1]
     because = f": {' '.join(records[rank][1].split())[:300]}" if records[rank] else ""
     stopped = f"; killed {len(killed)} rank(s) still running after {grace_s:g} s" if killed else ""
-    print(f"hpc-rlhf: rank {rank} of {nproc} {_describe_exit(code)} (first rank to fail){because}{stopped}",
-          file=sys.stderr, flush=True)
+    console.say(f"hpc-rlhf: rank {rank} of {nproc} {_describe_exit(code)} (first rank to fail){because}{stopped}")
     return code if code > 0 else 128 + (-code)

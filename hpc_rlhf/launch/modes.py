@@ -41,6 +41,8 @@ COMMANDS = {
     "submit": "hpc_rlhf.launch.slurm",
     "chat": "hpc_rlhf.chat",
     "simulate": "hpc_rlhf.scale.simulate",
+    "plot": "hpc_rlhf.plot",
+    "from-openrlhf": "hpc_rlhf.openrlhf",
 }
 DESCRIPTIONS = {
     "sft": "supervised fine-tuning on prompt/response pairs or chats",
@@ -59,13 +61,17 @@ DESCRIPTIONS = {
     "assets": "generate the built-in tiny tokenizer, model configs and task data",
     "demo": "the built-in pipeline on CPU: SFT -> reward model -> PPO",
     "submit": "queue a training mode on Slurm with submitit (requeued on preemption)",
+    "plot": "draw an RL run's reward, KL and held-out accuracy (PNG), with a control run as a line",
+    "from-openrlhf": "print the hpc_rlhf config of an OpenRLHF command's flags (ppo, dpo, rm, sft)",
 }
 
 
 def usage() -> str:
     lines = ["usage: hpc-rlhf MODE [--config FILE.yaml] [key=value ...]", "", "modes:"]
-    for name in list(TRAINING_MODES) + list(COMMANDS):
-        lines.append(f"  {name:<8} {DESCRIPTIONS.get(name, '')}")
+    names = list(TRAINING_MODES) + list(COMMANDS)
+    width = max(len(name) for name in names)
+    for name in names:
+        lines.append(f"  {name:<{width}} {DESCRIPTIONS.get(name, '')}")
     lines.append("")
     lines.append("`hpc-rlhf MODE --help` lists every key of a mode with its default.")
     return "\n".join(lines)

@@ -488,6 +488,30 @@ def test_local_world_a_killed_rank_0_is_named_with_its_phase():
     assert elapsed < 60
 
 
+def _store_death(debug: bool) -> subprocess.CompletedProcess:
+    env = {"HPC_RLHF_DEBUG": "1"} if debug else {"HPC_RLHF_DEBUG": ""}
+    code = ("import sys; from hpc_rlhf.launch.local import spawn_local; "
+            f"sys.exit(spawn_local(2, [sys.executable, {str(__file__)!r}, 'store_dies']))")
+    full_env = worker_env({watchdog.HEARTBEAT_TIMEOUT_ENV: "3", **env})
+    full_env.pop("TORCH_CPP_LOG_LEVEL", None)  # as a user's shell has it: this test's process set it on import
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=full_env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_local_world_a_killed_store_process_is_one_line_without_torchs_stack_dump():
+    proc = _store_death(debug=False)
+    assert proc.returncode != 0
+    assert "hpc_rlhf: the rendezvous store at 127.0.0.1:" in proc.stderr, proc.stderr[-3000:]
+    assert "frame #" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_hpc_rlhf_debug_shows_torchs_stack_dump_of_a_killed_store():
+    proc = _store_death(debug=True)
+    assert proc.returncode != 0
+    assert "hpc_rlhf: the rendezvous store at 127.0.0.1:" in proc.stderr, proc.stderr[-3000:]
+    assert "frame #0: " in proc.stderr, proc.stderr[-3000:]
+
+
 def test_local_world_finishing_at_different_times_is_no_failure():
     proc, _ = _spawn_local(3, "uneven")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -540,6 +564,31 @@ def _phases_worker() -> None:
                 with watchdog.phase(name):
                     time.sleep(2 * dog.interval)  # phases long enough for the peers to read their heartbeats
                     dist.all_reduce(torch.ones(1))
+
+    sys.exit(run_or_spawn("test", Cfg(), run, []))
+
+
+def _store_dies_worker() -> None:
+    """Rank 0 kills its store's process (hpc_rlhf.dist.store_host) in step 2; both ranks' watchdogs use the store."""
+    import torch
+    import torch.distributed as dist
+
+    from hpc_rlhf.config import DistSection
+    from hpc_rlhf.dist import bootstrap
+    from hpc_rlhf.launch.local import run_or_spawn
+
+    class Cfg:
+        dist = DistSection(timeout_s=120, nproc=int(os.environ["WORLD_SIZE"]))
+
+    def run(cfg):
+        rank = dist.get_rank()
+        dog = watchdog.start([ROLES[rank]], watchdog.heartbeat_timeout(cfg), store_host_rank=store_host_rank())
+        watchdog.set_step(2)
+        with watchdog.phase("training"):
+            dist.all_reduce(torch.ones(1))
+            if rank == 0:
+                os.kill(bootstrap._STORE_HOST.pid, signal.SIGKILL)
+            time.sleep(30 * dog.interval)  # not to the end: the watchdogs find the store gone within a beat or two
 
     sys.exit(run_or_spawn("test", Cfg(), run, []))
 
@@ -607,5 +656,5 @@ def _collective_timeout_worker() -> None:
 
 
 if __name__ == "__main__":
-    {"phases": _phases_worker, "uneven": _uneven_worker, "sigterm_in_setup": _sigterm_in_setup_worker,
-     "collective_timeout": _collective_timeout_worker}[sys.argv[1]]()
+    {"phases": _phases_worker, "store_dies": _store_dies_worker, "uneven": _uneven_worker,
+     "sigterm_in_setup": _sigterm_in_setup_worker, "collective_timeout": _collective_timeout_worker}[sys.argv[1]]()

@@ -228,7 +228,7 @@ def test_no_launcher_and_one_rank_runs_here_on_a_one_rank_world(monkeypatch):
     assert not dist.is_initialized()  # shut down afterwards
 
 
-def test_a_failing_run_prints_rank_error_and_traceback(monkeypatch, capsys):
+def test_a_failing_run_prints_rank_error_and_traceback(monkeypatch, capfd):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
@@ -236,7 +236,7 @@ def test_a_failing_run_prints_rank_error_and_traceback(monkeypatch, capsys):
         raise RuntimeError("boom")
 
     assert run_or_spawn("sft", FakeConfig(), run, []) == 1
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err  # the rank's line is one write(2) to fd 2 (utils/console.py)
     assert "Traceback" in err and err.rstrip().endswith("rank 0: RuntimeError: boom")
 
 
@@ -261,7 +261,7 @@ def test_a_preempted_run_returns_75_and_ignores_late_stop_signals(monkeypatch):
             signal.signal(sig, handler)
 
 
-def test_a_config_error_during_the_run_is_one_line_and_code_2(monkeypatch, capsys):
+def test_a_config_error_during_the_run_is_one_line_and_code_2(monkeypatch, capfd):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
@@ -269,7 +269,7 @@ def test_a_config_error_during_the_run_is_one_line_and_code_2(monkeypatch, capsy
         raise ConfigError("data/train.jsonl row 7: key 'prompt' is missing")
 
     assert run_or_spawn("sft", FakeConfig(), run, []) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert err.strip() == "rank 0: data/train.jsonl row 7: key 'prompt' is missing"
 
 

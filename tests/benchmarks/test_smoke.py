@@ -1,0 +1,121 @@
+"""Every benchmark still runs (benchmarks/): each CPU benchmark once with its smallest settings or its `--smoke`
+(no figure is asserted: a smoke run is no measurement), the GPU-only one's argument parsing. A benchmark whose code
+rotted (an internal API it instruments moved, a library renamed a keyword) fails here instead of in front of a
+reader of benchmarks/README.md.
+
+- The four whose driver only starts worker processes run in this process (the driver's own imports are already
+  here), the others as a command.
+- rollout_engines runs vLLM's CPU build (marker `vllm`: installed by `make venv`, so a skip fails CI); its smoke
+  run is the weight-sync section only (each section starts vLLM engines at ~15 CPU-seconds each).
+- Every test here is marked `benchmarks` (the smoke runs cost about 100 CPU-seconds together): `-m "not
+  benchmarks"` leaves them out of a quick run.
+- The TRL comparisons run where TRL is installed (TRL 1.16; ppo_vs_trl: the .venv-trl112 overlay with TRL 1.12);
+  the suite's set-up does not install TRL, so in CI they are skipped and `make bench` runs them (benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import REPO, worker_env
+
+pytestmark = pytest.mark.benchmarks
+BENCHMARKS = REPO / "benchmarks"
+IN_PROCESS = {
+    "rl_phases": ["--smoke"],
+    "async_rl": ["--smoke"],
+    "memory_scaling": ["--smoke"],
+    "lora_rl": ["--smoke"],
+}
+COMMANDS = {
+    "weight_sync": ["--buckets", "1", "--copied", "1", "--repeats", "1", "--ranks", "2"],
+    "packing": ["--max-lens", "32", "--rows", "64", "--rounds", "1", "--steps", "2", "--warmup", "1"],
+    "multi_turn": ["--prompts", "2", "--n", "2", "--turns", "2", "--new-tokens", "2", "--repeats", "1"],
+}
+VLLM = {"rollout_engines": ["--smoke"]}
+TRL = {
+    "sft_dpo_vs_trl": ["--rounds", "1", "--steps", "2", "--warmup", "1", "--rows", "64", "--batch-size", "4"],
+    "grpo_vs_trl": ["--algos", "grpo", "--layouts", "hybrid", "--rounds", "1", "--steps", "1", "--warmup", "1",
+                    "--rows", "64"],
+    "ppo_vs_trl": ["--layouts", "colocated", "--rounds", "1", "--steps", "1", "--warmup", "1", "--rows", "64"],
+}
+GPU_ONLY = ["gpu_throughput"]
+# Reads the outputs of rl_phases runs (none given: only its table of published runs, computed), so not in run_all.sh.
+ANALYSES = {"step_time_validation": []}
+TRL_112 = REPO / ".venv-trl112" / "bin" / "python"
+
+
+def load(name: str):
+    """benchmarks/<name>.py as a module (it finds benchlib beside it)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(name: str, args: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], cwd=REPO, env=worker_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{name} {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def test_every_benchmark_has_a_smoke_run():
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py")} - {"benchlib"}
+    listed = set(IN_PROCESS) | set(COMMANDS) | set(VLLM) | set(TRL) | set(GPU_ONLY) | set(ANALYSES)
+    assert scripts == listed, f"not listed here: {sorted(scripts - listed)}; gone: {sorted(listed - scripts)}"
+    run_all = (BENCHMARKS / "run_all.sh").read_text()
+    assert all(name in run_all for name in scripts - set(GPU_ONLY) - set(ANALYSES)), \
+        "run_all.sh leaves out a CPU benchmark"
+
+
+@pytest.mark.parametrize("name", list(IN_PROCESS))
+def test_in_process_smoke_run(name, capsys):
+    assert load(name).main(IN_PROCESS[name]) == 0
+    out = capsys.readouterr().out
+    assert "---" in out, out[-3000:]  # a table was printed
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_smoke_run(name):
+    assert "---" in run(name, COMMANDS[name]).stdout
+
+
+@pytest.mark.parametrize("name", list(ANALYSES))
+def test_analysis_runs(name, capsys):
+    assert load(name).main(ANALYSES[name]) == 0
+    assert "|---" in capsys.readouterr().out
+
+
+@pytest.mark.vllm
+def test_rollout_engines_smoke_run():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM's CPU build is not installed (make venv installs it)")
+    out = run("rollout_engines", VLLM["rollout_engines"]).stdout
+    assert "2. weight sync" in out and "bit for bit: True" in out
+
+
+@pytest.mark.parametrize("name", list(TRL))
+def test_trl_comparison_smoke_run(name):
+    if name == "ppo_vs_trl" and not TRL_112.exists():
+        pytest.skip("no .venv-trl112 (TRL 1.12, for PPOTrainer): `make bench` makes it (benchmarks/run_all.sh)")
+    if name != "ppo_vs_trl" and importlib.util.find_spec("trl") is None:
+        pytest.skip("TRL is not installed: `make bench` installs it (pip install --no-deps -r "
+                    "benchmarks/requirements.txt)")
+    assert "---" in run(name, TRL[name]).stdout
+
+
+@pytest.mark.parametrize("name", GPU_ONLY)
+def test_gpu_benchmark_parses_its_arguments(name, capsys):
+    module = load(name)
+    with pytest.raises(SystemExit) as exited:
+        module.main(["--help"])
+    assert exited.value.code == 0 and "--zero-stage" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        module.main(["--zero-stage", "5"])
+    assert exited.value.code == 2 and "--zero-stage: invalid choice: 5" in capsys.readouterr().err
