@@ -382,7 +382,7 @@ def _consume_cuda_bucket(info: dict) -> dict[str, str]:
 
 @pytest.mark.cuda  # the CUDA IPC transport needs a CUDA GPU: skipped without one
 def test_cuda_ipc_transport_reaches_another_process_bit_for_bit():
-    """GPU only (run on a lent H100, see the README): the driving rank's side packs buckets into its CUDA
+    """GPU only (run on a lent H100, see docs/results.md): the driving rank's side packs buckets into its CUDA
     buffer; another process opens it by handle on the GPU found by uuid and reads each tensor exactly, also after
     the buffer grew (a new handle)."""
     sender = vr.CudaIpcBuffer(torch.device("cuda", 0))

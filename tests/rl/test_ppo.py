@@ -51,7 +51,7 @@ def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(tmp_path, sf
     assert (out / "final" / "model.safetensors").is_file() and (out / "final_critic" / "model.safetensors").is_file()
 
 
-# Calibrated over seeds 0-4 (300 held-out prompts; scripts/calibrate_learning_tests.py, README): the session's SFT
+# Calibrated over seeds 0-4 (300 held-out prompts; scripts/calibrate_learning_tests.py, docs/results.md): the session's SFT
 # base scores 0.62-0.80 (its carry problems are the demonstrations' mistake). GRPO gained +0.15 to +0.24 in 30
 # steps. The reward model reached 0.914-0.976 held-out pairwise accuracy, and PPO with it alone gained +0.09 to
 # +0.22 in 40 steps (max KL 0.8-1.3); before the critic's head was put in normalised units

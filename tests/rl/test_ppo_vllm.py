@@ -6,7 +6,7 @@ its rank and fed over the weight-sync group) must beat the SFT plateau, as the h
 tests/rl/test_ppo.py, with the engines' sampling log-probs matching the actor's at every step, which they
 only do if every weight sync landed. A driving rank killed with SIGKILL must leave no vLLM process behind.
 
-What each test costs is in the README ("Tested versions and what was run here"): every test here starts vLLM
+What each test costs is in docs/results.md: every test here starts vLLM
 engines (25-60 s each, in parallel for the two PPO engines).
 """
 
@@ -31,7 +31,7 @@ VLLM = "rollout.backend=vllm"
 hpc_rlhf = hpc_rlhf_cli
 
 # Calibrated over train.seed 0-4 on the session's SFT base and reward model on AMD machines, and seeds 0-2 on an
-# Intel one (README, "What it measurably does", has each seed's figures: the two vendors give other bits for one
+# Intel one (docs/results.md has each seed's figures: the two vendors give other bits for one
 # seed, hpc_rlhf/utils/cpu_kernels.py); train.lr=0 leaves the gain at 0.
 GRPO_GAIN = 0.05  # measured +0.25 to +0.27 after 30 steps (AMD seeds 0-4 on seed 0's base); Intel +0.077, +0.167,
 #                   +0.29 (seeds 0-2, each on its own base)

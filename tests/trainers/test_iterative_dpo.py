@@ -45,7 +45,7 @@ def carries(prompt: str) -> bool:
     return int(a) % 10 + int(b) % 10 >= 10
 
 
-# Calibrated over seeds 0-4 (scripts/calibrate_learning_tests.py; figures in the README): after two rounds held-out
+# Calibrated over seeds 0-4 (scripts/calibrate_learning_tests.py; figures in docs/results.md): after two rounds held-out
 # exact match is up by +0.16 to +0.28, but neither round alone gains on every seed (round 1: -0.04 to +0.21,
 # round 2: -0.01 to +0.20: one round's overshoot is the next round's correction). Round 2's pairs come from round
 # 1's policy and its new mistakes: their share without a carry rises by 0.18 to 0.49. With train.lr=0 the gain
