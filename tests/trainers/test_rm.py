@@ -87,19 +87,19 @@ def test_margin_key_enters_the_loss(world, tmp_path):
     torch.testing.assert_close(difference, (chosen - rejected).mean())
 
 
-def test_bad_margin_and_bad_key_are_named(world, tmp_path, capsys):
+def test_bad_margin_and_bad_key_are_named(world, tmp_path, capfd):
     from hpc_rlhf.cli import main
 
     with pytest.raises(ConfigError, match="rm.margin_key is empty"):
         rm_config(tmp_path, "rm.margin_key=' '")
     assert main(["rm", "rm.margin=1.0"]) == 2
-    assert "did you mean 'rm.margin_key'" in capsys.readouterr().err
+    assert "did you mean 'rm.margin_key'" in capfd.readouterr().err
 
     bad = tmp_path / "pairs.jsonl"
     bad.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "12", "margin": "big"}) + "\n")
     assert main(["rm", f"output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]", "rm.margin_key=margin",
                  *QUIET]) != 0
-    assert f"{bad}, line 1: key 'margin' must be float, got str" in capsys.readouterr().err
+    assert f"{bad}, line 1: key 'margin' must be float, got str" in capfd.readouterr().err
 
 
 def test_two_ranks_zero3(tmp_path):
