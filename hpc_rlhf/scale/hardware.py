@@ -3,7 +3,7 @@ profile measured on the machine at hand by `hpc-rlhf plan --calibrate` (calibrat
 
 Per device (one rank): peak dense bf16 FLOP/s, HBM bandwidth, the bandwidth of one GPU's link to the others of its
 node (NVLink, one direction) and to other nodes (its InfiniBand adapter, one direction), and a message latency.
-The vendor figures and their sources are in benchmarks/step_time.md (SOURCES below names them too); the
+The vendor figures and their sources are in docs/planner.md (SOURCES below names them too); the
 efficiencies (how much of a peak a phase reaches) are this project's stated assumptions for GPUs, and measured on
 this machine for `cpu`.
 
@@ -51,7 +51,7 @@ class Profile:
         return dataclasses.asdict(self)
 
 
-# Stated assumptions for the GPU presets (not measured here; benchmarks/step_time.md says why these values):
+# Stated assumptions for the GPU presets (not measured here; docs/planner.md says why these values):
 # training MFU 40% (DeepSpeed ZeRO-3 runs of 7-70B models report 30-50%), forward-only scoring 50%, decode reaching
 # 70% of HBM bandwidth, 3 ms fixed per decode step (vLLM with CUDA graphs), 10 ms per pass and 50 ms per optimizer
 # step of framework overhead.

@@ -1,6 +1,6 @@
 """How long one RL step takes, by phase, and its critical path: a model from the model's shapes, the placement, the
 batch settings and a hardware profile (hardware.py). Pure Python (`hpc-rlhf plan --step-time` runs on login nodes).
-The table of its inputs, their sources and its validation: benchmarks/step_time.md.
+Its inputs and their sources: docs/planner.md; its validation: benchmarks/step_time.md.
 
 Phases, each on the ranks that run it (B = prompts x samples sequences of prompt_len + response_len tokens;
 N = a model's parameters; R = a role's ranks):
