@@ -16,17 +16,15 @@ JSON POST and answers `{"rewards": [...]}`; it is called with a timeout and a fe
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import math
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Callable, Sequence
 
 from hpc_rlhf.data.synthetic import exact_match as _exact_match
+from hpc_rlhf.utils.imports import ModuleFileMissing, import_target
 
 RewardFn = Callable[[list, list, list], Sequence[float]]
 
@@ -52,17 +50,9 @@ def load_reward_function(spec: str) -> RewardFn:
                                   f"package.module:function (built-ins: {', '.join(BUILTIN)})")
     target, name = spec.rsplit(":", 1)
     try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise RewardFunctionError(f"reward function '{spec}': file {path} does not exist")
-            module_spec = importlib.util.spec_from_file_location(f"hpc_rlhf_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except RewardFunctionError:
-        raise
+        module = import_target(target, "hpc_rlhf_reward_")
+    except ModuleFileMissing as exc:
+        raise RewardFunctionError(f"reward function '{spec}': {exc}") from None
     except Exception as exc:  # the user's module failed to import: say which and why
         raise RewardFunctionError(f"reward function '{spec}': importing {target} failed: "
                                   f"{type(exc).__name__}: {exc}") from exc

@@ -1,4 +1,5 @@
-"""`hpc-rlhf plan`: the role placement and a per-rank memory estimate, without starting anything.
+"""The table of `hpc-rlhf plan` (its command is hpc_rlhf.scale.plan): the role placement and a per-rank memory
+estimate from the command's flags, without starting anything.
 
 Meant for a login node before queueing a large job: it imports neither torch.distributed nor DeepSpeed.
 """
@@ -6,11 +7,9 @@ Meant for a login node before queueing a large job: it imports neither torch.dis
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from hpc_rlhf.dist.allocation import (BREAKDOWN, Allocation, AllocationError, RoleLoad, check_allocation, public,
-                                     refusal)
+from hpc_rlhf.dist.allocation import BREAKDOWN, Allocation, AllocationError, RoleLoad, check_allocation
 from hpc_rlhf.dist.memory import (DEFAULT_LORA_TARGETS, DEFAULT_OVERHEAD_GB, GB, PROJECTIONS, ModelShape,
                                   ModelShapeError, load_shape)
 from hpc_rlhf.dist.placement import format_ranks, format_rows
@@ -120,33 +119,6 @@ def format_report(result: dict) -> str:
     verdict = "the plan fits" if result["fits"] else "the plan does NOT fit: see the rows marked NO"
     return (f"{head}\n\n{table}\n\nper-role GB per rank (GB/rank adds colocated roles and "
             f"{result['overhead_gb']:g} GB overhead):\n{breakdown}\n\n{verdict}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse has printed its message; keep `main` returning an exit code
-        return int(exc.code or 0)
-    if args.lora_rank < 0:
-        print(f"hpc-rlhf plan: --lora-rank must be at least 0 (0: full fine-tuning), got {args.lora_rank}",
-              file=sys.stderr)
-        return 2
-    for flag, value in (("--rollout-seqs", args.rollout_seqs), ("--seq-len", args.seq_len),
-                        ("--micro-batch-size", args.micro_batch_size)):
-        if value < 1:
-            print(f"hpc-rlhf plan: {flag} must be at least 1, got {value}", file=sys.stderr)
-            return 2
-    try:
-        result = compute(args)
-    except AllocationError as exc:
-        return refuse("hpc-rlhf plan", exc)
-    print(json.dumps(public(result)) if args.json else format_report(result))
-    reason = refusal(result)
-    if reason is not None:
-        print(f"hpc-rlhf plan: {reason}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def refuse(prog: str, exc: AllocationError) -> int:

@@ -6,15 +6,13 @@ messages and how long one of its calls may take.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from hpc_rlhf.envs.base import EnvError
 from hpc_rlhf.envs.config import EnvSection
 from hpc_rlhf.envs.http import HttpEnvironment
+from hpc_rlhf.utils.imports import ModuleFileMissing, import_target
 
 # Built-in environments of the tiny task, by short name.
 BUILTIN = {
@@ -33,18 +31,6 @@ class EnvFactory:
     call_timeout_s: float = 60.0
 
 
-def _import_module(spec: str, target: str):
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise EnvError(f"environment '{spec}': file {path} does not exist")
-        module_spec = importlib.util.spec_from_file_location(f"hpc_rlhf_env_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        return module
-    return importlib.import_module(target)
-
-
 def load_environment_class(spec: str) -> type:
     """The class `spec` names (`file.py:Class`, `package.module:Class` or a built-in name), checked to have
     `reset` and `step`; EnvError (one line, naming `spec`) otherwise."""
@@ -54,9 +40,9 @@ def load_environment_class(spec: str) -> type:
                        f"(built-ins: {', '.join(BUILTIN)})")
     target, name = target_spec.rsplit(":", 1)
     try:
-        module = _import_module(spec, target)
-    except EnvError:
-        raise
+        module = import_target(target, "hpc_rlhf_env_")
+    except ModuleFileMissing as exc:
+        raise EnvError(f"environment '{spec}': {exc}") from None
     except Exception as exc:  # the user's module failed to import: say which and why
         raise EnvError(f"environment '{spec}': importing {target} failed: {type(exc).__name__}: {exc}") from exc
     cls = getattr(module, name, None)
