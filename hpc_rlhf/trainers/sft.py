@@ -101,10 +101,11 @@ class SFTRecipe:
         self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
         self.bad_steps, self.stop = loop.start_training(run, {"model": self.engine})
 
-    def _forward_loss(self, batch_examples) -> tuple[torch.Tensor, int, int]:
-        """Mean next-token loss of a micro-batch, its number of label tokens, its number of real tokens."""
+    def _forward_loss(self, batch_examples, packed: bool) -> tuple[torch.Tensor, int, int]:
+        """Mean next-token loss of a micro-batch, its number of label tokens, its number of real tokens. `packed`:
+        the examples are packed rows (training with data.packing; held-out examples are never packed)."""
         pad = self.tokenizer.pad_token_id
-        if self.cfg.data.packing:
+        if packed:
             batch = packed_collate(batch_examples, pad)
             kwargs = packed_model_kwargs(batch, self.cfg.model.attn_implementation)
         else:
@@ -126,7 +127,7 @@ class SFTRecipe:
             # a rank out of examples runs a dummy pass whose result it drops.
             for chunk in balanced_chunks(len(self.eval_examples), self.run.rank, self.run.world_size,
                                          self.cfg.train.micro_batch_size):
-                loss, tokens, _ = self._forward_loss([self.eval_examples[i] for i in chunk or [0]])
+                loss, tokens, _ = self._forward_loss([self.eval_examples[i] for i in chunk or [0]], packed=False)
                 if chunk:
                     total += torch.tensor([loss.item() * tokens, tokens], dtype=torch.float64)
             total = total.to(comm_device())  # NCCL reduces CUDA tensors only; gloo keeps it on the CPU
@@ -139,7 +140,8 @@ class SFTRecipe:
         return out
 
     def _micro_batch(self, rows: list[int]) -> loop.MicroBatch:
-        loss, loss_tokens, tokens = self._forward_loss([self.train_examples[i] for i in rows])
+        loss, loss_tokens, tokens = self._forward_loss([self.train_examples[i] for i in rows],
+                                                        packed=self.cfg.data.packing)
         return loop.MicroBatch(loss, tokens, loss_tokens=loss_tokens)
 
     def _loss_tokens(self, rows: list[int]) -> int:

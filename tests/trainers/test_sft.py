@@ -82,12 +82,22 @@ def test_packing_gives_the_same_loss_on_a_fixed_batch(world, tmp_path):
     packed = pack_examples(examples, recipe.cfg.data.max_len)
     assert len(packed) < len(examples)  # several examples really share a row
     with torch.no_grad():
-        recipe.cfg.data.packing = False
-        padded_loss, padded_labels, _ = recipe._forward_loss(examples)
-        recipe.cfg.data.packing = True
-        packed_loss, packed_labels, _ = recipe._forward_loss(packed)
+        padded_loss, padded_labels, _ = recipe._forward_loss(examples, packed=False)
+        packed_loss, packed_labels, _ = recipe._forward_loss(packed, packed=True)
     assert packed_labels == padded_labels
     torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_run_evaluates_its_held_out_examples_unpacked(world, tmp_path):
+    """Training rows are packed, held-out examples are not: the evaluation reads them as they are (it once
+    collated them as packed rows and failed with KeyError: 'position_ids')."""
+    from hpc_rlhf.trainers import sft
+
+    out = tmp_path / "packed"
+    sft.run(sft_config(out, "data.packing=true", "data.max_train_rows=64", "data.max_eval_rows=8",
+                       "eval.prompt_files=[]", "train.max_steps=2", "train.batch_size=4", "train.micro_batch_size=4",
+                       "log.every_steps=1", "log.eval_every_steps=2"))
+    assert read_metrics(out)[-1]["eval_loss"] > 0
 
 
 def test_resume_from_a_checkpoint_repeats_the_uninterrupted_run(world, tmp_path):
