@@ -13,14 +13,14 @@ import torch  # noqa: E402
 from tests import background  # noqa: E402
 from tests.ci_skips import pytest_configure, pytest_runtest_makereport  # noqa: E402,F401  (hooks: CI fails on skips)
 from tests.ci_skips import pytest_runtest_setup as _cuda_only  # noqa: E402
-from tests.recipes import ppo_reward_model, sft_base, world  # noqa: E402,F401  (fixtures of every test folder)
+from tests.recipes import ppo_reward_model, sft_base, tool_sft_base, world  # noqa: E402,F401  (fixtures)
 
 torch.set_num_threads(1)
 
 
-# The shared models in the order they are ready (tests/recipes.py): the SFT base, then the reward model
-# trained from it.
-SHARED_MODELS = ("sft_base", "ppo_reward_model")
+# The shared models in the order they are ready (tests/recipes.py): the SFT base, then the reward model and the
+# calculator's tool base, both trained from it.
+SHARED_MODELS = ("sft_base", "ppo_reward_model", "tool_sft_base")
 
 
 def _waits_for(item) -> int:
