@@ -55,17 +55,17 @@ TINY_RUNS = {
 # Llama 3.1 8B on 16 H100, 2,048 samples per step (G-GBS), training batch 512 (T-GBS), max sequence 4,096, mean
 # generated sequence 1,060 (on policy) / 1,129 (1-step off policy), step 97.7 s / 74.6 s; Qwen3-32B on 32 H100,
 # mean sequence 3,206, step 393 s (on policy).
+LLAMA_31_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
 PUBLISHED = [
     dict(name="NeMo RL GRPO Llama 3.1 8B, 16 H100, on policy", measured_s=97.7,
-         config={"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                 "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256},
+         config=LLAMA_31_8B,
          placement="actor+ref=16,rollout@actor", world=16,
          settings=dict(prompts=64, samples=32, prompt_len=150, response_len=910, max_response_len=3946,
                        train_batch=512, micro_batch_size=1, zero_stage=1, gradient_checkpointing=False,
                        rollout_seqs=256)),
     dict(name="NeMo RL GRPO Llama 3.1 8B, 16 H100, 1-step off policy", measured_s=74.6,
-         config={"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                 "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256},
+         config=LLAMA_31_8B,
          placement="actor+ref=8,rollout=8", world=16,
          settings=dict(prompts=64, samples=32, prompt_len=150, response_len=979, max_response_len=3946,
                        train_batch=512, micro_batch_size=1, zero_stage=1, gradient_checkpointing=False,

@@ -3,7 +3,6 @@ every test once, gates reach the other lane's process, and a process a test leav
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from hpc_rlhf.utils.imports import import_target
+
 from tests import background
 from tests import conftest as suite_conftest
 
@@ -20,10 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_run_suite():
-    spec = importlib.util.spec_from_file_location("run_suite", REPO / "scripts" / "run_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_target(str(REPO / "scripts" / "run_suite.py"), "")
 
 
 class FakeItem:

@@ -20,9 +20,10 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from hpc_rlhf.utils.imports import import_target
 
 from tests.distributed import REPO, worker_env
 
@@ -52,10 +53,7 @@ TRL_112 = REPO / ".venv-trl112" / "bin" / "python"
 
 def load(name: str):
     """benchmarks/<name>.py as a module (it finds benchlib beside it)."""
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_target(str(BENCHMARKS / f"{name}.py"), "benchmark_")
 
 
 def run(name: str, args: list[str]) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ carries the converter's own flag tables. No mkdocs needed (tests/docs/test_build
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -13,15 +12,13 @@ import pytest
 from hpc_rlhf.cli import main
 from hpc_rlhf.launch.modes import TRAINING_MODES
 from hpc_rlhf.openrlhf import SCRIPTS, flag_table
+from hpc_rlhf.utils.imports import import_target
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def docs_hooks():
-    spec = importlib.util.spec_from_file_location("docs_hooks", REPO / "scripts" / "docs_hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_target(str(REPO / "scripts" / "docs_hooks.py"), "")
 
 
 def _rows(page: str) -> list[list[str]]:
