@@ -31,10 +31,9 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
               env: dict[str, str] | None = None, check: bool = True,
-              launcher: str = "fork", priority: int = 0) -> subprocess.CompletedProcess:
+              launcher: str = "fork") -> subprocess.CompletedProcess:
     """`launcher="fork"`: the ranks are forks of one interpreter that imported the heavy libraries once
-    (tests/fork_ranks.py); `"torchrun"`: torchrun's fresh interpreters, for the tests about torchrun itself.
-    `priority` > 0 lowers the run's niceness by that much where allowed (VLLM_RUN_PRIORITY says why)."""
+    (tests/fork_ranks.py); `"torchrun"`: torchrun's fresh interpreters, for the tests about torchrun itself."""
     if launcher == "fork":
         cmd = [sys.executable, str(REPO / "tests" / "fork_ranks.py"), str(nproc), str(script), *args]
     elif launcher == "torchrun":
@@ -42,20 +41,12 @@ def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
                "--max_restarts=0", "--monitor_interval=0.5", str(script), *args]
     else:
         raise ValueError(f"run_ranks: launcher must be 'fork' or 'torchrun', not {launcher!r}")
-    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(env), capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=_raise_priority(priority) if priority else None)
+    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{nproc}-rank run of {Path(script).name} {' '.join(args)} failed "
                              f"(exit {proc.returncode}):\n--- stdout\n{proc.stdout[-6000:]}\n"
                              f"--- stderr\n{proc.stderr[-10000:]}")
     return proc
-
-
-# A vLLM engine answers a request through a chain of processes (our rank, its engine core, its worker), each
-# waiting for the next: on 2 cores shared with the local Slurm's jobs every hand-off waits for the scheduler, and
-# the 2-rank vLLM run of tests/engines/test_rollout_vllm.py took 324 s in the suite against 33 s alone
-# (2026-11-26). Its processes go first (the niceness of the shared models, tests/recipes.py).
-VLLM_RUN_PRIORITY = 10
 
 
 def _raise_priority(by: int):

@@ -22,7 +22,7 @@ import torch
 from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.engines.rollout import vllm as vr
 from hpc_rlhf.engines.rollout.base import RolloutError, SamplingParams, hf_named_tensors, hf_param_name
-from tests.distributed import REPO, VLLM_RUN_PRIORITY, run_ranks
+from tests.distributed import REPO, run_ranks
 
 pytestmark = pytest.mark.vllm  # a skip fails CI (tests/ci_skips.py)
 
@@ -112,7 +112,7 @@ def _rank_main(out: str) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm_engine") / "result.json"
-    run_ranks(2, __file__, "engine", str(out), timeout=600, priority=VLLM_RUN_PRIORITY)
+    run_ranks(2, __file__, "engine", str(out), timeout=600)
     return json.loads(out.read_text())
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpc_rlhf.config import TINY_ASSETS, LoraSection
-from tests.distributed import REPO, VLLM_RUN_PRIORITY, run_ranks
+from tests.distributed import REPO, run_ranks
 
 TINY = str(REPO / TINY_ASSETS / "models" / "llama-tiny")
 EOS = 2
@@ -125,8 +125,7 @@ def _rank_main(out: str, folder: str) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_lora")
-    run_ranks(2, __file__, "engine", str(root / "result.json"), str(root / "final"), timeout=600,
-              priority=VLLM_RUN_PRIORITY)
+    run_ranks(2, __file__, "engine", str(root / "result.json"), str(root / "final"), timeout=600)
     return json.loads((root / "result.json").read_text())
 
 
