@@ -1,18 +1,16 @@
 """The vLLM engine on CPU (vLLM's CPU build), for real: one 2-rank run where rank 0 plays the actor and rank 1
 drives a vLLM engine checks generation against the hf engine, the weight sync over the weight-sync group (read back
 from vLLM's worker bit for bit), that vLLM's processes stay out of our world and end on close. Then the pure parts:
-sampling translation, output conversion, the worker environment, bucket layout, the GPU transport's worker side
-(with its CUDA calls faked), and actor -> Hugging Face weight names.
+sampling translation, output conversion, the worker environment, and actor -> Hugging Face weight names (the
+weight-transfer buckets and transports: test_rollout_vllm_transfer.py).
 
 Cost: the 2-rank run starts one vLLM engine (~25 s on a quiet 2-core machine, ~50 s under load) and takes about a
 minute in all.
 """
 
-import base64
 import importlib
 import json
 import os
-import pickle
 import sys
 from types import SimpleNamespace
 
@@ -22,6 +20,7 @@ import torch
 from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.engines.rollout import vllm as vr
 from hpc_rlhf.engines.rollout.base import RolloutError, SamplingParams, hf_named_tensors, hf_param_name
+from hpc_rlhf.engines.rollout.vllm_transfer import CUDA_IPC_BACKEND, SHM_BACKEND
 from tests.distributed import REPO, run_ranks
 
 pytestmark = pytest.mark.vllm  # a skip fails CI (tests/ci_skips.py)
@@ -213,7 +212,7 @@ def test_incomplete_outputs_are_refused_with_the_prompt_named():
 def test_engine_kwargs_name_an_importable_worker_extension_and_our_transport():
     kwargs = vr.engine_kwargs("/models/actor", tensor_parallel_size=2, dtype="bfloat16", gpu_memory_utilization=0.4,
                               seed=3, enable_sleep_mode=True, max_model_len=None, enforce_eager=False,
-                              weight_backend=vr.CUDA_IPC_BACKEND, extra={"enable_prefix_caching": False})
+                              weight_backend=CUDA_IPC_BACKEND, extra={"enable_prefix_caching": False})
     assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["distributed_executor_backend"] == "mp"
     assert kwargs["weight_transfer_config"] == {"backend": "hpc_rlhf_cuda_ipc"} and kwargs["skip_tokenizer_init"]
     assert "max_model_len" not in kwargs and "kv_cache_memory_bytes" not in kwargs
@@ -223,10 +222,10 @@ def test_engine_kwargs_name_an_importable_worker_extension_and_our_transport():
     assert getattr(worker, cls) is worker.WorkerExtension
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    assert {vr.SHM_BACKEND, vr.CUDA_IPC_BACKEND} <= set(WeightTransferEngineFactory._registry)
+    assert {SHM_BACKEND, CUDA_IPC_BACKEND} <= set(WeightTransferEngineFactory._registry)
     single = vr.engine_kwargs("/m", tensor_parallel_size=1, dtype="float32", gpu_memory_utilization=0.3, seed=0,
                               enable_sleep_mode=False, max_model_len=512, enforce_eager=True,
-                              weight_backend=vr.SHM_BACKEND, kv_cache_bytes=64 << 20)
+                              weight_backend=SHM_BACKEND, kv_cache_bytes=64 << 20)
     assert "distributed_executor_backend" not in single and single["max_model_len"] == 512
     assert single["kv_cache_memory_bytes"] == 64 << 20
 
@@ -263,54 +262,6 @@ def test_creating_an_engine_without_vllm_gives_one_clear_error(monkeypatch):
         vr.VLLMRolloutEngine("/models/actor", eos_id=2)
 
 
-def mixed_tensors(seed: int, scale: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    return [("model.embed_tokens.weight", torch.randn(5 * scale, 4, generator=generator)),
-            ("model.norm.weight", torch.randn(3, generator=generator).to(torch.bfloat16)),
-            ("lm_head.weight", torch.randn(5, 4 * scale, generator=generator)),
-            ("step", torch.tensor([7, -1], dtype=torch.int64))]
-
-
-def test_bucket_layout_aligns_every_tensor():
-    offsets, nbytes = vr.bucket_layout(mixed_tensors(0))
-    assert offsets == [0, 128, 192, 320] and nbytes == 336  # 80 B, 6 B, 80 B, 16 B, each from a 64-byte boundary
-
-
-class FakeModel:
-    def __init__(self):
-        self.loaded = []
-
-    def load_weights(self, weights):
-        self.loaded.append([(name, tensor) for name, tensor in weights])
-
-
-def test_shared_memory_transport_moves_buckets_bit_for_bit_and_grows():
-    """Both sides of the CPU transport in one process: the driver packs into its memfd, the worker's engine maps
-    it through /proc and loads copies (the buffer is overwritten by the next bucket)."""
-    from hpc_rlhf.engines.rollout.vllm_worker import SharedMemoryWeightTransferEngine
-
-    sender = vr.SharedBuffer()
-    worker = object.__new__(SharedMemoryWeightTransferEngine)
-    worker.model, worker._mapped = FakeModel(), None
-    try:
-        for seed, scale in ((0, 1), (1, 1), (2, 5000)):  # the last bucket is larger than the buffer: it grows
-            sent = mixed_tensors(seed, scale)
-            worker.update_weights(sender.bucket(sent))
-            got = worker.model.loaded[-1]
-            assert [n for n, _ in got] == [n for n, _ in sent]
-            assert all(g.dtype == t.dtype and torch.equal(g, t) for (_, g), (_, t) in zip(got, sent, strict=True))
-        assert sender.size >= vr.bucket_layout(mixed_tensors(2, 5000))[1]
-        first = worker.model.loaded[0]
-        assert torch.equal(first[0][1], mixed_tensors(0)[0][1])  # a copy: later buckets did not overwrite it
-        info = sender.bucket(mixed_tensors(3))
-        info["offsets"][2] = info["nbytes"]
-        with pytest.raises(ValueError, match="'lm_head.weight' lies outside the buffer"):
-            worker.update_weights(info)
-    finally:
-        worker.shutdown()
-        sender.close()
-
-
 def test_the_sleeping_worker_looks_at_its_queue_without_a_notification(tmp_path):
     """On CPU vLLM's worker sleeps between orders instead of spinning, and it must not rely on the wake-up alone: the
     engine core's notifications can be lost (with the old wait, PPO on two vLLM engines stalled 5 s, vLLM's own
@@ -335,64 +286,6 @@ def test_the_sleeping_worker_looks_at_its_queue_without_a_notification(tmp_path)
         assert timeouts == [vllm_worker.NOTIFY_RECHECK_MS, vllm_worker.NOTIFY_RECHECK_MS, 3]
     finally:
         context.destroy(linger=0)
-
-
-def fake_rebuild(*args):
-    """Stands for torch's rebuild_cuda_tensor (module level, so the handle pickles)."""
-    fake_rebuild.devices.append(args[6])
-    return fake_rebuild.buffer
-
-
-def test_cuda_ipc_worker_rebuilds_the_buffer_on_the_gpu_that_holds_it(monkeypatch):
-    """The GPU transport's worker side with its CUDA calls faked: the handle is unpickled (only when vLLM allows
-    it), the buffer rebuilt on the GPU found by uuid, and every tensor loaded."""
-    from hpc_rlhf.engines.rollout import vllm_worker
-
-    tensors = mixed_tensors(0)
-    offsets, nbytes = vr.bucket_layout(tensors)
-    fake_rebuild.buffer, fake_rebuild.devices = torch.zeros(nbytes, dtype=torch.uint8), []
-    vr.pack_into(fake_rebuild.buffer, tensors, offsets)
-    handle = base64.b64encode(pickle.dumps((fake_rebuild, ("cls", 1, 1, 0, "storage", "dtype", 0, "h")))).decode()
-    info = vr.update_info(tensors, offsets, nbytes, handle=handle, device_uuid="GPU-1")
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
-    worker = object.__new__(vllm_worker.CudaIpcWeightTransferEngine)
-    worker.model, worker._rebuilt = FakeModel(), None
-    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
-    with pytest.raises(ValueError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
-        worker.receive_weights(worker.parse_update_info(info))
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    worker.receive_weights(worker.parse_update_info(info))
-    worker.receive_weights(worker.parse_update_info(info))  # the same buffer: rebuilt once
-    assert fake_rebuild.devices == [1]
-    assert all(torch.equal(g, t) for (_, g), (_, t) in zip(worker.model.loaded[0], tensors, strict=True))
-    with pytest.raises(ValueError, match="GPU-7, which this vLLM worker cannot see"):
-        vr.find_device_index("GPU-7", ["GPU-0", "GPU-1"])
-
-
-def _consume_cuda_bucket(info: dict) -> dict[str, str]:
-    """In a spawned process, as vLLM's worker does: open the buffer from its IPC handle, read every tensor."""
-    from hpc_rlhf.engines.rollout import vllm as engine
-
-    buffer = engine.rebuild_cuda_buffer(info["handle"], info["device_uuid"])
-    views = engine.bucket_views(buffer, info["names"], info["dtype_names"], info["shapes"], info["offsets"],
-                                info["nbytes"])
-    return {name: view.cpu().view(torch.uint8).numpy().tobytes().hex() for name, view in views}
-
-
-@pytest.mark.cuda  # the CUDA IPC transport needs a CUDA GPU: skipped without one
-def test_cuda_ipc_transport_reaches_another_process_bit_for_bit():
-    """GPU only (run on a lent H100, see docs/results.md): the driving rank's side packs buckets into its CUDA
-    buffer; another process opens it by handle on the GPU found by uuid and reads each tensor exactly, also after
-    the buffer grew (a new handle)."""
-    sender = vr.CudaIpcBuffer(torch.device("cuda", 0))
-    context = torch.multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
-        for seed, scale in ((0, 1), (1, 300)):
-            tensors = [(name, t.cuda()) for name, t in mixed_tensors(seed, scale)]
-            got = pool.apply(_consume_cuda_bucket, (sender.bucket(tensors),))
-            assert got == {name: t.cpu().view(torch.uint8).numpy().tobytes().hex() for name, t in tensors}
-    sender.close()
 
 
 # ------------------------------------------------------------------------------------------ weight names
@@ -439,5 +332,6 @@ def test_a_merged_peft_actor_wrapped_like_deepspeed_loads_into_a_plain_model():
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "engine":
-        _rank_main(sys.argv[2])
+    from tests.distributed import run_worker
+
+    run_worker({"engine": _rank_main})

@@ -33,9 +33,8 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from hpc_rlhf.engines.rollout.vllm import bucket_views, rebuild_cuda_buffer
+from hpc_rlhf.engines.rollout.vllm_transfer import CUDA_IPC_BACKEND, SHM_BACKEND, bucket_views, rebuild_cuda_buffer
 
-SHM_BACKEND, CUDA_IPC_BACKEND = "hpc_rlhf_shm", "hpc_rlhf_cuda_ipc"
 NOTIFY_RECHECK_MS = 10  # the sleeping worker looks at its queue this often even without a notification
 
 
@@ -65,8 +64,8 @@ class BucketUpdateInfo(WeightTransferUpdateInfo):
 
 
 class _BucketEngine(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo]):
-    """Loads buckets packed by `hpc_rlhf.engines.rollout.vllm` (one `update_weights` call per bucket) inside vLLM's
-    layerwise reload, as vLLM's own ipc engine does. Subclasses say how the buffer is reached (`_buffer`)."""
+    """Loads buckets packed by `vllm_transfer` (one `update_weights` call per bucket) inside vLLM's layerwise
+    reload, as vLLM's own ipc engine does. Subclasses say how the buffer is reached (`_buffer`)."""
 
     init_info_cls = BucketInitInfo
     update_info_cls = BucketUpdateInfo
@@ -97,8 +96,8 @@ class _BucketEngine(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo]):
 
 
 class SharedMemoryWeightTransferEngine(_BucketEngine):
-    """CPU: the buffer is a memfd of the driving rank (`vllm.SharedBuffer`), mapped once and again only when it
-    grew."""
+    """CPU: the buffer is a memfd of the driving rank (`vllm_transfer.SharedBuffer`), mapped once and again only
+    when it grew."""
 
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
