@@ -59,7 +59,7 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
 
     from hpc_rlhf.dist import exchange, groups, weight_sync
     from hpc_rlhf.rl import messages
-    from hpc_rlhf.trainers import run as run_setup
+    from hpc_rlhf.runtime import run as run_setup
 
     waiting = {"s": 0.0, "cpu": 0.0, "calls": 0}
     steps: list[dict] = []

@@ -24,7 +24,7 @@
 
 source "$(dirname "${BASH_SOURCE[0]}")/../launch/env.sh"
 
-HPC_PREEMPTED_EXIT_CODE=75  # hpc_rlhf.trainers.checkpointing.Preempted: checkpoint written, run me again
+HPC_PREEMPTED_EXIT_CODE=75  # hpc_rlhf.runtime.checkpointing.Preempted: checkpoint written, run me again
 HPC_ROLE_MODES=" ppo grpo "  # modes whose roles are placed on ranks; the others are one data-parallel group
 
 hpc_is_role_mode() { [[ "$HPC_ROLE_MODES" == *" $MODE "* ]]; }

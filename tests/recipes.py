@@ -1,7 +1,8 @@
-"""What the tests of the recipes (tests/trainers, tests/rl) share: a one-rank gloo world for in-process runs, an
-SFT configuration, the models trained once per session that the learning tests start from (the SFT base of the
-DPO, KTO, RL and iterative-mode tests, and the reward model the PPO tests start from, whose own training is the
-reward-model learning test), the hooks that calibrate those tests over seeds, and the learning-curve checks."""
+"""What the tests of the recipes and their plumbing (tests/trainers, tests/runtime, tests/rl) share: a one-rank gloo
+world for in-process runs, an SFT configuration, the models trained once per session that the learning tests start
+from (the SFT base of the DPO, KTO, RL and iterative-mode tests, and the reward model the PPO tests start from, whose
+own training is the reward-model learning test), the hooks that calibrate those tests over seeds, and the
+learning-curve checks."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from hpc_rlhf.config import TINY_ASSETS, load_config
-from hpc_rlhf.trainers.run import Run
+from hpc_rlhf.runtime.run import Run
 from tests import background
 from tests.distributed import REPO, hpc_rlhf_cli
 

@@ -16,8 +16,11 @@ The layering, lowest first; an area may import itself and the areas listed for i
     rewards                      data, config, utils
     envs                         data, config, utils   (environments and the episode driver: engine-agnostic, they
                                  get generation as a callable; data gives the chat templates and the tiny task)
-    trainers                     everything above but envs (the one-model recipes and what every recipe shares)
-    rl                           everything above, trainers/ included (the RL recipe; trainers never import it)
+    runtime                      config, utils, algorithms, models, dist, data, engines (the run plumbing every
+                                 recipe shares: start of a run, checkpoints, frozen reference, the one-model loop)
+    trainers                     everything above but envs (the one-model recipes only)
+    rl                           everything above but trainers/ (the RL recipe; trainers never import it, and it
+                                 imports no one-model recipe: what it shares with them is in runtime/)
     scale                        everything above, rl/ included (a large job without a cluster: the simulated
                                  world, the communicator count, the step-time model, `plan` and `simulate`)
     launch                       everything above (starting jobs and modes: the library under the command line)
@@ -49,12 +52,13 @@ LOWER = {
     "engines": {"config", "models", "dist", "algorithms", "utils"},
     "rewards": {"data", "config", "utils"},
     "envs": {"data", "config", "utils"},
-    "trainers": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards"},
-    "rl": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "trainers"},
-    "scale": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "trainers",
-              "rl"},
-    "launch": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "trainers",
-               "rl", "scale"},
+    "runtime": {"config", "utils", "algorithms", "models", "dist", "data", "engines"},
+    "trainers": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "runtime"},
+    "rl": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "runtime"},
+    "scale": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "runtime",
+              "trainers", "rl"},
+    "launch": {"config", "utils", "algorithms", "models", "dist", "data", "engines", "rewards", "envs", "runtime",
+               "trainers", "rl", "scale"},
 }
 # The package root (hpc_rlhf/__init__.py) pins the CPU kernels and quiets torch's C++ warnings before torch loads,
 # and nothing more.

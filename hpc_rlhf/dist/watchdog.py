@@ -521,7 +521,7 @@ def start(role_names: Sequence[str] | Callable[[], Sequence[str] | None] | None 
 
 
 def _note_sigterm() -> None:
-    """Until the recipe installs its own SIGTERM handler (a stop request, trainers.checkpointing.StopSignal), SIGTERM
+    """Until the recipe installs its own SIGTERM handler (a stop request, runtime.checkpointing.StopSignal), SIGTERM
     ends a rank at once (its default action). That is what a launcher sends every other rank when one has died
     (torchrun does so within 0.1 s), and a rank still setting up dies of it. Its peers would then find two
     ranks gone and could blame the wrong one. So the rank says 'terminated' in its last heartbeat, waits a few

@@ -38,7 +38,7 @@ from hpc_rlhf.dist.placement import PlacementError
 from hpc_rlhf.rewards import RewardFunctionError
 from hpc_rlhf.utils import console
 
-PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.checkpointing.Preempted: checkpoint written, requeue me
+PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.runtime.checkpointing.Preempted: checkpoint written, requeue me
 
 LOCAL_LAUNCH_FLAG = "HPC_RLHF_LOCAL_LAUNCH"
 FORK_VAR = "HPC_RLHF_LOCAL_FORK"  # 0: start every local rank as a fresh interpreter, even with a CPU-only torch

@@ -38,8 +38,8 @@ import submitit
 
 from hpc_rlhf.launch import modes
 
-PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.trainers.checkpointing.Preempted.EXIT_CODE (not imported: that pulls in torch)
-STOP_SIGNAL = "USR1"  # what the trainers' StopSignal handles (besides SIGTERM)
+PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.runtime.checkpointing.Preempted.EXIT_CODE (not imported: that pulls in torch)
+STOP_SIGNAL = "USR1"  # what runtime.checkpointing.StopSignal handles (besides SIGTERM)
 # Slurm needs this much time after the stop signal for the last step, the checkpoint and the exit.
 MIN_SECONDS_AFTER_SIGNAL = 60
 

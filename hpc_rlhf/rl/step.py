@@ -63,9 +63,9 @@ from hpc_rlhf.rl.roles import batch_rows, build_rollout_engine, load_prompts, ra
 from hpc_rlhf.rl.rollout import RolloutPipeline, batch_seed, engine_generate, engine_led_here
 from hpc_rlhf.rl.sync import WeightSync
 from hpc_rlhf.rl.training import train_actor, train_critic
-from hpc_rlhf.trainers import checkpointing
-from hpc_rlhf.trainers import run as run_setup
-from hpc_rlhf.trainers.reference import FrozenModel
+from hpc_rlhf.runtime import checkpointing
+from hpc_rlhf.runtime import run as run_setup
+from hpc_rlhf.runtime.reference import FrozenModel
 
 log = logging.getLogger("hpc_rlhf")
 

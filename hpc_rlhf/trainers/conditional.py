@@ -31,9 +31,9 @@ from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.data.synthetic import exact_match
 from hpc_rlhf.data.templates import encode
 from hpc_rlhf.models.builders import load_tokenizer
+from hpc_rlhf.runtime import run as run_setup
+from hpc_rlhf.runtime.evaluation import generation_accuracy, load_eval_prompts
 from hpc_rlhf.trainers import sft
-from hpc_rlhf.trainers import run as run_setup
-from hpc_rlhf.trainers.evaluation import generation_accuracy, load_eval_prompts
 from hpc_rlhf.trainers.generate import (GenerateSection, ScoreSection, Scorer, _prompt_data, load_policy,
                                         load_prompt_rows)
 from hpc_rlhf.trainers.rejection import _rs_score, sft_config_for

@@ -1,7 +1,7 @@
 """`hpc-rlhf dpo`: direct preference optimisation on chosen/rejected pairs: DPO, IPO and cDPO.
 
 The policy starts from `model.path` (usually an SFT output) and is pushed to raise log pi(chosen) - log
-pi(rejected) relative to a frozen reference (the initial policy; `ref.mode`, see trainers/reference.py).
+pi(rejected) relative to a frozen reference (the initial policy; `ref.mode`, see runtime/reference.py).
 `dpo.loss_type=sigmoid` is DPO (with `dpo.label_smoothing` > 0, cDPO), `ipo` is IPO, which compares
 length-averaged log-probs. `dpo.sft_weight` > 0 adds that multiple of the NLL of the chosen responses, as some
 recipes do to keep the chosen answers' likelihood from falling.
@@ -25,10 +25,10 @@ from hpc_rlhf.config import (CheckpointSection, ConfigError, DistSection, LogSec
 from hpc_rlhf.data.examples import pair_collate
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
-from hpc_rlhf.trainers import loop
-from hpc_rlhf.trainers import run as run_setup
-from hpc_rlhf.trainers.evaluation import generation_exact_match, load_eval_prompts
-from hpc_rlhf.trainers.reference import (MEAN, SUM, Reference, ReferenceSection, balanced_chunks, response_logps)
+from hpc_rlhf.runtime import loop
+from hpc_rlhf.runtime import run as run_setup
+from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
+from hpc_rlhf.runtime.reference import (MEAN, SUM, Reference, ReferenceSection, balanced_chunks, response_logps)
 from hpc_rlhf.trainers.rm import PreferenceDataSection, load_preference_examples
 from hpc_rlhf.trainers.sft import GenerationEvalSection
 

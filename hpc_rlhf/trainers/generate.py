@@ -37,7 +37,7 @@ from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores
 from hpc_rlhf.rewards import call_reward_function, load_reward_function
-from hpc_rlhf.trainers import run as run_setup
+from hpc_rlhf.runtime import run as run_setup
 
 log = logging.getLogger("hpc_rlhf")
 

@@ -38,10 +38,10 @@ import torch.distributed as dist
 
 from hpc_rlhf.config import (CheckpointSection, DataSection, DistSection, LogSection, ModelSection, TrainSection,
                              field, section)
+from hpc_rlhf.runtime.reference import ReferenceSection
 from hpc_rlhf.trainers import dpo, rounds
 from hpc_rlhf.trainers.dpo import DPOSection
 from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data
-from hpc_rlhf.trainers.reference import ReferenceSection
 from hpc_rlhf.trainers.rejection import _rs_generate, _rs_score
 from hpc_rlhf.trainers.rm import PreferenceDataSection
 from hpc_rlhf.trainers.sft import GenerationEvalSection

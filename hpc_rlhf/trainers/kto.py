@@ -31,10 +31,10 @@ from hpc_rlhf.data.examples import kto_example, pad_collate
 from hpc_rlhf.data.loading import DataError, load_rows
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
-from hpc_rlhf.trainers import loop
-from hpc_rlhf.trainers import run as run_setup
-from hpc_rlhf.trainers.evaluation import generation_exact_match, load_eval_prompts
-from hpc_rlhf.trainers.reference import SUM, Reference, ReferenceSection, balanced_chunks, response_logps
+from hpc_rlhf.runtime import loop
+from hpc_rlhf.runtime import run as run_setup
+from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
+from hpc_rlhf.runtime.reference import SUM, Reference, ReferenceSection, balanced_chunks, response_logps
 from hpc_rlhf.trainers.sft import GenerationEvalSection
 
 

@@ -28,9 +28,9 @@ from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import load_tokenizer
 from hpc_rlhf.models.lora import unwrap_model, value_head_name
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores, set_reward_normalization
-from hpc_rlhf.trainers import loop
-from hpc_rlhf.trainers import run as run_setup
-from hpc_rlhf.trainers.reference import balanced_chunks
+from hpc_rlhf.runtime import loop
+from hpc_rlhf.runtime import run as run_setup
+from hpc_rlhf.runtime.reference import balanced_chunks
 
 
 @dataclass

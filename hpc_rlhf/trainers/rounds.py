@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 import torch.distributed as dist
 
 from hpc_rlhf.config import ConfigError
-from hpc_rlhf.trainers import run as run_setup
+from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.trainers.generate import Scorer, generate_to_file, load_policy, load_prompt_rows, read_jsonl
 from hpc_rlhf.utils.metrics import MetricsLogger
 

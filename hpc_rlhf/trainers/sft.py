@@ -21,10 +21,10 @@ from hpc_rlhf.data.packing import pack_examples, packed_collate, packed_model_kw
 from hpc_rlhf.dist.exchange import comm_device
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
-from hpc_rlhf.trainers import loop
-from hpc_rlhf.trainers import run as run_setup
-from hpc_rlhf.trainers.evaluation import generation_exact_match, load_eval_prompts
-from hpc_rlhf.trainers.reference import balanced_chunks
+from hpc_rlhf.runtime import loop
+from hpc_rlhf.runtime import run as run_setup
+from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
+from hpc_rlhf.runtime.reference import balanced_chunks
 
 
 @dataclass

@@ -549,7 +549,7 @@ def _phases_worker() -> None:
 
     from hpc_rlhf.config import DistSection
     from hpc_rlhf.launch.local import run_or_spawn
-    from hpc_rlhf.trainers.checkpointing import StopSignal
+    from hpc_rlhf.runtime.checkpointing import StopSignal
 
     class Cfg:
         dist = DistSection(timeout_s=120, nproc=int(os.environ["WORLD_SIZE"]))

@@ -241,7 +241,7 @@ def test_a_failing_run_prints_rank_error_and_traceback(monkeypatch, capfd):
 
 
 def test_a_preempted_run_returns_75_and_ignores_late_stop_signals(monkeypatch):
-    from hpc_rlhf.trainers.checkpointing import Preempted
+    from hpc_rlhf.runtime.checkpointing import Preempted
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -20,7 +20,7 @@ from hpc_rlhf.launch import modes
 from hpc_rlhf.launch import slurm
 from hpc_rlhf.launch.slurm import (PREEMPTED_EXIT_CODE, SlurmLaunchError, TrainingTask, forget_the_submitters_world,
                                    requeue_self, should_requeue, slurm_parameters, submit, task_args)
-from hpc_rlhf.trainers.checkpointing import Preempted
+from hpc_rlhf.runtime.checkpointing import Preempted
 
 
 def sbatch_lines(params: dict) -> list[str]:
@@ -196,7 +196,7 @@ def test_preempted_rank0_requeues_and_ends_without_a_result(tmp_path, monkeypatc
 PREEMPTED_RANK = textwrap.dedent("""
     import signal, sys, time
     from hpc_rlhf.launch import modes, slurm
-    from hpc_rlhf.trainers.checkpointing import Preempted, StopSignal
+    from hpc_rlhf.runtime.checkpointing import Preempted, StopSignal
 
     stop = StopSignal()
     def preempted(argv):

@@ -1,4 +1,4 @@
-"""The DPO recipe (sigmoid, IPO, cDPO) and the reference log-probs it compares with (trainers/reference.py).
+"""The DPO recipe (sigmoid, IPO, cDPO) and the reference log-probs it compares with (runtime/reference.py).
 
 Learning runs start from the session's SFT model (tests/recipes.py), as DPO does in practice. The
 two-rank run (ZeRO-3, with the colocated reference sharded too) goes through torchrun; its worker code is at the
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpc_rlhf.config import ConfigError, load_config
-from hpc_rlhf.trainers.reference import balanced_chunks, response_logps
+from hpc_rlhf.runtime.reference import balanced_chunks, response_logps
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.recipes import QUIET, Curve, learning, record_figures
 

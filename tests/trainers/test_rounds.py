@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hpc_rlhf.runtime.run import Run
 from hpc_rlhf.trainers import rounds
-from hpc_rlhf.trainers.run import Run
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.recipes import one_rank_world
 

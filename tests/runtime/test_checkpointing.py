@@ -1,4 +1,4 @@
-"""Checkpoints and stopping (hpc_rlhf/trainers/checkpointing.py)."""
+"""Checkpoints and stopping (hpc_rlhf/runtime/checkpointing.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from hpc_rlhf.trainers import checkpointing
+from hpc_rlhf.runtime import checkpointing
 from hpc_rlhf.utils import checkpoint as ckpt
 from tests.recipes import FakeEngine, a_run, one_rank_world
 

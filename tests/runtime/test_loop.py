@@ -1,4 +1,4 @@
-"""The one-model training loop (hpc_rlhf/trainers/loop.py)."""
+"""The one-model training loop (hpc_rlhf/runtime/loop.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 from hpc_rlhf.data import order
 from hpc_rlhf.engines.train import StepInfo
-from hpc_rlhf.trainers import checkpointing, loop
+from hpc_rlhf.runtime import checkpointing, loop
 from hpc_rlhf.utils import checkpoint as ckpt
 from hpc_rlhf.utils.metrics import MetricsLogger, read_metrics
 from tests.recipes import FakeEngine, a_run, one_rank_world

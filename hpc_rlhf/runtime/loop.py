@@ -15,10 +15,10 @@ import torch
 
 from hpc_rlhf.data.order import rank_micro_batches, step_indices
 from hpc_rlhf.dist import watchdog
-from hpc_rlhf.trainers.checkpointing import (NonFiniteGuard, StopSignal, checkpoint_or_stop, resume_if_possible,
-                                             save_final_model)
-from hpc_rlhf.trainers.run import (Run, eval_before_training, eval_due, log_due, open_logger, reduce_sum,
-                                   window_means)
+from hpc_rlhf.runtime.checkpointing import (NonFiniteGuard, StopSignal, checkpoint_or_stop, resume_if_possible,
+                                            save_final_model)
+from hpc_rlhf.runtime.run import (Run, eval_before_training, eval_due, log_due, open_logger, reduce_sum,
+                                  window_means)
 from hpc_rlhf.utils import faults
 
 

@@ -1,4 +1,4 @@
-"""What every recipe does first and logs by (hpc_rlhf/trainers/run.py)."""
+"""What every recipe does first and logs by (hpc_rlhf/runtime/run.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hpc_rlhf.trainers import run as run_setup
+from hpc_rlhf.runtime import run as run_setup
 from tests.recipes import a_run, one_rank_world, sft_config
 
 

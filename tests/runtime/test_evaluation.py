@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpc_rlhf.trainers.evaluation import load_eval_prompts
+from hpc_rlhf.runtime.evaluation import load_eval_prompts
 from tests.recipes import sft_config
 
 
