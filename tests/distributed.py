@@ -1,7 +1,8 @@
 """Run a script on N local ranks (gloo, one thread per rank) and check that it succeeded.
 
-A distributed test keeps its worker code in the test module itself, under `if __name__ == "__main__":`, and
-calls `run_ranks(N, __file__, "case-name")`; the worker reads the case name from sys.argv.
+A distributed test keeps its worker code in the test module itself and calls `run_ranks(N, __file__, "case-name",
+*args)`; the module ends with `if __name__ == "__main__": run_worker({"case-name": worker, ...})`, which runs
+`worker(*args)` on every rank of a gloo world.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 from hpc_rlhf.utils.cpu_kernels import pin_cpu_kernels
 
@@ -47,6 +50,30 @@ def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
                              f"(exit {proc.returncode}):\n--- stdout\n{proc.stdout[-6000:]}\n"
                              f"--- stderr\n{proc.stderr[-10000:]}")
     return proc
+
+
+def run_worker(cases: dict[str, Callable[..., object]], timeout_s: float | None = None) -> None:
+    """A worker script's `__main__` on each rank: join a gloo world (one thread per rank; `timeout_s` bounds its
+    collectives, torch's default when None), run the case named by sys.argv[1] with the arguments after it (as
+    strings), and leave the world together once every rank has finished the case."""
+    import torch
+    import torch.distributed as dist
+
+    # Checked before joining, so that a misnamed case costs no rendezvous and fails with one line, not a traceback.
+    script = Path(sys.argv[0]).name
+    if len(sys.argv) < 2:
+        raise SystemExit(f"{script}: no worker case given; its cases: {', '.join(cases)}")
+    case, args = sys.argv[1], sys.argv[2:]
+    if case not in cases:
+        raise SystemExit(f"{script}: no worker case {case!r}; its cases: {', '.join(cases)}")
+    torch.set_num_threads(1)
+    if timeout_s is None:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    cases[case](*args)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _raise_priority(by: int):

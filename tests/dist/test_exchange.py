@@ -6,8 +6,6 @@ Every rank rebuilds the data any rank sends from a seed, so it can check what it
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -104,11 +102,12 @@ def test_header_mismatches_raise_clear_errors_on_three_ranks():
 
 
 # -------------------------------------------------------------------------------------------- workers
-def _roundtrip(rank: int, world: int):
+def _roundtrip():
     import torch.distributed as dist
 
     from hpc_rlhf.dist import exchange as ex
 
+    rank, world = dist.get_rank(), dist.get_world_size()
     members = [0, 2, 3]
     sub = dist.new_group(members)  # every rank calls new_group, members or not
 
@@ -169,8 +168,12 @@ def _roundtrip(rank: int, world: int):
     print(f"OK roundtrip rank {rank}", flush=True)
 
 
-def _errors(rank: int, world: int):
+def _errors():
+    import torch.distributed as dist
+
     from hpc_rlhf.dist import exchange as ex
+
+    rank = dist.get_rank()
 
     def expect_error(fn, text):
         try:
@@ -208,11 +211,6 @@ def _errors(rank: int, world: int):
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
+    from tests.distributed import run_worker
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    case = sys.argv[1]
-    {"roundtrip": _roundtrip, "errors": _errors}[case](dist.get_rank(), dist.get_world_size())
-    dist.barrier()
-    dist.destroy_process_group()
+    run_worker({"roundtrip": _roundtrip, "errors": _errors})

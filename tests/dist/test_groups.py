@@ -4,7 +4,7 @@ import pytest
 
 from hpc_rlhf.dist import groups
 from hpc_rlhf.dist.placement import make_plan
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, run_worker
 
 # 6 ranks as 2 nodes of 3: actor+ref 0-1, reward 2, critic 3, rollout 4-5 (one engine of 2).
 COLOCATED = ("actor+ref=2,critic=1,reward=1,rollout=2,rollout_tp=2", 6, 3)
@@ -33,20 +33,15 @@ def test_groups_on_six_ranks():
     assert proc.stdout.count("groups ok") == 6, proc.stdout
 
 
-if __name__ == "__main__":
-    import sys
-    from datetime import timedelta
-
+def _groups_worker():
     import torch
     import torch.distributed as dist
 
     from hpc_rlhf.dist.groups import NotInGroupError
     from hpc_rlhf.dist.placement import PlacementError
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert sys.argv[1] == "groups" and world == 6
+    assert world == 6
 
     def raises(error, call, *args):
         try:
@@ -183,5 +178,8 @@ if __name__ == "__main__":
         assert w.item() == 9
     dist.barrier()
     groups.destroy()
-    dist.destroy_process_group()
     print(f"rank {rank}: groups ok", flush=True)
+
+
+if __name__ == "__main__":
+    run_worker({"groups": _groups_worker}, timeout_s=60)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -168,7 +166,7 @@ def test_weight_sync_is_bit_exact_on_four_ranks():
         [f"OK sync rank {r}" for r in range(4)]
 
 
-def _sync(rank: int):
+def _sync():
     import itertools
     import time
 
@@ -177,6 +175,7 @@ def _sync(rank: int):
     from hpc_rlhf.dist import weight_sync
     from hpc_rlhf.dist.weight_sync import receive_weights, send_weights
 
+    rank = dist.get_rank()
     sync_ranks, leader = [0, 2, 3], 0  # rank 1 plays a role outside the weight-sync group
     sync_group = dist.new_group(sync_ranks)
     other_group = dist.new_group([1])
@@ -331,10 +330,6 @@ def _sync(rank: int):
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
+    from tests.distributed import run_worker
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    {"sync": _sync}[sys.argv[1]](dist.get_rank())
-    dist.barrier()
-    dist.destroy_process_group()
+    run_worker({"sync": _sync})

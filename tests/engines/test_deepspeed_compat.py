@@ -168,10 +168,11 @@ def test_two_roles_issue_different_groupless_collectives_at_the_same_time(tmp_pa
 
 
 # ------------------------------------------------------------------------------------------------ worker
-def roles_worker(out: Path) -> None:
+def roles_worker(out_dir: str) -> None:
     import deepspeed.comm as ds_comm
     import torch.distributed as dist
 
+    out = Path(out_dir)
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = groups[rank // 2]
@@ -212,11 +213,6 @@ def roles_worker(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
+    from tests.distributed import run_worker
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    case, out_dir = sys.argv[1], Path(sys.argv[2])
-    {"roles": roles_worker}[case](out_dir)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_worker({"roles": roles_worker})

@@ -273,8 +273,9 @@ def test_zero3_sharded_model_generates_in_step_and_as_the_whole_model_would(tmp_
     assert 0 < result["most_gathered"] <= result["unit"] < result["model"]
 
 
-def _sharded(out):
+def _sharded(out_dir: str):
     import json
+    from pathlib import Path
 
     import deepspeed
     import torch.distributed as dist
@@ -282,6 +283,7 @@ def _sharded(out):
 
     from hpc_rlhf.engines import deepspeed_compat
 
+    out = Path(out_dir)
     rank = dist.get_rank()
     group = dist.new_group([0, 1])
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=5)
@@ -322,15 +324,6 @@ def _sharded(out):
 
 
 if __name__ == "__main__":
-    import os
-    import sys
-    from pathlib import Path
+    from tests.distributed import run_worker
 
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
-    dist.init_process_group("gloo")
-    {"sharded": _sharded}[sys.argv[1]](Path(sys.argv[2]))
-    dist.barrier()
-    dist.destroy_process_group()
+    run_worker({"sharded": _sharded})

@@ -57,7 +57,6 @@ def _rank_main(out: str) -> None:
     from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
     from hpc_rlhf.engines.rollout.vllm_worker import tensor_digest
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
     group = dist.new_group([0, 1])

@@ -8,7 +8,6 @@ Cost: one vLLM engine start (~25-50 s on 2 cores) and a few generations.
 """
 
 import json
-import sys
 
 import pytest
 import torch
@@ -66,7 +65,6 @@ def _rank_main(out: str, folder: str) -> None:
     from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
     from hpc_rlhf.models.lora import adapter_tensors, save_model
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     group = dist.new_group([0, 1])
     if rank == 0:
@@ -152,5 +150,6 @@ def test_an_adapter_folder_saved_alone_is_served_by_vllm(run):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "engine":
-        _rank_main(sys.argv[2], sys.argv[3])
+    from tests.distributed import run_worker
+
+    run_worker({"engine": _rank_main})

@@ -399,13 +399,14 @@ def test_two_roles_train_side_by_side_without_world_collectives(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ workers
-def equivalence_worker(out: Path) -> None:
+def equivalence_worker(out_dir: str) -> None:
     """2 ranks: ZeRO-0 on one rank (a singleton group) vs ZeRO 1/2/3 on both, same global batches of 4."""
     import torch.distributed as dist
 
     from hpc_rlhf.engines.deepspeed_compat import singleton_group
     from hpc_rlhf.engines.train import TrainEngine
 
+    out = Path(out_dir)
     rank, ranks = dist.get_rank(), dist.get_world_size()
     batches = global_batches(11, STEPS, 4)
 
@@ -458,13 +459,14 @@ def stream_one_module_at_a_time(engine, probe) -> dict:
     return out
 
 
-def two_roles_worker(out: Path) -> None:
+def two_roles_worker(out_dir: str) -> None:
     """4 ranks: ZeRO-3 on ranks 0-1 (saves, resumes), ZeRO-2 on ranks 2-3 (accumulation 2, other step count)."""
     import torch.distributed as dist
 
     from hpc_rlhf.engines.deepspeed_compat import WorldCollectiveError, forbid_world_collectives
     from hpc_rlhf.engines.train import TrainEngine
 
+    out = Path(out_dir)
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank, same order
     group = groups[rank // 2]
@@ -518,14 +520,9 @@ def two_roles_worker(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
+    from tests.distributed import run_worker
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    case, out_dir = sys.argv[1], Path(sys.argv[2])
-    {"equivalence": equivalence_worker, "two-roles": two_roles_worker}[case](out_dir)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_worker({"equivalence": equivalence_worker, "two-roles": two_roles_worker})
     # Leave without the interpreter's teardown of the DeepSpeed engines still alive here: once in about six full
     # suites (2026-11-25) rank 1 of the equivalence run died there with "terminate called without an active
     # exception" (SIGABRT) after the results were written and checked. Cause not found; what is tested is above.

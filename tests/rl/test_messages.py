@@ -3,7 +3,7 @@ ranks (the worker code is at the bottom of this file)."""
 
 from hpc_rlhf.dist.placement import make_plan
 from hpc_rlhf.rl import messages, routes
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, run_worker
 
 # 6 ranks as 2 nodes of 3: actor+ref 0-1, reward 2, critic 3, rollout 4-5 (one engine of 2).
 COLOCATED = ("actor+ref=2,critic=1,reward=1,rollout=2,rollout_tp=2", 6, 3)
@@ -71,20 +71,15 @@ def test_a_steps_messages_on_six_ranks_both_ways():
     assert proc.stdout.count("messages ok") == 6, proc.stdout
 
 
-if __name__ == "__main__":
-    import sys
-    from datetime import timedelta
-
+def _messages_worker():
     import torch
     import torch.distributed as dist
 
     from hpc_rlhf.dist import exchange, groups
     from hpc_rlhf.rl.experience import EPISODE_FIELDS, Generated
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert sys.argv[1] == "messages" and world == 6
+    assert world == 6
     plan = make_plan(*COLOCATED)
     groups.initialize(plan, messages.message_groups(plan), timeout_s=60)
 
@@ -213,5 +208,8 @@ if __name__ == "__main__":
     exchange.DIRECT_MAX_BYTES = real_direct_max
     dist.barrier()
     groups.destroy()
-    dist.destroy_process_group()
     print(f"rank {rank}: messages ok", flush=True)
+
+
+if __name__ == "__main__":
+    run_worker({"messages": _messages_worker}, timeout_s=60)
