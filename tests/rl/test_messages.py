@@ -1,5 +1,5 @@
-"""The RL step's messages: the route table (pure) and the calls that move a step's responses and scores, on 6 gloo
-ranks (the worker code is at the bottom of this file)."""
+"""The RL step's messages: the calls that move a step's responses and scores along its routes, on 6 gloo ranks (the
+worker code is at the bottom of this file; the route table itself is tested in test_routes.py)."""
 
 from hpc_rlhf.dist.placement import make_plan
 from hpc_rlhf.rl import messages, routes
@@ -7,63 +7,6 @@ from tests.distributed import run_ranks, run_worker
 
 # 6 ranks as 2 nodes of 3: actor+ref 0-1, reward 2, critic 3, rollout 4-5 (one engine of 2).
 COLOCATED = ("actor+ref=2,critic=1,reward=1,rollout=2,rollout_tp=2", 6, 3)
-
-
-def test_routes_go_to_the_ranks_that_consume_them():
-    """The engines' first ranks to the hub, the batch from the hub to every scoring rank, scores to the trained roles
-    (rank 0 logs), evaluation responses and the critic's figures to rank 0 alone; pure, so every rank computes the
-    same."""
-    table = messages.routes_of(make_plan(*COLOCATED))
-    found = {key: (r.src, r.ranks) if isinstance(r, routes.Route) else ("to", r.dst, r.ranks)
-              for key, r in table.items()}
-    assert found == {
-        "engines": ("to", 4, (4,)), "responses": (4, (0, 1, 2, 3, 4)), "eval": (4, (0, 4)),
-        "scores/actor": (0, (0, 1, 3)), "scores/critic": (3, (0, 1, 3)), "scores/ref": (0, (0, 1, 3)),
-        "scores/reward": (2, (0, 1, 2, 3)), "scores/rules": (2, (0, 1, 2, 3)), "figures/critic": ("to", 0, (0, 1, 3))}
-    grpo = messages.routes_of(make_plan("actor=1,ref=1,rollout=2", 4, 4))
-    assert grpo["engines"].ranks == (2, 3) and grpo["engines"].dst == 2
-    assert grpo["responses"].src == 2 and grpo["responses"].ranks == (0, 1, 2)
-    assert grpo["scores/actor"].ranks == (0,) and grpo["scores/rules"].src == 0  # no reward model: the actor
-    assert "figures/critic" not in grpo
-    hybrid = messages.routes_of(make_plan("actor+ref=1,rollout@actor", 1, 1))
-    assert {r.ranks for r in hybrid.values()} == {(0,)}  # one rank: nothing travels
-
-
-def test_a_lora_actor_sends_the_reference_from_its_own_leader():
-    """ref_mode=adapter_disabled (issue 27): no ref role; the actor's ranks score the reference with the adapter
-    off, and its leader sends it to the trained roles on the same ranks as the actor's own scores."""
-    plan = make_plan("actor=2,critic=1,rollout=1", 4, 4)
-    table = messages.routes_of(plan, ref_role="actor")
-    assert (table["scores/ref"].src, table["scores/ref"].ranks) == (0, (0, 1, 2)) == \
-        (table["scores/actor"].src, table["scores/actor"].ranks)
-    assert "scores/ref" not in messages.routes_of(plan)
-    assert messages.message_groups(plan, ref_role="actor")["scores/ref"] == (0, 1, 2)
-
-
-def test_only_routes_of_three_ranks_or_more_get_a_group():
-    assert messages.message_groups(make_plan(*COLOCATED)) == {
-        "responses": (0, 1, 2, 3, 4), "scores/actor": (0, 1, 3), "scores/critic": (0, 1, 3),
-        "scores/ref": (0, 1, 3), "scores/reward": (0, 1, 2, 3), "scores/rules": (0, 1, 2, 3),
-        "figures/critic": (0, 1, 3)}
-    assert routes.point_to_point_pairs(make_plan(*COLOCATED)) == {(0, 4)}  # eval: the hub to rank 0
-
-
-def test_no_rank_holds_more_route_groups_as_engines_are_added():
-    """The groups and point-to-point peers the routes give a rank do not grow with the number of engines."""
-    def most(placement, world):
-        plan = make_plan(placement, world, 8)
-        member = {}
-        for ranks in set(messages.message_groups(plan).values()):
-            for r in ranks:
-                member[r] = member.get(r, 0) + 1
-        for pair in routes.point_to_point_pairs(plan):
-            for r in pair:
-                member[r] = member.get(r, 0) + 1
-        return max(member.values())
-
-    small = most("actor=4,critic=4,ref=4,reward=4,rollout=16,rollout_tp=4", 32)
-    assert small == most("actor=64,critic=32,ref=16,reward=16,rollout=128,rollout_tp=2", 256) == \
-        most("actor=256,critic=128,ref=64,reward=64,rollout=512,rollout_tp=1", 1024) == 5
 
 
 def test_a_steps_messages_on_six_ranks_both_ways():
