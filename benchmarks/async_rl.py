@@ -57,9 +57,8 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
     """One rank under torchrun: time the waiting calls, run the PPO mode, write this rank's figures."""
     import torch.distributed as dist
 
-    from hpc_rlhf.dist import exchange, groups, weight_sync
+    from hpc_rlhf.dist import agree, exchange, groups, weight_sync
     from hpc_rlhf.rl import messages
-    from hpc_rlhf.runtime import run as run_setup
 
     waiting = {"s": 0.0, "cpu": 0.0, "calls": 0}
     steps: list[dict] = []
@@ -81,7 +80,7 @@ def worker(out_dir: Path, ppo_args: list[str]) -> int:
     exchange.gather_ragged = timed(exchange.gather_ragged)
     weight_sync.send_weights = timed(weight_sync.send_weights)
     weight_sync.receive_weights = timed(weight_sync.receive_weights)
-    run_setup.any_rank = timed(run_setup.any_rank)  # the step's one agreement (skipped step, stop signal)
+    agree.any_rank = timed(agree.any_rank)  # the step's one agreement (skipped step, stop signal)
     messages.critic_figures_to_logger = timed(messages.critic_figures_to_logger)
     benchlib.on_each_rl_step(lambda: steps.append({"end": time.perf_counter(), "end_cpu": time.process_time(),
                                                    **waiting}))

@@ -80,23 +80,26 @@ def worker(out_dir: Path, ppo_args: list[str], settle: bool) -> int:
             return result
         return call
 
-    def on_routes(keys, me=None) -> set[int]:
-        return {r for key in keys for r in messages.route(key).ranks if me is None or me in messages.route(key).ranks}
+    def on_routes(routes, keys, me=None) -> set[int]:
+        return {r for key in keys for r in routes[key].ranks if me is None or me in routes[key].ranks}
+
+    def batch_ranks(routes, kind) -> set[int]:
+        return set(routes[kind].ranks) | set(routes["engines"].ranks)
 
     def response_partners(args) -> set[int]:
         """Every engine's first rank and every consumer of the batch: each engine's share reaches each consumer
         (directly on gloo, or through the hub), so a rank on either route waits for all of them. `args`:
-        share_responses(mine, kind, counts, max_len, ...), `kind` the batch's route."""
-        everyone = set(messages.route(args[1]).ranks) | set(messages.route("engines").ranks)
+        share_responses(routes, mine, kind, counts, max_len, ...), `kind` the batch's route."""
+        everyone = batch_ranks(args[0], args[2])
         return everyone if dist.get_rank() in everyone else set()
 
     messages.share_responses = timed(
-        messages.share_responses, lambda *a, **kw: f"share_responses {a[1]}",
+        messages.share_responses, lambda *a, **kw: f"share_responses {a[2]}",
         lambda *a, **kw: response_partners(a),
-        lambda *a, **kw: set(messages.route(a[1]).ranks) | set(messages.route("engines").ranks))
+        lambda *a, **kw: batch_ranks(a[0], a[2]))
     messages.share_known = timed(messages.share_known, "share_known",
-                                 lambda sent, **kw: on_routes(sent, dist.get_rank()),
-                                 lambda sent, **kw: on_routes(sent))
+                                 lambda routes, sent, **kw: on_routes(routes, sent, dist.get_rank()),
+                                 lambda routes, sent, **kw: on_routes(routes, sent))
     group_ranks = lambda seqs, dst, group=None, **kw: exchange.group_ranks(group)  # noqa: E731
     exchange.gather_ragged = timed(exchange.gather_ragged, lambda *a, **kw: f"gather {kw.get('tag')}", group_ranks,
                                    group_ranks)

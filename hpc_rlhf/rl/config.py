@@ -288,6 +288,21 @@ def clip_range(rl: RLSection) -> tuple[float, float | None]:
         return GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH if rl.clip_eps_high is None else rl.clip_eps_high
     return PPO_CLIP_EPS, rl.clip_eps_high
 
+def response_limit(cfg: Config, evaluation: bool = False) -> tuple[str, int]:
+    """The most tokens a response of this job holds after its prompt, and the key that sets it: an episode's limit
+    with an environment (its turns and observations), else a rollout's (`evaluation`: an evaluation's)."""
+    if cfg.env.enabled:
+        return "env.max_episode_tokens", cfg.env.max_episode_tokens
+    if evaluation:
+        return "eval.max_new_tokens", cfg.eval.max_new_tokens
+    return "rollout.max_new_tokens", cfg.rollout.max_new_tokens
+
+
+def longest_response(cfg: Config) -> tuple[str, int]:
+    """The longest response of this job, training or evaluation (`response_limit`), with its key."""
+    return max(response_limit(cfg), response_limit(cfg, evaluation=True), key=lambda limit: limit[1])
+
+
 def reference_mode(cfg: Config) -> str:
     """`ref_mode` with `auto` resolved: adapter_disabled for a LoRA actor whose reference folder is its own base
     (ref_path unset or actor.path), else model."""

@@ -3,10 +3,10 @@ carry no signal for a group estimator, so the step drops them and fills its batc
 up to `rl.dynamic_sampling_max_rounds` in all. The mathematics (which groups are uniform, which fill the batch) is
 algorithms/dynamic_sampling.py; this module keeps the rounds of one step and assembles the batch the step trains on.
 
-- The prompts of round r of batch b are a pure function of (seed, b, r) (`roles.batch_rows`), and so is their
+- The prompts of round r of batch b are a pure function of (seed, b, r) (`prompts.batch_rows`), and so is their
   sampling seed (`round_seed`): nothing about them is sent. Round 0 is the step's ordinary batch.
 - Whether another round is needed depends on the rewards, which only the trained roles' ranks hold: the logging
-  rank (the actor's leader) decides and tells every rank, one integer broadcast per round (`agree_on_more`).
+  rank (the actor's leader) decides and tells every rank, one small all-reduce per round (`dist.agree.decided_by`).
 - The trained batch keeps its size (rollout.prompts_per_step groups of rollout.n_samples), so every optimizer step
   sees the micro-batches it expects: the chosen groups first (round order, then prompt order), then, when the
   rounds ran out before the batch was full, groups of round 0 that carried no signal, as slots left out of the
@@ -18,14 +18,14 @@ algorithms/dynamic_sampling.py; this module keeps the rounds of one step and ass
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from hpc_rlhf.algorithms.advantages import combine_scores
 from hpc_rlhf.algorithms.dynamic_sampling import dynamic_sampling_figures, fill_batch, uniform_groups
-from hpc_rlhf.dist.exchange import comm_device
-from hpc_rlhf.rl.experience import Generated, SampleBatch, from_ragged, make_batch, to_ragged
+from hpc_rlhf.dist.agree import decided_by
+from hpc_rlhf.rl.batches import Generated, SampleBatch, from_ragged, make_batch, to_ragged
 from hpc_rlhf.rl.messages import per_sample_role
 from hpc_rlhf.rl.rollout import batch_seed
 
@@ -37,13 +37,6 @@ ROUND_SEED_OFFSET = 1_000_000_007
 def round_seed(seed: int, index: int, round_index: int) -> int:
     """The sampling seed of round `round_index` of batch `index` (round 0: the batch's own seed)."""
     return batch_seed(seed, index) + round_index * ROUND_SEED_OFFSET
-
-
-def agree_on_more(more: bool | None, decider: int) -> bool:
-    """Every rank learns whether the rank `decider` (which holds the rewards) asks for another round."""
-    flag = torch.tensor([1 if more else 0], dtype=torch.int32, device=comm_device())
-    dist.broadcast(flag, src=decider)
-    return bool(flag.item())
 
 
 @dataclass
@@ -114,3 +107,26 @@ class Rounds:
             scored[role] = torch.cat(per_sample) if per_sample_role(role) else from_ragged(per_sample, batch)
         keep = torch.tensor([i < kept_count * self.n for i in range(len(rows))])
         return batch, generated, rollout_logps, scored, keep
+
+
+def fill_from_rounds(cfg, reward_roles: list[str], trained: bool, decider: int, pad_id: int, round_zero: tuple,
+                     another_round: Callable[[int], tuple]):
+    """The batch a step trains on with dynamic sampling. `round_zero` is the step's batch as exchanged and scored:
+    (prompt ids per sample, generated, batch, sampling log-probs, scores), as `Rounds.add` takes them; while rank `decider` finds the batch short
+    of prompts that carry signal, `another_round(r)` generates, exchanges and scores round r (every rank calls it)
+    and returns the same tuple. Returns (batch, generated, sampling log-probs, scores, keep_samples, figures) on the
+    trained ranks (`trained`); elsewhere round zero's parts as given, None and {}."""
+    rounds = Rounds(cfg, reward_roles) if trained else None
+    if trained:
+        rounds.add(*round_zero)
+    for round_index in range(1, cfg.rl.dynamic_sampling_max_rounds):
+        if not decided_by(decider, None if rounds is None else not rounds.full()):
+            break
+        more = another_round(round_index)
+        if trained:
+            rounds.add(*more)
+    if not trained:
+        _, generated, batch, rollout_logps, scored = round_zero
+        return batch, generated, rollout_logps, scored, None, {}
+    batch, generated, rollout_logps, scored, keep = rounds.assemble(pad_id)
+    return batch, generated, rollout_logps, scored, keep, rounds.figures()

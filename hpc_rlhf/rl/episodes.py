@@ -20,7 +20,7 @@ import torch
 from hpc_rlhf.envs.config import EnvSection
 from hpc_rlhf.envs.episodes import METRIC_SUMS, EpisodeBatch, metrics_from_sums, run_episodes
 from hpc_rlhf.envs.loading import load_environment
-from hpc_rlhf.rl.experience import EPISODE_FIELDS, Generated
+from hpc_rlhf.rl.batches import EPISODE_FIELDS, Generated
 
 
 class EpisodePlayer:

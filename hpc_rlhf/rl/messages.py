@@ -28,35 +28,10 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.dist import exchange, groups
-from hpc_rlhf.rl.experience import EPISODE_FIELDS, Generated, SampleBatch, from_ragged, shard_bounds
-from hpc_rlhf.rl.routes import (ENGINES, LOGGING_RANK, Gather, Route, engine_leaders, message_groups,  # noqa: F401
-                                routes_of, rule_reward_rank, travels_over_a_group)
+from hpc_rlhf.rl.batches import EPISODE_FIELDS, Generated, SampleBatch, from_ragged, make_batch, shard_bounds
+from hpc_rlhf.rl.routes import ENGINES, LOGGING_RANK, Gather, Route, Routes, travels_over_a_group
 
 CRITIC_FIGURES = ("value_loss", "value_clip_fraction", "critic_grad_norm", "critic_skipped")
-
-_TABLE: tuple[tuple | None, dict[str, Route | Gather]] = (None, {})
-_REF_ROLE = "ref"  # the role that sends scores/ref in this job (set_reference_role), for `route`
-
-
-def set_reference_role(role: str) -> None:
-    """Which role's leader sends this job's reference log-probs (`routes_of`'s `ref_role`: "actor" when a LoRA
-    actor's own ranks compute the reference with the adapter off); set before the first message, the same on every
-    rank."""
-    global _REF_ROLE
-    _REF_ROLE = role
-
-
-def route(key: str) -> Route | Gather:
-    """The route of message `key` in the placement of this job (public knowledge: any rank may ask)."""
-    global _TABLE
-    plan = groups.plan()
-    if _TABLE[0] != (id(plan), _REF_ROLE):
-        _TABLE = ((id(plan), _REF_ROLE), routes_of(plan, _REF_ROLE))
-    table = _TABLE[1]
-    if key not in table:
-        raise KeyError(f"no route '{key}' in this placement; routes: {', '.join(table)}")
-    return table[key]
-
 
 def _group(path: Route | Gather) -> dist.ProcessGroup | None:
     return groups.message_group(path.key) if travels_over_a_group(path) else None
@@ -84,7 +59,7 @@ def _gather(flat: torch.Tensor, path: Gather) -> list[torch.Tensor] | None:
 
 
 # ------------------------------------------------------------------------------------------------ known lengths
-def share_known(messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequence[int] | None]],
+def share_known(routes: Routes, messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequence[int] | None]],
                 dtype: torch.dtype = torch.float32) -> dict[str, list[torch.Tensor] | None]:
     """Several messages of known lengths at once: `messages[key] = (values, lengths)` for route `key`, `values`
     given on the route's sender, `lengths` (of every value) on every rank of the route; the result maps each key
@@ -97,7 +72,7 @@ def share_known(messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequ
     out: dict[str, list[torch.Tensor] | None] = {key: None for key in messages}
     bundles: dict[tuple[int, tuple[int, ...]], list[str]] = {}
     for key, (values, lengths) in messages.items():
-        path = route(key)
+        path = routes[key]
         if me not in path.ranks:
             continue
         if lengths is None:
@@ -124,7 +99,7 @@ def share_known(messages: Mapping[str, tuple[Sequence[torch.Tensor] | None, Sequ
     order = {key: i for i, key in enumerate(messages)}  # the same on every rank: the bundles' tags
     works = []
     for ((src, ranks), keys), flat in zip(bundles.items(), flats):
-        works += _post(flat, route(keys[0]), tag=order[keys[0]])
+        works += _post(flat, routes[keys[0]], tag=order[keys[0]])
     exchange.wait(works)
     for keys, flat in zip(bundles.values(), flats):
         sizes = [sum(messages[key][1]) for key in keys]
@@ -208,7 +183,7 @@ def _unpack(words: torch.Tensor, count: int, layout: dict[str, tuple[int, int]])
     return out
 
 
-def share_responses(mine: Generated | None, kind: str, counts: Sequence[int], max_len: int,
+def share_responses(routes: Routes, mine: Generated | None, kind: str, counts: Sequence[int], max_len: int,
                     with_logprobs: bool = False, with_episodes: bool = False) -> list[Generated | None]:
     """Every engine's share of a batch (`mine`, on the engine's first rank; engine E generated `counts[E]` responses
     of at most `max_len` tokens) to the consumers of route `kind` ("responses" or "eval"): per engine, what it
@@ -226,7 +201,7 @@ def share_responses(mine: Generated | None, kind: str, counts: Sequence[int], ma
     device, me = exchange.comm_device(), dist.get_rank()
     layouts = [_layout(count, max_len, with_logprobs, with_episodes) for count in counts]
     sizes = [sum(size for _, size in layout.values()) for layout in layouts]
-    path, engines = route(kind), route(ENGINES)
+    path, engines = routes[kind], routes[ENGINES]
     leaders = engines.ranks
     if len(leaders) != len(counts):
         raise exchange.ExchangeError(f"share_responses('{kind}'): {len(counts)} counts for {len(leaders)} engines")
@@ -260,15 +235,28 @@ def share_responses(mine: Generated | None, kind: str, counts: Sequence[int], ma
     return [_unpack(words[e], counts[e], layouts[e]) for e in range(len(counts))]
 
 
-def share_generated(mine: Generated | None, to: str, prompts: int, n: int, max_len: int, with_logprobs: bool = False,
+def share_generated(routes: Routes, mine: Generated | None, to: str, prompts: int, n: int, max_len: int, with_logprobs: bool = False,
                     with_episodes: bool = False) -> Generated | None:
     """Each engine's share of a batch of `prompts` prompts x `n` samples of at most `max_len` tokens (`mine`, on
     the engine's first rank) to the consumers of route `to`: the whole batch, prompt-major, on those ranks (the
     scoring ranks and rank 0 for "responses", rank 0 alone for "eval"), None elsewhere; with the parts
     `share_responses` is asked for. Every rank calls it."""
-    counts = engine_counts(prompts, len(groups.plan().role("rollout").engines), n)
-    parts = share_responses(mine, to, counts, max_len, with_logprobs, with_episodes)
+    counts = engine_counts(prompts, len(routes.plan.role("rollout").engines), n)
+    parts = share_responses(routes, mine, to, counts, max_len, with_logprobs, with_episodes)
     return None if any(p is None for p in parts) else Generated.concatenated(parts)
+
+
+def share_batch(routes: Routes, mine: Generated | None, prompt_ids: Sequence[Sequence[int]], n: int, max_len: int,
+                pad_id: int, with_episodes: bool = False):
+    """Phase 3: each engine's share of a batch (`mine`, on the engine's first rank; `prompt_ids` per sample,
+    prompt-major, `n` samples per prompt) with its sampling log-probs to the ranks that consume it: (padded batch,
+    what the engines generated, sampling log-probs (B, T-1)) there, Nones elsewhere (rollout-only ranks)."""
+    generated = share_generated(routes, mine, "responses", len(prompt_ids) // n, n, max_len, with_logprobs=True,
+                                with_episodes=with_episodes)
+    if generated is None:
+        return None, None, None
+    batch = make_batch(prompt_ids, generated.responses, pad_id, generated.masks)
+    return batch, generated, from_ragged(generated.logprobs, batch)
 
 
 @functools.lru_cache(maxsize=64)
@@ -284,7 +272,7 @@ def per_sample_role(role: str) -> bool:
     return role.startswith("reward") or role == "rules"
 
 
-def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], rules: list[torch.Tensor] | None,
+def share_scores(routes: Routes, local: dict[str, list[torch.Tensor] | None], roles: list[str], rules: list[torch.Tensor] | None,
                  with_rules: bool, batch: SampleBatch | None) -> dict[str, torch.Tensor]:
     """Every scoring role's results (`local[role]`, on its leader) and the rule rewards (`rules`, on their rank)
     to the trained roles, all in one round (`share_known`; the lengths follow from the responses): dense on those
@@ -292,7 +280,7 @@ def share_scores(local: dict[str, list[torch.Tensor] | None], roles: list[str], 
     (zeros without rule or remote rewards)."""
     response_lens = None if batch is None else batch.response_lens
     scored = {}
-    for key, full in share_known(score_messages(local, roles, rules, with_rules, response_lens)).items():
+    for key, full in share_known(routes, score_messages(local, roles, rules, with_rules, response_lens)).items():
         role = key.removeprefix("scores/")
         if full is not None:
             scored[role] = torch.cat(full) if per_sample_role(role) else from_ragged(full, batch)
@@ -317,17 +305,17 @@ def score_messages(local: dict[str, list[torch.Tensor] | None], roles: list[str]
 
 
 # ------------------------------------------------------------------------------------------------ figures
-def critic_figures_to_logger(figures: dict[str, float]) -> dict[str, float]:
+def critic_figures_to_logger(routes: Routes, figures: dict[str, float]) -> dict[str, float]:
     """The critic's training figures (CRITIC_FIGURES, on its leader) to the logging rank: there, those it logs;
     {} elsewhere. Every rank calls it.
 
     Route `figures/critic`: a gather over the trained ranks, the others sending NaNs that rank 0 drops (a group
     rank 0 belongs to anyway, rather than a point-to-point pair of its own on NCCL); on gloo, or with two trained
     ranks, the critic's leader sends them to rank 0 directly."""
-    if not groups.plan().has("critic"):
+    if not routes.plan.has("critic"):
         return {}
-    path = route("figures/critic")
-    me, critic = dist.get_rank(), groups.role_leader("critic")
+    path = routes["figures/critic"]
+    me, critic = dist.get_rank(), routes.plan.role("critic").leader
     if me not in path.ranks:
         return {}
     values = torch.tensor([figures.get(k, float("nan")) if me == critic else float("nan") for k in CRITIC_FIGURES],

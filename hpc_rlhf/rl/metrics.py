@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hpc_rlhf.algorithms.kl import kl_estimate
-from hpc_rlhf.rl.experience import Experience
+from hpc_rlhf.rl.batches import Experience
 
 
 def sample_figures(exp: Experience, kl_estimator: str, has_ref: bool, tis_cap: float | None) -> dict[str, float]:

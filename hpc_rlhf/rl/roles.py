@@ -1,58 +1,17 @@
-"""Builders for the roles of an RL job (torchtune style: small functions the recipe calls in `setup()`): the
-prompts every rank reads and draws each batch from (phase 1 of the step: nothing is sent), the ranks per node, and
-the rollout engine of a rollout rank.
+"""Builders for the roles of an RL job (torchtune style: small functions the recipe calls in `setup()`): the ranks
+per node and the rollout engine of a rollout rank.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.data.examples import prompt_example
-from hpc_rlhf.data.loading import load_rows
-from hpc_rlhf.data.order import step_indices
 from hpc_rlhf.dist import groups
 from hpc_rlhf.dist.bootstrap import current_launch
-from hpc_rlhf.envs.transcript import Transcript
 from hpc_rlhf.models.builders import build_causal_lm
 from hpc_rlhf.models.lora import apply_lora
-from hpc_rlhf.rl.config import Config
-
-
-def load_prompts(cfg: Config, tokenizer, paths, where: str, max_rows) -> list[dict]:
-    """Prompt rows as {"input_ids", "text", "answer", "row"} (answer None where the row has none; row: the data
-    row, which starts an episode when there is an environment). With an environment and chat data the prompt ends
-    without the assistant's turn: the episode's transcript adds it after each observation (envs/transcript.py)."""
-    data = cfg.data
-    rows, _ = load_rows(paths, required={data.prompt_key: str}, where=where, on_bad_row=data.on_bad_row,
-                        max_rows=max_rows)
-    transcript = (Transcript(tokenizer, chat=True, observation_role=cfg.env.observation_role)
-                  if cfg.env.enabled and data.apply_chat_template else None)
-    out = []
-    for row in rows:
-        if transcript is not None:
-            ids = transcript.prompt_ids(row[data.prompt_key], data.max_prompt_len)
-        else:
-            ids = prompt_example(tokenizer, prompt=row[data.prompt_key], max_prompt_len=data.max_prompt_len,
-                                 chat_template=data.apply_chat_template, where=row["_source"])["input_ids"]
-        answer = row.get(data.answer_key)
-        out.append({"input_ids": ids, "text": row[data.prompt_key], "answer": None if answer is None else str(answer),
-                    "row": row})
-    return out
-
-
-# Round r > 0 of dynamic sampling draws its prompts from the permutation of train.seed + r * ROUND_PROMPT_SEED_OFFSET,
-# far from any seed a user picks, so no round repeats another's order.
-ROUND_PROMPT_SEED_OFFSET = 1_000_000_007
-
-
-@functools.lru_cache(maxsize=16)  # a batch's prompts are needed at its rollout, its exchange and its scoring
-def batch_rows(num_rows: int, per_batch: int, index: int, seed: int, round_index: int = 0) -> tuple[int, ...]:
-    """The prompt rows of RL batch `index` (the same on every rank; each call draws a permutation of the whole
-    prompt set, so it is drawn once per batch), and of its dynamic-sampling round `round_index`."""
-    return tuple(step_indices(num_rows, per_batch, index, seed + round_index * ROUND_PROMPT_SEED_OFFSET))
+from hpc_rlhf.rl.config import Config, longest_response
 
 
 def ranks_per_node(world_size: int) -> int:
@@ -99,13 +58,5 @@ def build_vllm_engine(cfg: Config, plan, eos: int):
                              dtype=dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                              kv_cache_mb=cfg.rollout.kv_cache_mb or None, enforce_eager=eager,
                              seed=cfg.train.seed, enable_sleep_mode=plan.is_hybrid,
-                             max_model_len=cfg.data.max_prompt_len + longest_response(cfg),
+                             max_model_len=cfg.data.max_prompt_len + longest_response(cfg)[1],
                              lora=cfg.actor.lora if cfg.actor.lora.rank > 0 else None)
-
-
-def longest_response(cfg: Config) -> int:
-    """The most tokens after a prompt that a sequence of this job holds: an episode's limit with an environment (its
-    turns and observations), else the longer of a rollout's and an evaluation's."""
-    if cfg.env.enabled:
-        return cfg.env.max_episode_tokens
-    return max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)

@@ -36,10 +36,10 @@ from typing import Any, Callable, ContextManager
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.dist import groups
+from hpc_rlhf.dist import groups, watchdog
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.rl.episodes import EpisodePlayer
-from hpc_rlhf.rl.experience import Generated, shard_bounds
+from hpc_rlhf.rl.batches import Generated, shard_bounds
 
 log = logging.getLogger("hpc_rlhf")
 
@@ -155,6 +155,19 @@ def engine_generate(rollout, prompts: list[dict], sampling: SamplingParams, awak
             return play(rollout, prompts[start:end], seeded)
         out = rollout.generate([p["input_ids"] for p in prompts[start:end]], seeded)
     return Generated(out.flat_responses(), out.flat_logprobs())
+
+
+class Generation:
+    """This rank's part in every generation of a run (a step's batch, a dynamic-sampling round, an evaluation): its
+    rollout engine (None off the rollout ranks), how to wake it (rl/sync.py), and the episode player when samples
+    are episodes. Every rank calls it; the engines' first ranks get their shares (`engine_generate`)."""
+
+    def __init__(self, engine, awake: Callable[[], ContextManager], play: EpisodePlayer | None):
+        self.engine, self.awake, self.play = engine, awake, play
+
+    def __call__(self, prompts: list[dict], sampling: SamplingParams, phase: str = "rollout") -> Generated | None:
+        with watchdog.phase(phase):  # failure handling: each phase of the loop is named for the watchdog
+            return engine_generate(self.engine, prompts, sampling, self.awake, self.play)
 
 
 def engine_led_here() -> int | None:

@@ -24,6 +24,10 @@ the weight-sync group and at most a handful of these, whatever the number of eng
 checks it on the real set-up of 1,024 ranks). Every message still goes only to the ranks that consume it; the
 hub relays the batch (one more hop, a few megabytes at most per step).
 
+A job's table is a `Routes`: the RL recipe builds it once from its plan and reference mode and hands it to every
+message call (messages.py) and to hpc_rlhf.dist.groups (the rank sets that need a group), so no module holds a
+table that a call order must set.
+
 How a message travels (groups of three ranks or more; a route of two ranks is point to point):
 `messages._post` and `exchange.post`; on gloo a small message keeps going point to point from each engine to
 each consumer (`exchange.goes_direct`): where ranks share CPU cores the latency of a hop costs more than bytes,
@@ -124,7 +128,41 @@ def travels_over_a_group(route: Route | Gather) -> bool:
 def message_groups(plan: Plan, ref_role: str = "ref") -> dict[str, tuple[int, ...]]:
     """The rank sets that need a group (`travels_over_a_group`): what hpc_rlhf.dist.groups.initialize creates,
     named by route (routes with the same ranks share one group)."""
-    return {key: r.ranks for key, r in routes_of(plan, ref_role).items() if travels_over_a_group(r)}
+    return Routes(plan, ref_role).message_groups()
+
+
+class Routes:
+    """The route table of one job: `plan`'s routes with `ref_role`'s leader sending `scores/ref` (see `routes_of`).
+    Built once by the RL recipe and passed to every message call; immutable, the same on every rank."""
+
+    def __init__(self, plan: Plan, ref_role: str = "ref"):
+        if ref_role != "ref" and not plan.has(ref_role):
+            raise ValueError(f"the reference comes from role '{ref_role}', which this placement does not have")
+        self.plan = plan
+        self.ref_role = ref_role
+        self._table = routes_of(plan, ref_role)
+
+    def __getitem__(self, key: str) -> Route | Gather:
+        if key not in self._table:
+            raise KeyError(f"no route '{key}' in this placement; routes: {', '.join(self._table)}")
+        return self._table[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._table
+
+    def keys(self):
+        return self._table.keys()
+
+    def message_groups(self) -> dict[str, tuple[int, ...]]:
+        """The rank sets hpc_rlhf.dist.groups.initialize creates a group for (`message_groups`)."""
+        return {key: r.ranks for key, r in self._table.items() if travels_over_a_group(r)}
+
+    @property
+    def rule_reward_rank(self) -> int:
+        return rule_reward_rank(self.plan)
+
+    def __repr__(self) -> str:
+        return f"Routes({', '.join(self.plan.roles)} on {self.plan.world_size} ranks, ref_role={self.ref_role!r})"
 
 
 def point_to_point_pairs(plan: Plan) -> set[tuple[int, int]]:

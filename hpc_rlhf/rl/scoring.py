@@ -1,7 +1,7 @@
-"""Phase 4 of the RL step, scoring: actor (old log-probs), critic (values), ref (log-probs) and each reward model
-(scores) on their contiguous shard of the samples, all at the same time on their own ranks, each gathered to its
-role's leader; the rule and remote rewards once, on one rank. Moving the results to the trained roles is
-messages.share_scores.
+"""Phases 4-5 of the RL step, scoring (`Scoring`): actor (old log-probs), critic (values), ref (log-probs) and each
+reward model (scores) on their contiguous shard of the samples, all at the same time on their own ranks, each
+gathered to its role's leader; the rule and remote rewards once, on one rank; then every result to the trained
+roles (messages.share_scores).
 
 The trained roles score through their module's forward: under ZeRO-3 its hooks fetch one layer at a time, as for
 the frozen roles (never the whole model at once), and keep DeepSpeed's collectives in the role's group
@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf import rewards as reward_fns
-from hpc_rlhf.dist import exchange, groups
+from hpc_rlhf.dist import exchange, groups, watchdog
 from hpc_rlhf.models.lora import adapter_disabled
 from hpc_rlhf.models.value_model import sequence_scores, token_values
-from hpc_rlhf.rl import messages
-from hpc_rlhf.rl.experience import SampleBatch, make_batch, response_logprobs, shard_bounds, to_ragged
+from hpc_rlhf.rl import episodes, messages
+from hpc_rlhf.rl.batches import SampleBatch, make_batch, response_logprobs, shard_bounds, to_ragged
+from hpc_rlhf.rl.config import reward_role_names
+from hpc_rlhf.rl.routes import Routes
 
 
 def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int, int], SampleBatch],
@@ -47,14 +49,11 @@ def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int,
     return exchange.flatten_ranks(gathered) if gathered is not None else None
 
 
-def rule_scores(cfg, rule_functions, tokenizer, leader: int, prompts: list[str],
+def rule_scores(routes: Routes, cfg, rule_functions, tokenizer, prompts: list[str],
                 responses: list[torch.Tensor] | None, answers: list[str | None]) -> list[torch.Tensor] | None:
-    """Rule functions and the HTTP endpoint, weighted and summed, computed once on `leader` (the only rank that
-    decodes the responses, the sender of the route `scores/rules`): [(B,)] there, None elsewhere."""
-    route = messages.route("scores/rules")
-    if route.src != leader:
-        raise ValueError(f"rule rewards run on rank {route.src} (rl.messages.rule_reward_rank), not {leader}")
-    if dist.get_rank() != leader:
+    """Rule functions and the HTTP endpoint, weighted and summed, computed once on the sender of the route
+    `scores/rules` (the only rank that decodes the responses): [(B,)] there, None elsewhere."""
+    if dist.get_rank() != routes["scores/rules"].src:
         return None
     texts = [tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
     total = torch.zeros(len(texts))
@@ -108,3 +107,47 @@ def score_roles(scorers: dict[str, Callable[[SampleBatch], list[torch.Tensor]]],
     computed_by = computed_by or {}
     return {name: score_on_shard(computed_by.get(name, name), len(sample_prompts), micro, batch_of, one, name)
             for name, one in scorers.items()}
+
+
+class Scoring:
+    """Phases 4-5 on this rank: each scoring role it holds on its shard (the trained roles' modules, the frozen
+    ref and reward models), the rule and remote rewards on their rank, then every result to the trained roles
+    (messages.share_scores). Built once in the recipe's set-up from the roles this rank holds."""
+
+    def __init__(self, cfg, routes: Routes, tokenizer, device, temperature: float, *, actor=None, critic=None,
+                 ref=None, reward_models: dict | None = None, rule_functions=(), ref_from_actor: bool = False):
+        self.cfg, self.routes, self.tokenizer, self.device = cfg, routes, tokenizer, device
+        self.scorers = {}  # in role order: a rank holding colocated roles scores them in the same order as its peers
+        if actor is not None:
+            self.scorers["actor"] = logprobs_of(actor.module, temperature)
+            if ref_from_actor:  # the same module, its adapter off
+                self.scorers["ref"] = logprobs_of(actor.module, temperature, adapter_off=True)
+        if critic is not None:
+            self.scorers["critic"] = values_of(critic.module)
+        if ref is not None:
+            self.scorers["ref"] = logprobs_of(ref.model, temperature)
+        for name, frozen in (reward_models or {}).items():
+            self.scorers[name] = scores_of(frozen.model, cfg.reward.normalize)
+        self.computed_by = {"ref": "actor"} if ref_from_actor else None
+        self.rule_functions = list(rule_functions)
+        self.with_rules = bool(self.rule_functions or cfg.reward.http_url)
+        plan = routes.plan
+        self.roles = [r for r in ["actor", "critic", "ref", *reward_role_names(len(cfg.reward.models))]
+                      if plan.has(r) or (r == "ref" and ref_from_actor)]
+
+    def __call__(self, batch: SampleBatch | None, prompt_ids: Sequence[Sequence[int]], texts: list[str],
+                 answers: list[str | None], generated) -> dict[str, torch.Tensor]:
+        """A batch's scores on the trained roles' ranks ({} elsewhere), dense: (B, T-1) per-token tensors for
+        actor, critic and ref, (B,) scores of each reward model and "rules" (rule/remote, and with episodes the
+        environment's reward, weighted by env.reward_weight). Per sample: its prompt's ids, text and answer."""
+        cfg = self.cfg
+        responses = None if generated is None else generated.responses
+        local = score_roles(self.scorers, prompt_ids, responses, self.tokenizer.pad_token_id,
+                            cfg.train.micro_batch_size, self.device, computed_by=self.computed_by)
+        rules = (rule_scores(self.routes, cfg, self.rule_functions, self.tokenizer, texts, responses, answers)
+                 if self.with_rules else None)
+        with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
+            scored = messages.share_scores(self.routes, local, self.roles, rules, self.with_rules, batch)
+        if generated is not None and generated.episodes is not None and "rules" in scored:
+            scored["rules"] = scored["rules"] + cfg.env.reward_weight * episodes.field(generated, "env_reward")
+        return scored

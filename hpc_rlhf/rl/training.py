@@ -22,7 +22,7 @@ from hpc_rlhf.dist import exchange, groups
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.value_model import token_values
 from hpc_rlhf.rl.config import Config, clip_range
-from hpc_rlhf.rl.experience import Experience, response_logprobs, shard_bounds
+from hpc_rlhf.rl.batches import Experience, response_logprobs, shard_bounds
 from hpc_rlhf.utils import faults
 
 
@@ -90,6 +90,15 @@ def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, d
 
     return train_role("critic", critic, cfg.critic_train, cfg.rl.ppo_epochs, cfg.rl.loss_agg, step, exp,
                       exp.batch.action_mask, loss_of, CRITIC_SHUFFLE, device)
+
+
+def train(actor: TrainEngine | None, critic: TrainEngine | None, cfg: Config, step: int, exp: Experience | None,
+          device, temperature: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Phase 7 on this rank: the actor and the critic it holds train on the step's Experience, each on its own
+    group (ranks holding neither pass through). The actor's figures and the critic's."""
+    actor_figures = train_actor(actor, cfg, step, exp, device, temperature) if actor is not None else {}
+    critic_figures = train_critic(critic, cfg, step, exp, device) if critic is not None else {}
+    return actor_figures, critic_figures
 
 
 def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: int, loss_agg: str, step: int,

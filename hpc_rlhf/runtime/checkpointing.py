@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from hpc_rlhf.dist import watchdog
 from hpc_rlhf.models.lora import save_model
-from hpc_rlhf.runtime.run import Run, any_rank
+from hpc_rlhf.dist.agree import any_rank
+from hpc_rlhf.runtime.run import Run
 from hpc_rlhf.utils import checkpoint as ckpt
 
 log = logging.getLogger("hpc_rlhf")

@@ -161,20 +161,6 @@ def window_means(window: dict[str, list[float]]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------ reductions
-def any_rank(flags: Sequence[bool], group=None) -> list[bool]:
-    """For each flag, whether it is set on any rank of `group`: one all-reduce for all of them."""
-    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=comm_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [bool(v) for v in t.tolist()]
-
-
-def all_finite(value: torch.Tensor, group=None) -> bool:
-    """True on every rank of `group` when the value is finite on all of them."""
-    flag = torch.tensor([1.0 if bool(torch.isfinite(value.detach()).all()) else 0.0], device=comm_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
 def mean_over(values: list[float]) -> float:
     finite = [v for v in values if v is not None and math.isfinite(v)]
     return sum(finite) / len(finite) if finite else float("nan")

@@ -6,7 +6,7 @@ GPU is booked.
         --placement actor=256,critic=128,ref=64,reward=64,rollout=512,rollout_tp=1 [--json]
 
 For each rank in turn it becomes that rank of a fake world and runs the project's own code:
-`groups.initialize(plan, messages.message_groups(plan))` (recording the order of `new_group` calls, which must be
+`groups.initialize(plan, Routes(plan).message_groups())` (recording the order of `new_group` calls, which must be
 the same on every rank: checked), DeepSpeed's model-parallel group on the trained ranks
 (engines.deepspeed_compat.singleton_group), then one RL step's messages with the real message functions:
 the engines' responses (`messages.share_generated`), each scoring role's gather to its leader
@@ -44,7 +44,7 @@ from hpc_rlhf.engines import deepspeed_compat
 from hpc_rlhf.engines.rollout.base import hf_named_tensors
 from hpc_rlhf.models.lora import merged_tensors
 from hpc_rlhf.rl import messages, routes, scoring
-from hpc_rlhf.rl.experience import Generated, shard_bounds
+from hpc_rlhf.rl.batches import Generated, shard_bounds
 from hpc_rlhf.scale import communicators
 from hpc_rlhf.scale import plan as plan_command
 from hpc_rlhf.scale.job import JobInputError, check_job, refuse
@@ -123,7 +123,8 @@ class RankReport:
 
 def _one_rank(rank: int, plan: Plan, batch: Batch, stream, recorder: fake_world.Recorder) -> list[str]:
     """Rank `rank`'s set-up and one RL step's messages, recorded; its held groups (descriptions)."""
-    groups.initialize(plan, messages.message_groups(plan))
+    table = routes.Routes(plan)
+    groups.initialize(plan, table.message_groups())
     held = [desc for desc, _ in groups.held_groups()]
     roles = plan.roles_of_rank(rank)
     if any(plan.role(r).kind in communicators.TRAINED_KINDS for r in roles):
@@ -140,7 +141,7 @@ def _one_rank(rank: int, plan: Plan, batch: Batch, stream, recorder: fake_world.
             start, end = shard_bounds(prompts, len(leaders), leaders.index(rank))
             mine = Generated(responses(n * (end - start), length))
             mine.logprobs = [torch.zeros(length) for _ in mine.responses] if with_logprobs else None
-        messages.share_generated(mine, kind, prompts, n, length, with_logprobs=with_logprobs)
+        messages.share_generated(table, mine, kind, prompts, n, length, with_logprobs=with_logprobs)
 
     with recorder.phase("exchange"):
         if leaders:
@@ -162,10 +163,10 @@ def _one_rank(rank: int, plan: Plan, batch: Batch, stream, recorder: fake_world.
         with_rules = batch.rule_rewards if batch.rule_rewards is not None else \
             not any(role.kind == "reward" for role in plan.roles.values())
         rules = [torch.zeros(samples)] if rank == routes.rule_reward_rank(plan) else None
-        knows = rank in messages.route("responses").takers  # the ranks that hold the batch know its lengths
-        messages.share_known(messages.score_messages(local, scoring_roles, rules, with_rules,
+        knows = rank in table["responses"].takers  # the ranks that hold the batch know its lengths
+        messages.share_known(table, messages.score_messages(local, scoring_roles, rules, with_rules,
                                                      [batch.response_len] * samples if knows else None))
-        messages.critic_figures_to_logger({k: 0.0 for k in messages.CRITIC_FIGURES})
+        messages.critic_figures_to_logger(table, {k: 0.0 for k in messages.CRITIC_FIGURES})
     if not plan.is_hybrid and rank == plan.role("actor").leader:
         for phase in ("weight_sync_first", "weight_sync"):  # the second sync reuses the first one's layout
             with recorder.phase(phase):

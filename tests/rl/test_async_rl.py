@@ -14,7 +14,7 @@ from hpc_rlhf.algorithms.importance import DEFAULT_IS_CAP
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, format_help, load_config
 from hpc_rlhf.rl import grpo, ppo
 from hpc_rlhf.rl.config import is_correction
-from hpc_rlhf.rl.experience import EPISODE_FIELDS, Experience, Generated, make_batch
+from hpc_rlhf.rl.batches import EPISODE_FIELDS, Experience, Generated, make_batch
 from hpc_rlhf.rl.metrics import sample_figures
 from hpc_rlhf.rl.rollout import STATE_KEY, RolloutPipeline
 from hpc_rlhf.utils.metrics import read_metrics

@@ -9,8 +9,8 @@ from hpc_rlhf.config import load_config
 from hpc_rlhf.data.order import step_indices
 from hpc_rlhf.rl import grpo
 from hpc_rlhf.rl.dynamic_sampling import ROUND_SEED_OFFSET, Rounds, round_seed
-from hpc_rlhf.rl.experience import Generated, make_batch, to_ragged
-from hpc_rlhf.rl.roles import batch_rows
+from hpc_rlhf.rl.batches import Generated, make_batch, to_ragged
+from hpc_rlhf.rl.prompts import batch_rows
 from hpc_rlhf.rl.rollout import batch_seed
 
 N, PROMPTS = 2, 3

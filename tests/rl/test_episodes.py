@@ -16,7 +16,7 @@ from hpc_rlhf.algorithms.kl import kl_estimate
 from hpc_rlhf.algorithms.logprobs import masked_sum
 from hpc_rlhf.algorithms.losses import cispo_loss, gspo_loss, loss_normalizer, policy_loss, value_loss
 from hpc_rlhf.config import TINY_ASSETS
-from hpc_rlhf.rl.experience import make_batch
+from hpc_rlhf.rl.batches import make_batch
 from hpc_rlhf.rl.rollout import STATE_KEY
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli

@@ -1,6 +1,6 @@
 import torch
 
-from hpc_rlhf.rl.experience import from_ragged, make_batch, response_logprobs, shard_bounds, to_ragged
+from hpc_rlhf.rl.batches import from_ragged, make_batch, response_logprobs, shard_bounds, to_ragged
 
 
 def test_shard_bounds_cover_everything_in_order():
@@ -39,7 +39,7 @@ def test_response_logprobs_score_the_next_token():
 
 
 def test_experience_select_cuts_rows_to_their_width():
-    from hpc_rlhf.rl.experience import Experience
+    from hpc_rlhf.rl.batches import Experience
 
     batch = make_batch([[1, 5], [1]], [torch.tensor([8]), torch.tensor([4, 4, 4, 2])], pad_id=0)
     per_token = torch.arange(8, dtype=torch.float32).reshape(2, 4)
@@ -57,6 +57,6 @@ def test_every_per_sample_field_of_the_experience_is_selected():
     left out of the list would reach the loss unselected."""
     import dataclasses
 
-    from hpc_rlhf.rl.experience import PER_SAMPLE_FIELDS, Experience
+    from hpc_rlhf.rl.batches import PER_SAMPLE_FIELDS, Experience
 
     assert [f.name for f in dataclasses.fields(Experience)] == ["batch", *PER_SAMPLE_FIELDS]

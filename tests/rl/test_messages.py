@@ -19,12 +19,13 @@ def _messages_worker():
     import torch.distributed as dist
 
     from hpc_rlhf.dist import exchange, groups
-    from hpc_rlhf.rl.experience import EPISODE_FIELDS, Generated
+    from hpc_rlhf.rl.batches import EPISODE_FIELDS, Generated
 
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 6
     plan = make_plan(*COLOCATED)
-    groups.initialize(plan, messages.message_groups(plan), timeout_s=60)
+    table = routes.Routes(plan)
+    groups.initialize(plan, table.message_groups(), timeout_s=60)
 
     # Both ways a message travels: each consumer directly from its sender (small messages on gloo), and the route
     # group's broadcast (large ones; DIRECT_MAX_BYTES = 0 sends everything that way).
@@ -49,11 +50,11 @@ def _messages_worker():
             g = torch.Generator().manual_seed(len(key) * 31 + sum(map(ord, key)))
             return [torch.randn(n, generator=g) for n in lengths[key]]
 
-        routes = {key: messages.route(key) for key in lengths}
-        sending = {key: (sent(key) if rank == routes[key].src else None,
-                         lengths[key] if rank in routes[key].ranks else None) for key in lengths}
-        got = messages.share_known(sending)
-        for key, route in routes.items():
+        paths = {key: table[key] for key in lengths}
+        sending = {key: (sent(key) if rank == paths[key].src else None,
+                         lengths[key] if rank in paths[key].ranks else None) for key in lengths}
+        got = messages.share_known(table, sending)
+        for key, route in paths.items():
             if rank in route.ranks:
                 assert [torch.equal(a, b) for a, b in zip(got[key], sent(key), strict=True)] == [True] * 3, key
             else:
@@ -70,7 +71,7 @@ def _messages_worker():
             if episodes:
                 want.masks = [torch.rand(len(t), generator=g) > 0.4 for t in want.responses]
                 want.episodes = torch.randn(4, len(EPISODE_FIELDS), generator=g)
-            got = messages.share_responses(want if rank == 4 else None, "responses", counts=[4], max_len=7,
+            got = messages.share_responses(table, want if rank == 4 else None, "responses", counts=[4], max_len=7,
                                            with_logprobs=True, with_episodes=episodes)
             if rank >= 4:
                 assert got == [None]
@@ -83,7 +84,7 @@ def _messages_worker():
 
         # The critic's figures reach the logging rank (0) from the critic's leader (3), without its skip flag.
         figures = {"value_loss": 0.5, "value_clip_fraction": 0.25, "critic_grad_norm": 2.0, "critic_skipped": 1.0}
-        logged = messages.critic_figures_to_logger(figures if rank == 3 else {})
+        logged = messages.critic_figures_to_logger(table, figures if rank == 3 else {})
         assert logged == ({k: v for k, v in figures.items() if k != "critic_skipped"} if rank == 0 else {}), logged
         # Direct: no broadcast at all. Broadcast: every rank on a route of three ranks or more (0-4) takes part.
         assert bool(broadcasts) == (not direct_max and rank <= 4), (direct_max, len(broadcasts))
@@ -94,7 +95,8 @@ def _messages_worker():
     # The engines' first ranks (3, 4, 5) gather their shares to the hub (3), which sends the batch to the consumers
     # (0-2): over groups (DIRECT_MAX_BYTES = 0, as NCCL does), or each engine to each consumer directly (gloo).
     engines_plan = make_plan("actor=2,critic=1,rollout=3", 6, 6)
-    groups.initialize(engines_plan, messages.message_groups(engines_plan), timeout_s=60)
+    table = routes.Routes(engines_plan)
+    groups.initialize(engines_plan, table.message_groups(), timeout_s=60)
     real_gather, gathers = dist.gather, []
 
     def counted_gather(*args, **kwargs):
@@ -109,7 +111,7 @@ def _messages_worker():
         shares = [[torch.randint(0, 50, (n,), generator=g) for n in lengths] for lengths in ([3, 1], [2], [4, 0, 4])]
         logps = [[-torch.rand(len(t), generator=g) for t in share] for share in shares]
         mine = Generated(shares[rank - 3], logps[rank - 3]) if rank >= 3 else None
-        got = messages.share_responses(mine, "responses", counts=[2, 1, 3], max_len=4, with_logprobs=True)
+        got = messages.share_responses(table, mine, "responses", counts=[2, 1, 3], max_len=4, with_logprobs=True)
         if rank <= 2:
             for e in range(3):
                 assert all(torch.equal(a, b) for a, b in zip(got[e].responses, shares[e], strict=True)), (e, got)
@@ -117,13 +119,13 @@ def _messages_worker():
         else:
             assert got == [None] * 3
         # Evaluation: to rank 0 alone.
-        got = messages.share_responses(mine, "eval", counts=[2, 1, 3], max_len=4)
+        got = messages.share_responses(table, mine, "eval", counts=[2, 1, 3], max_len=4)
         assert (got == [None] * 3) == (rank != 0)
         if rank == 0:
             assert all(torch.equal(a, b) for e in range(3) for a, b in zip(got[e].responses, shares[e], strict=True))
         # The critic's figures: a gather over the trained ranks 0-2 (or directly from rank 2 on gloo).
         figures = {"value_loss": 0.5, "value_clip_fraction": 0.25, "critic_grad_norm": 2.0, "critic_skipped": 0.0}
-        logged = messages.critic_figures_to_logger(figures if rank == 2 else {})
+        logged = messages.critic_figures_to_logger(table, figures if rank == 2 else {})
         assert logged == ({k: v for k, v in figures.items() if k != "critic_skipped"} if rank == 0 else {}), logged
         # Gathers: the hub's of the engines' shares (ranks 3-5, twice) and the figures' (ranks 0-2), groups only.
         assert len(gathers) == (0 if direct_max else 2 if rank >= 3 else 1), (direct_max, len(gathers))
@@ -134,17 +136,18 @@ def _messages_worker():
     # actor's ranks, critic 4-5. The hub (rank 0) generates and scores: it keeps the batch, and engine 1's share
     # reaches it too (from rank 2, directly or over the engines' group).
     hybrid = make_plan("actor=4,critic=2,rollout@actor,rollout_tp=2", 6, 6)
-    groups.initialize(hybrid, messages.message_groups(hybrid), timeout_s=60)
+    table = routes.Routes(hybrid)
+    groups.initialize(hybrid, table.message_groups(), timeout_s=60)
     for direct_max in (real_direct_max, 0):
         exchange.DIRECT_MAX_BYTES = direct_max
         g = torch.Generator().manual_seed(13)
         shares = [[torch.randint(0, 50, (n,), generator=g) for n in lengths] for lengths in ([2, 3], [1, 4])]
         engine = {0: 0, 2: 1}.get(rank)
         mine = Generated(shares[engine]) if engine is not None else None
-        got = messages.share_responses(mine, "responses", counts=[2, 2], max_len=4)
+        got = messages.share_responses(table, mine, "responses", counts=[2, 2], max_len=4)
         for e in range(2):  # every rank scores
             assert all(torch.equal(a, b) for a, b in zip(got[e].responses, shares[e], strict=True)), (rank, e, got)
-        got = messages.share_responses(mine, "eval", counts=[2, 2], max_len=4)
+        got = messages.share_responses(table, mine, "eval", counts=[2, 2], max_len=4)
         assert (got == [None, None]) == (rank != 0)
         if rank == 0:
             assert all(torch.equal(a, b) for e in range(2) for a, b in zip(got[e].responses, shares[e], strict=True))

@@ -134,7 +134,7 @@ def test_a_batch_draws_its_prompts_once():
     """Rollout, exchange and scoring all ask for a batch's prompt rows; the permutation of the whole prompt set
     behind them is drawn once per batch (it is the same on every rank and after a resume: order.step_indices)."""
     from hpc_rlhf.data.order import step_indices
-    from hpc_rlhf.rl.roles import batch_rows
+    from hpc_rlhf.rl.prompts import batch_rows
 
     batch_rows.cache_clear()
     for _ in range(3):

@@ -44,7 +44,3 @@ def test_mean_and_std_keep_the_spread_of_large_scores():
         run_setup.mean_and_std(torch.zeros(0))
 
 
-def test_any_rank_agrees_on_several_flags_in_one_reduction():
-    one_rank_world()
-    assert run_setup.any_rank([True, False, True]) == [True, False, True]
-    assert run_setup.any_rank([]) == []
