@@ -31,7 +31,7 @@ import torch.distributed as dist
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, DataSection, DistSection, ModelSection, field, section
 from hpc_rlhf.data.examples import pad_collate, prompt_example
 from hpc_rlhf.data.loading import load_rows
-from hpc_rlhf.dist.exchange import comm_device
+from hpc_rlhf.dist.agree import decided_by
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
@@ -238,9 +238,7 @@ def generate_to_file(model, tokenizer, rows: Sequence[dict], gen: GenerateSectio
             check_manifest(work_dir, settings)
         except ConfigError as exc:
             error = str(exc)
-    flag = torch.tensor([1 if error else 0], device=comm_device())  # NCCL reduces CUDA tensors only
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops on rank 0's verdict, none is left waiting
-    if flag.item():
+    if decided_by(0, error is not None):  # every rank stops on rank 0's verdict, none is left waiting
         raise ConfigError(error or f"the chunk manifest in {work_dir / CHUNK_DIR} does not match (see rank 0)")
     engine = HFRolloutEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                              max_batch_prompts=gen.chunk_size)
