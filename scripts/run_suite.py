@@ -61,10 +61,40 @@ def _pipe(name: str, stream, log: Path, lock: threading.Lock) -> None:
                 sys.stdout.flush()
 
 
+def read_timeline(path: Path) -> list[tuple[float, float, str]]:
+    """(start, end, what) of every test and background job of a lane's timeline (tests/background.py `mark`)."""
+    began, spans = {}, []
+    if not path.is_file():
+        return spans
+    for line in path.read_text().splitlines():
+        stamp, event, what = line.split(" ", 2)
+        if event == "start":
+            began[what] = float(stamp)
+        elif event == "end" and what in began:
+            spans.append((began.pop(what), float(stamp), what))
+    return spans
+
+
+def print_timeline(root: Path, start_wall: float, slowest: int = 12) -> None:
+    """The slowest tests and background jobs of both lanes, each with when it ran (minutes into the suite) and
+    what the other lane was running then: where two heavy things met, the suite lost time."""
+    spans = {name: read_timeline(root / f"{name}.timeline") for name in LANES}
+    rows = sorted(((end - begin, name, begin, end, what) for name, lane in spans.items()
+                   for begin, end, what in lane), reverse=True)[:slowest]
+    if not rows:
+        return
+    print(f"slowest of both lanes (timelines in {root}):")
+    for took, name, begin, end, what in rows:
+        beside = [w for other, lane in spans.items() if other != name for b, e, w in lane
+                  if b < end and e > begin and e - b > 20]
+        print(f"  {took:6.0f} s  {(begin - start_wall) / 60:5.1f}-{(end - start_wall) / 60:5.1f} min  [{name}] {what}"
+              + (f"\n{'':30}beside: {', '.join(sorted(beside, key=len)[:4])}" if beside else ""))
+
+
 def main(argv: list[str]) -> int:
     # The built-in assets, once, before two processes would each find them missing and write them.
     subprocess.run([sys.executable, "-m", "hpc_rlhf", "assets"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    start = time.monotonic()
+    start, start_wall = time.monotonic(), time.time()
     lock = threading.Lock()
     root = Path(tempfile.mkdtemp(prefix="hpc_rlhf_suite_"))
     (root / "gates").mkdir()
@@ -73,7 +103,8 @@ def main(argv: list[str]) -> int:
         cmd = [sys.executable, "-m", "pytest", "-q", "--durations=15", f"--basetemp={root / name}", *selection,
                *argv, "tests"]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1", HPC_RLHF_TEST_GATES=str(root / "gates")))
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", HPC_RLHF_TEST_GATES=str(root / "gates"),
+                                         HPC_RLHF_TEST_TIMELINE=str(root / f"{name}.timeline")))
         thread = threading.Thread(target=_pipe, args=(name, proc.stdout, root / f"{name}.log", lock), daemon=True)
         thread.start()
         procs[name], threads = proc, [*threads, thread]
@@ -85,6 +116,7 @@ def main(argv: list[str]) -> int:
             print(f"lane {name}: pytest has exited, but {len(left)} processes still hold its output (left running "
                   f"by a test; not waited for):", *left, sep="\n  ")
     elapsed = time.monotonic() - start
+    print_timeline(root, start_wall)
     for name, code in codes.items():
         summary = (root / f"{name}.log").read_text().rstrip().splitlines()[-1:] or ["(no output)"]
         print(f"lane {name}: exit {code}: {summary[0]}")

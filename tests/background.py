@@ -12,7 +12,8 @@ need it with its own message, as it would have without the head start.
 
 A gate holds a job back until a point of the session: the local cluster's jobs wait at CLUSTER_JOBS_GATE, which
 opens when the SFT base is trained (tests/recipes.py), or when the first cluster test starts if the
-session trains no SFT base. The SFT base and the reward model after it are the longest chain of the session
+session trains no SFT base; and at VLLM_TESTS_GATE, which their lane opens when its vLLM tests (run first in it:
+tests/conftest.py) are done. The SFT base and the reward model after it are the longest chain of the session
 (every learning test waits for the first, three for the second); the cluster's jobs, needed only by the last
 tests, would have slowed that chain by their share of the two cores.
 
@@ -26,11 +27,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
 CLUSTER_JOBS_GATE = "cluster-jobs"
+VLLM_TESTS_GATE = "vllm-tests-done"
 GATES_FOLDER = os.environ.get("HPC_RLHF_TEST_GATES") or None
 
 _JOBS: dict[str, Future] = {}
@@ -47,12 +50,22 @@ def start(name: str, work: Callable[[], Any]) -> None:
         _JOBS[name] = future
 
     def run() -> None:
+        mark("start", f"background {name}")
         try:
             future.set_result(work())
         except BaseException as exc:  # noqa: BLE001 - handed to the fixture that waits for it
             future.set_exception(exc)
+        mark("end", f"background {name}")
 
     threading.Thread(target=run, name=f"background-{name}", daemon=True).start()
+
+
+def mark(event: str, what: str) -> None:
+    """A line in the lane's timeline (HPC_RLHF_TEST_TIMELINE, set by scripts/run_suite.py; tests/conftest.py)."""
+    path = os.environ.get("HPC_RLHF_TEST_TIMELINE")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{time.time():.1f} {event} {what}\n")
 
 
 def started(name: str) -> bool:
@@ -82,7 +95,17 @@ def open_gate(name: str) -> None:
     (opening it twice is harmless)."""
     if GATES_FOLDER is not None:
         Path(GATES_FOLDER, name).touch()
+    if not _gate(name).is_set():
+        mark("open", f"gate {name}")
     _gate(name).set()
+
+
+def wait_for_the_cluster_jobs_turn() -> None:
+    """The local cluster's jobs go in when the SFT base is trained (CLUSTER_JOBS_GATE) and the vLLM tests of their
+    own lane are done (VLLM_TESTS_GATE): a vLLM request hops through three processes, each waiting for a core, and
+    beside the jobs' ranks the 2-rank vLLM module test took 324 s against 33 s alone (fresh clone, 2026-11-26)."""
+    wait_at_gate(CLUSTER_JOBS_GATE)
+    wait_at_gate(VLLM_TESTS_GATE)
 
 
 def wait_at_gate(name: str) -> None:

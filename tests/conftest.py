@@ -23,6 +23,11 @@ torch.set_num_threads(1)
 SHARED_MODELS = ("sft_base", "ppo_reward_model", "tool_sft_base")
 
 
+def _runs_vllm(item) -> bool:
+    """Whether a test starts vLLM's engine or belongs with those that do (marker `vllm`, or vLLM in its name)."""
+    return item.get_closest_marker("vllm") is not None or "vllm" in item.nodeid.lower()
+
+
 def _waits_for(item) -> int:
     """How far down the shared models' chain a test waits: 0 for none, 1 for the SFT base, 2 for the reward model."""
     return max((i + 1 for i, name in enumerate(SHARED_MODELS) if name in item.fixturenames), default=0)
@@ -40,7 +45,8 @@ def pytest_collection_modifyitems(session, config, items):
         if _waits_for(item):
             item.add_marker(pytest.mark.shared_models)
     items.sort(key=lambda item: (item.get_closest_marker("cluster") is not None,
-                                 item.get_closest_marker("learning") is not None, _waits_for(item)))  # stable
+                                 item.get_closest_marker("learning") is not None, _waits_for(item),
+                                 not _runs_vllm(item)))  # stable
 
 
 def pytest_collection_finish(session):
@@ -61,6 +67,26 @@ def pytest_collection_finish(session):
         if not background.started("sft_base") and not background.gates_shared_with_other_processes():
             background.open_gate(background.CLUSTER_JOBS_GATE)
         start_cluster_session(factory, needed)
+        vllm_items = [item.nodeid for item in session.items if _runs_vllm(item) and not item.get_closest_marker("cluster")]
+        global _LAST_VLLM_TEST
+        _LAST_VLLM_TEST = vllm_items[-1] if vllm_items else None
+        if _LAST_VLLM_TEST is None:
+            background.open_gate(background.VLLM_TESTS_GATE)
+
+
+_LAST_VLLM_TEST: str | None = None  # in a session with cluster tests: its jobs wait until this test has run
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """When each test starts and ends, in the lane's timeline (tests/background.py `mark`): the lanes' timelines
+    side by side show which tests ran beside which, and beside which background work."""
+    background.mark("start", nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    background.mark("end", nodeid)
+    if nodeid == _LAST_VLLM_TEST:
+        background.open_gate(background.VLLM_TESTS_GATE)
 
 
 def pytest_runtest_setup(item):
@@ -69,3 +95,4 @@ def pytest_runtest_setup(item):
     _cuda_only(item)
     if item.get_closest_marker("cluster"):
         background.open_gate(background.CLUSTER_JOBS_GATE)
+        background.open_gate(background.VLLM_TESTS_GATE)

@@ -119,7 +119,7 @@ def start_cluster_session(tmp_path_factory, needed: set[str]) -> None:
         root = tmp_path_factory.mktemp("lost_ranks")
 
         def submit_lost_rank_jobs(out=root):
-            background.wait_at_gate(background.CLUSTER_JOBS_GATE)  # tests/background.py says why
+            background.wait_for_the_cluster_jobs_turn()  # tests/background.py says why
             return _submit_lost_rank_jobs(_up_or_none(), out)
 
         background.start("lost_rank_jobs", submit_lost_rank_jobs)
@@ -128,7 +128,7 @@ def start_cluster_session(tmp_path_factory, needed: set[str]) -> None:
         after = [name for name in ("lost_rank_jobs", "tiny_jobs") if background.started(name) or name in needed]
 
         def submit_gpu_script_jobs(out=root):
-            background.wait_at_gate(background.CLUSTER_JOBS_GATE)
+            background.wait_for_the_cluster_jobs_turn()
             for name in after:  # submitted after the session's other jobs, which its tests read first
                 while not background.started(name):
                     time.sleep(0.1)
@@ -141,7 +141,7 @@ def start_cluster_session(tmp_path_factory, needed: set[str]) -> None:
         lost_ranks_first = background.started("lost_rank_jobs")
 
         def submit_tiny_jobs(out=root):
-            background.wait_at_gate(background.CLUSTER_JOBS_GATE)
+            background.wait_for_the_cluster_jobs_turn()
             if lost_ranks_first:  # every job of the session runs at the same time: the long ones go in first
                 background.result("lost_rank_jobs")
             return _submit_tiny_jobs(_up_or_none(), out)
