@@ -25,9 +25,10 @@ def load_run_suite():
 
 
 class FakeItem:
-    def __init__(self, *fixtures: str, marks: tuple[str, ...] = ()):
+    def __init__(self, *fixtures: str, marks: tuple[str, ...] = (), nodeid: str = "tests/test_x.py::test_x"):
         self.fixturenames = list(fixtures)
         self.marks = set(marks)
+        self.nodeid = nodeid
 
     def add_marker(self, mark):
         self.marks.add(mark.name)
@@ -41,10 +42,13 @@ def test_tests_that_wait_for_a_shared_model_are_marked_for_their_lane_and_ordere
     from_random = FakeItem("world", marks=("learning",))
     on_base, on_reward = FakeItem("sft_base", marks=("learning",)), FakeItem("sft_base", "ppo_reward_model",
                                                                              marks=("learning",))
-    items = [cluster, on_reward, on_base, from_random, plain]
+    # vLLM tests first in their class: by marker, or by name
+    engine, named = FakeItem("tmp_path", marks=("vllm",)), FakeItem("tmp_path", nodeid="tests/rl/t.py::test_on_vllm")
+    vllm_on_base = FakeItem("sft_base", marks=("learning",), nodeid="tests/rl/test_ppo_vllm.py::test_learns")
+    items = [cluster, on_reward, on_base, vllm_on_base, from_random, plain, named, engine]
     suite_conftest.pytest_collection_modifyitems(None, None, items)
-    assert items == [plain, from_random, on_base, on_reward, cluster]
-    assert [("shared_models" in i.marks) for i in items] == [False, False, True, True, False]
+    assert items == [named, engine, plain, from_random, vllm_on_base, on_base, on_reward, cluster]
+    assert [("shared_models" in i.marks) for i in items] == [False, False, False, False, True, True, True, False]
     assert load_run_suite().LANES == {"learning": ["-m", "shared_models"], "rest": ["-m", "not shared_models"]}
 
 
