@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(session, config, items):
             item.add_marker(pytest.mark.shared_models)
     items.sort(key=lambda item: (item.get_closest_marker("cluster") is not None,
                                  item.get_closest_marker("learning") is not None, _waits_for(item),
-                                 not _runs_vllm(item)))  # stable
+                                 not (_runs_vllm(item) and not item.get_closest_marker("learning"))))  # stable
 
 
 def pytest_collection_finish(session):

@@ -42,12 +42,12 @@ def test_tests_that_wait_for_a_shared_model_are_marked_for_their_lane_and_ordere
     from_random = FakeItem("world", marks=("learning",))
     on_base, on_reward = FakeItem("sft_base", marks=("learning",)), FakeItem("sft_base", "ppo_reward_model",
                                                                              marks=("learning",))
-    # vLLM tests first in their class: by marker, or by name
+    # vLLM tests first, by marker or by name, but not among the learning tests
     engine, named = FakeItem("tmp_path", marks=("vllm",)), FakeItem("tmp_path", nodeid="tests/rl/t.py::test_on_vllm")
     vllm_on_base = FakeItem("sft_base", marks=("learning",), nodeid="tests/rl/test_ppo_vllm.py::test_learns")
     items = [cluster, on_reward, on_base, vllm_on_base, from_random, plain, named, engine]
     suite_conftest.pytest_collection_modifyitems(None, None, items)
-    assert items == [named, engine, plain, from_random, vllm_on_base, on_base, on_reward, cluster]
+    assert items == [named, engine, plain, from_random, on_base, vllm_on_base, on_reward, cluster]
     assert [("shared_models" in i.marks) for i in items] == [False, False, False, False, True, True, True, False]
     assert load_run_suite().LANES == {"learning": ["-m", "shared_models"], "rest": ["-m", "not shared_models"]}
 
