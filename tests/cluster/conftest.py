@@ -43,8 +43,16 @@ PROBE = ("import os; from hpc_rlhf.dist.bootstrap import detect_launch; i = dete
          "os.write(1, f'PROBE {i.launcher} {i.rank} {i.world_size}\\n'.encode())")
 
 
+# Task slots per fake node of the cluster the session brings up. The session's jobs (13, of 2 to 4 ranks) all went
+# in at once with 8 (16 ranks running, load average 16 on 2 cores, 2026-11-26): the tests beside them ran 3-6x
+# slower (a LoRA GRPO test 398 s against 64 s). With 4 a few jobs run at a time and the others wait in the queue.
+SESSION_CPUS_PER_NODE = "4"
+
+
 def _script(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "CPUS_PER_NODE": os.environ.get("CPUS_PER_NODE",
+                                                                             SESSION_CPUS_PER_NODE)})
 
 
 @dataclass
