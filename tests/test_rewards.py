@@ -1,11 +1,8 @@
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
-
 import pytest
 import torch
 
 from hpc_rlhf import rewards
+from tests.reward_server import reward_server
 
 
 def test_builtin_exact_match():
@@ -61,23 +58,5 @@ def test_tensor_return_and_raising_function():
 
 
 def test_http_endpoint_round_trip():
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            reply = json.dumps({"rewards": [float(len(r)) for r in body["responses"]]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_port}/score"
+    with reward_server(lambda response: float(len(response))) as url:
         assert rewards.remote_rewards(url, ["p", "q"], ["ab", "c"], [None, None]) == [2.0, 1.0]
-    finally:
-        server.shutdown()

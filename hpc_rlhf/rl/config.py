@@ -220,8 +220,7 @@ class Config:
             raise ConfigError(f"rl.dynamic_sampling drops prompts whose samples share a reward, which carry no signal "
                               f"only for group estimators ({', '.join(GROUP_ESTIMATORS)}), not "
                               f"rl.advantage={rl.advantage}")
-        limit, key = ((self.env.max_episode_tokens, "env.max_episode_tokens") if self.env.enabled
-                      else (self.rollout.max_new_tokens, "rollout.max_new_tokens"))
+        key, limit = response_limit(self)
         if rl.overlong_buffer > limit:
             raise ConfigError(f"rl.overlong_buffer={rl.overlong_buffer} is longer than {key}={limit}")
         if rl.kl_coef > 0 and not rl.kl_in_reward and rl.kl_estimator == "k1":

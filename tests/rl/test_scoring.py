@@ -1,9 +1,6 @@
 """Phase 4 of the RL step, scoring (hpc_rlhf/rl/scoring.py): each rank's shard and passes, what the actor, ref, critic
 and reward models compute on a tiny Llama against a hand computation, and the rule rewards on their one rank."""
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +18,7 @@ from hpc_rlhf.rl import scoring
 from hpc_rlhf.rl.config import RewardSection
 from hpc_rlhf.rl.batches import make_batch
 from hpc_rlhf.rl.routes import Routes
+from tests.reward_server import reward_server
 from tests.models.conftest import tiny_config
 from tests.recipes import one_rank_world
 
@@ -176,29 +174,11 @@ def test_a_reward_models_score_is_its_value_at_the_last_token_normalised_when_as
 
 
 # ------------------------------------------------------------------------------------------ rule rewards
-class EndsWithEos(BaseHTTPRequestHandler):
-    """A remote reward: 1 for each response that ends with the end-of-sequence text."""
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        reply = json.dumps({"rewards": [float(r.endswith("<eos>")) for r in body["responses"]]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def remote_reward():
-    server = HTTPServer(("127.0.0.1", 0), EndsWithEos)
-    # A short poll: shutdown() waits for the next one (0.5 s by default).
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}/score"
-    server.shutdown()
-    server.server_close()
+    """A remote reward: 1 for each response that ends with the end-of-sequence text."""
+    with reward_server(lambda response: float(response.endswith("<eos>"))) as url:
+        yield url
 
 
 def test_rule_rewards_are_weighted_and_summed_on_the_rule_rank_only(monkeypatch, remote_reward):
