@@ -93,6 +93,15 @@ def _rank_main(out: str) -> None:
         result[f"{tag}_expected"] = {k: tensor_digest(v) for k, v in model.state_dict().items()}
 
     compare("initial")
+    # Seeded prompts that one scheduler step cannot hold (vLLM's CPU budget: 4,096 tokens a step): with chunked
+    # prefill vLLM would split one of them across steps and its CPU build would die rewinding that request's
+    # generator. Each prompt fits max_model_len=64 with its 8 new tokens.
+    crowd = [[1] + [3 + (i + j) % 90 for j in range(49)] for i in range(100)]
+    crowd_sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=8, seed=7)
+    crowded = engine.generate(crowd, crowd_sampling)
+    result["crowd_prompt_tokens"] = sum(len(p) for p in crowd)
+    result["crowd_repeats"] = ([t.tolist() for t in crowded.flat_responses()] ==
+                               [t.tolist() for t in engine.generate(crowd, crowd_sampling).flat_responses()])
     for seed in (1, 2):
         stats = weight_sync.receive_weights(src=0, group=group, load_fn=engine.load_weights)
         perturbed(model, seed)  # what the actor now holds
@@ -137,6 +146,13 @@ def test_sampled_log_probs_are_those_of_the_sampling_distribution(run):
 
 def test_seeded_sampling_repeats(run):
     assert all(run[f"{tag}_seeded_repeat"] for tag in ("initial", "sync1", "sync2"))
+
+
+def test_seeded_prompts_beyond_one_steps_token_budget_generate_and_repeat(run):
+    """More prompt tokens than vLLM's CPU scheduler takes in one step (4,096): the engine survives (no prefill is
+    split, engine_kwargs) and the seeded samples still repeat."""
+    assert run["crowd_prompt_tokens"] > 4096
+    assert run["crowd_repeats"]
 
 
 def test_weight_sync_over_the_group_reaches_the_worker_bit_for_bit(run):
@@ -215,7 +231,7 @@ def test_engine_kwargs_name_an_importable_worker_extension_and_our_transport():
     assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["distributed_executor_backend"] == "mp"
     assert kwargs["weight_transfer_config"] == {"backend": "hpc_rlhf_cuda_ipc"} and kwargs["skip_tokenizer_init"]
     assert "max_model_len" not in kwargs and "kv_cache_memory_bytes" not in kwargs
-    assert kwargs["enable_prefix_caching"] is False
+    assert kwargs["enable_prefix_caching"] is False and "enable_chunked_prefill" not in kwargs  # vLLM's default
     module, cls = kwargs["worker_extension_cls"].rsplit(".", 1)
     worker = importlib.import_module(module)  # registers both transports with vLLM's factory
     assert getattr(worker, cls) is worker.WorkerExtension
@@ -224,8 +240,9 @@ def test_engine_kwargs_name_an_importable_worker_extension_and_our_transport():
     assert {SHM_BACKEND, CUDA_IPC_BACKEND} <= set(WeightTransferEngineFactory._registry)
     single = vr.engine_kwargs("/m", tensor_parallel_size=1, dtype="float32", gpu_memory_utilization=0.3, seed=0,
                               enable_sleep_mode=False, max_model_len=512, enforce_eager=True,
-                              weight_backend=SHM_BACKEND, kv_cache_bytes=64 << 20)
+                              weight_backend=SHM_BACKEND, kv_cache_bytes=64 << 20, on_cpu=True)
     assert "distributed_executor_backend" not in single and single["max_model_len"] == 512
+    assert single["enable_chunked_prefill"] is False  # a split prefill of a seeded request kills vLLM's CPU build
     assert single["kv_cache_memory_bytes"] == 64 << 20
 
 

@@ -170,9 +170,16 @@ def vllm_max_lora_rank(rank: int) -> int:
 def engine_kwargs(model_path: str, *, tensor_parallel_size: int, dtype: str, gpu_memory_utilization: float,
                   seed: int, enable_sleep_mode: bool, max_model_len: int | None, enforce_eager: bool,
                   weight_backend: str, kv_cache_bytes: int | None = None, lora_rank: int = 0,
-                  extra: dict | None = None) -> dict:
+                  on_cpu: bool = False, extra: dict | None = None) -> dict:
     """Keyword arguments of `vllm.LLM` for a rollout engine (extra ones override). `lora_rank` > 0: LoRA support
-    on, one adapter at a time (the actor's latest)."""
+    on, one adapter at a time (the actor's latest).
+
+    On CPU chunked prefill is off: when the scheduler's token budget (4,096 a step on CPU) cannot hold every
+    waiting prompt, vLLM splits one prompt's prefill across steps and, for a seeded request, then rewinds the
+    request's random generator, which its CPU build cannot do ("CPU Generator does not use offset": the engine
+    core dies). Multi-turn episodes meet it first: every live episode's next turn is a long prompt. Without
+    chunking a prompt that does not fit waits for the next step whole, and vLLM raises the budget to at least
+    max_model_len so that every prompt fits one step."""
     lora = dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1, max_cpu_loras=1) \
         if lora_rank > 0 else {}
     kwargs = dict(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
@@ -181,7 +188,8 @@ def engine_kwargs(model_path: str, *, tensor_parallel_size: int, dtype: str, gpu
                   weight_transfer_config={"backend": weight_backend},
                   logprobs_mode="processed_logprobs", skip_tokenizer_init=True,  # we send and receive token ids
                   kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
-                  distributed_executor_backend="mp" if tensor_parallel_size > 1 else None, **lora)
+                  distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+                  enable_chunked_prefill=False if on_cpu else None, **lora)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     kwargs.update(extra or {})
     return kwargs
@@ -262,7 +270,8 @@ class VLLMRolloutEngine(RolloutEngine):
                                enable_sleep_mode=self.enable_sleep_mode, max_model_len=max_model_len,
                                enforce_eager=enforce_eager, weight_backend=self.transport.backend,
                                kv_cache_bytes=None if kv_cache_mb is None else int(kv_cache_mb) * 2**20,
-                               lora_rank=lora.rank if lora is not None else 0, extra=extra_engine_args)
+                               lora_rank=lora.rank if lora is not None else 0, on_cpu=self.on_cpu,
+                               extra=extra_engine_args)
         self.reaper = Reaper()
         try:
             with spawn_environment(gpu_ids, on_cpu=self.on_cpu), self.reaper.watch_new_children():
