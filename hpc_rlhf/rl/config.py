@@ -29,7 +29,8 @@ PPO_CLIP_EPS = 0.2
 class RolloutSection:
     """Generation: backend, samples per prompt, sampling settings."""
     backend: str = field("hf", choices=["hf", "vllm"],
-                         help="hf = transformers generate; vllm = vLLM (its CPU build on CPU, its CUDA build on GPUs)")
+                         help="hf = a transformers model in the rank's process; vllm = vLLM (its CPU build on CPU, "
+                              "its CUDA build on GPUs)")
     prompts_per_step: int = field(16, min=1, help="prompts drawn per RL step")
     n_samples: int = field(4, min=1, help="responses sampled per prompt")
     temperature: float = field(1.0, min=0)
@@ -37,6 +38,9 @@ class RolloutSection:
     top_k: int = field(0, min=0)
     max_new_tokens: int = field(8, min=1)
     max_batch_prompts: int = field(64, min=1, help="hf: prompts per generate call (bounds KV-cache memory)")
+    hf_decode_loop: str = field("lean", choices=("lean", "generate"),
+                                help="hf: lean (one prefill per prompt for its n samples) or generate (transformers' "
+                                     "generate; for a model whose forward the lean loop cannot drive)")
     weight_sync_bucket_mb: int = field(256, min=1, help="bucket size of the actor-to-engine weight broadcast")
     gpu_memory_utilization: float = field(0.5, min=0.05, max=1,
                                           help="vllm on GPU: share of GPU memory it may take (weights + KV cache)")

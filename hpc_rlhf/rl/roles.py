@@ -34,12 +34,13 @@ def build_rollout_engine(cfg: Config, plan, tokenizer, device, actor=None):
         # pass, so the actor's ranks decode in step (hf.py); the whole model is never gathered.
         in_step = actor.group if actor.zero_stage == 3 and actor.role_size > 1 else None
         return HFRolloutEngine(actor.module, pad, eos, max_batch_prompts=cfg.rollout.max_batch_prompts,
-                               sync_group=in_step)
+                               sync_group=in_step, decode_loop=cfg.rollout.hf_decode_loop)
     # built for inference: the base alone (a QLoRA actor's in 4 bits, as the actor's), frozen
     model = build_causal_lm(cfg.actor, for_training=False, device=device, where="actor")
     if cfg.actor.lora.rank > 0:
         model = apply_lora(model, cfg.actor.lora, where="actor.lora").requires_grad_(False).eval()
-    return HFRolloutEngine(model, pad, eos, max_batch_prompts=cfg.rollout.max_batch_prompts)
+    return HFRolloutEngine(model, pad, eos, max_batch_prompts=cfg.rollout.max_batch_prompts,
+                           decode_loop=cfg.rollout.hf_decode_loop)
 
 
 def build_vllm_engine(cfg: Config, plan, eos: int):

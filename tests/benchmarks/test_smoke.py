@@ -37,6 +37,7 @@ COMMANDS = {
     "weight_sync": ["--buckets", "1", "--copied", "1", "--repeats", "1", "--ranks", "2"],
     "packing": ["--max-lens", "32", "--rows", "64", "--rounds", "1", "--steps", "2", "--warmup", "1"],
     "multi_turn": ["--prompts", "2", "--n", "2", "--turns", "2", "--new-tokens", "2", "--repeats", "1"],
+    "hf_generation": ["--prompts", "2", "--n", "2", "--new-tokens", "2", "--repeats", "1"],
 }
 VLLM = {"rollout_engines": ["--smoke"]}
 TRL = {

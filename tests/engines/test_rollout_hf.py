@@ -1,4 +1,5 @@
-"""HFRolloutEngine on a tiny Llama (~20K parameters): what generate returns, and that its log-probs are right."""
+"""HFRolloutEngine on a tiny Llama (~20K parameters): what generate returns, that its log-probs are right, and that
+its two decode loops (lean, and transformers' generate) sample from the same distribution."""
 
 import pytest
 import torch
@@ -125,8 +126,11 @@ def test_seeded_generation_repeats_and_leaves_the_callers_rng_alone(engine):
     assert any(not torch.equal(a, b) for a, b in zip(first.flat_responses(), other.flat_responses(), strict=True))
 
 
+@pytest.mark.parametrize("decode_loop", ["lean", "generate"])
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.0, 0, 1.0)])
-def test_logprobs_equal_a_teacher_forced_pass_at_the_sampling_temperature(model, engine, temperature, top_k, top_p):
+def test_logprobs_equal_a_teacher_forced_pass_at_the_sampling_temperature(model, temperature, top_k, top_p,
+                                                                          decode_loop):
+    engine = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, decode_loop=decode_loop)
     n = 1 if temperature == 0 else 2
     sampling = SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=9, seed=5)
     batch = engine.generate(PROMPTS, sampling)
@@ -143,17 +147,104 @@ def test_logprobs_equal_a_teacher_forced_pass_at_the_sampling_temperature(model,
             assert torch.equal(argmax, response)
 
 
+@pytest.mark.parametrize("decode_loop", ["lean", "generate"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_left_padding_gives_the_same_results_as_one_prompt_at_a_time(attn):
+def test_left_padding_gives_the_same_results_as_one_prompt_at_a_time(attn, decode_loop):
     model = tiny_llama(1, attn)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=10)
-    batched = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS).generate(PROMPTS, sampling)
-    alone = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, max_batch_prompts=1).generate(PROMPTS, sampling)
+    batched = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, decode_loop=decode_loop).generate(PROMPTS, sampling)
+    alone = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, max_batch_prompts=1,
+                            decode_loop=decode_loop).generate(PROMPTS, sampling)
     assert batched.finish_reasons == alone.finish_reasons
     for a, b in zip(batched.flat_responses(), alone.flat_responses(), strict=True):
         assert torch.equal(a, b)
     for a, b in zip(batched.flat_logprobs(), alone.flat_logprobs(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ the two decode loops
+def token_histograms(batch: RolloutBatch, positions: int) -> torch.Tensor:
+    """[positions, VOCAB + 1] counts of the token at each response position over every sample (VOCAB: ended)."""
+    counts = torch.zeros(positions, VOCAB + 1, dtype=torch.float64)
+    for response in batch.flat_responses():
+        for position in range(positions):
+            counts[position, int(response[position]) if position < len(response) else VOCAB] += 1
+    return counts
+
+
+def chi_square_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Pearson's two-sample chi-square test of homogeneity on two histograms of the same bins; bins expected to
+    hold fewer than 5 counts are merged into one, as the test's approximation needs."""
+    total = a + b
+    expected_a, expected_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+    small = torch.minimum(expected_a, expected_b) < 5
+    if small.any():
+        a = torch.cat([a[~small], a[small].sum()[None]])
+        b = torch.cat([b[~small], b[small].sum()[None]])
+        total = a + b
+        expected_a, expected_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+    keep = total > 0
+    statistic = (((a - expected_a) ** 2 / expected_a)[keep].sum() + ((b - expected_b) ** 2 / expected_b)[keep].sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+
+
+def test_both_decode_loops_sample_the_same_distribution_and_the_test_tells_another_temperature(model):
+    """4,096 samples of four fixed prompts from each loop, drawn with different seeds: at each of the first four
+    response positions the token histograms pass a chi-square test of homogeneity (p > 0.01); the lean loop at
+    temperature 1.2 fails it at some position, so the test can tell distributions apart."""
+    positions = 4
+    prompts, n = PROMPTS, 1024
+
+    def histograms(decode_loop: str, temperature: float, seed: int) -> torch.Tensor:
+        engine = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, decode_loop=decode_loop)
+        sampling = SamplingParams(n=n, temperature=temperature, max_new_tokens=positions, stop_token_ids=(STOP,),
+                                  seed=seed)
+        return token_histograms(engine.generate(prompts, sampling), positions)
+
+    reference = histograms("generate", 1.0, seed=1)
+    same = histograms("lean", 1.0, seed=2)
+    hotter = histograms("lean", 1.2, seed=2)
+    assert reference.sum() == same.sum() == 4096 * positions
+    same_p = [chi_square_p_value(reference[k], same[k]) for k in range(positions)]
+    hotter_p = [chi_square_p_value(reference[k], hotter[k]) for k in range(positions)]
+    assert min(same_p) > 0.01, same_p
+    assert min(hotter_p) < 0.01, hotter_p
+
+
+def test_the_lean_loop_prefills_each_prompt_once_for_its_n_samples(model):
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                           with_kwargs=True)
+    try:
+        sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=3, seed=0)
+        HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, decode_loop="lean").generate(PROMPTS, sampling)
+        lean = list(shapes)
+        shapes.clear()
+        HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, decode_loop="generate").generate(PROMPTS, sampling)
+    finally:
+        hook.remove()
+    width = max(len(p) for p in PROMPTS)
+    assert lean[0] == (len(PROMPTS), width) and all(shape == (4 * len(PROMPTS), 1) for shape in lean[1:])
+    assert shapes[0] == (4 * len(PROMPTS), width)  # transformers' generate prefills every copy of a prompt
+
+
+def test_a_seeded_lean_loop_draws_what_generate_draws(model):
+    """The same draws in the same order (one multinomial over the batch per step) from the same logits: a seeded
+    lean rollout is transformers' seeded rollout, token for token."""
+    sampling = SamplingParams(n=3, temperature=0.9, top_k=10, max_new_tokens=7, stop_token_ids=(STOP,), seed=3)
+    lean = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, decode_loop="lean").generate(PROMPTS, sampling)
+    reference = HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, decode_loop="generate").generate(PROMPTS, sampling)
+    assert lean.finish_reasons == reference.finish_reasons
+    for a, b in zip(lean.flat_responses(), reference.flat_responses(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(lean.flat_logprobs(), reference.flat_logprobs(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_an_unknown_decode_loop_is_refused(model):
+    with pytest.raises(RolloutError, match="decode_loop must be one of"):
+        HFRolloutEngine(model, pad_id=PAD, eos_id=EOS, decode_loop="fast")
 
 
 # ------------------------------------------------------------------------------------------ weights

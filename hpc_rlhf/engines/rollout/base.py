@@ -2,7 +2,7 @@
 
 A rollout engine turns prompt token ids into sampled responses together with the log-probability of every
 sampled token, accepts new weights by name, and can give its accelerator memory back while the training
-engines run. Two implementations exist: `hf.HFRolloutEngine` (transformers `generate` in the rank's own process,
+engines run. Two implementations exist: `hf.HFRolloutEngine` (a transformers model in the rank's own process,
 CPU and GPU) and `vllm.VLLMRolloutEngine` (vLLM in processes of its own: its CPU build on CPU, its CUDA build on
 GPUs).
 

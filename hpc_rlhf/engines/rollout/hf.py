@@ -1,29 +1,40 @@
-"""Rollout with transformers `generate` (KV cache, batched, left padding): the CPU engine, also usable on GPU.
+"""Rollout with a transformers causal LM in this process (KV cache, batched, left padding): the CPU engine, also
+usable on GPU.
+
+Two decode loops give the same sampling distribution (tests/engines/test_rollout_hf.py checks it with a chi-square
+test over thousands of samples):
+- `lean` (the default): the prompts are prefilled once, the KV cache is then repeated for the n samples of each
+  prompt, and each step is one forward pass, one log-softmax and one draw for the whole batch. GRPO draws 4-16
+  samples of a prompt, so the prefill, the largest pass of a short rollout, is paid once instead of n times.
+- `generate`: transformers' `generate` with `num_return_sequences=n` (prompts copied n times before the prefill,
+  each token through its logits processors and stopping criteria). Kept as the reference the lean loop is tested
+  against and for models whose forward the lean loop cannot drive.
+Both draw each token with one `torch.multinomial` over the batch's probabilities, as `generate` does.
 
 Log-probs: for every sampled token, `log_softmax(logits / T)` over the whole vocabulary, taken from the same
 forward pass that produced the token (T = the sampling temperature, 1 for greedy). Top-k/top-p truncation
 decides which token is drawn but does not renormalise the reported value, so it equals what a teacher-forced
 pass of the same weights at temperature T computes (see `hpc_rlhf.engines.rollout.base`).
 
-How: one logits processor, `_SamplingProcessor`, does the sampling transform itself (temperature, then
-transformers' own top-k and top-p warpers) and remembers the step's log-softmax; on its next call the token just
-sampled is the last column of `input_ids`, so only one vocabulary-sized row per sequence is ever kept (asking
+How (`generate` loop): one logits processor, `_SamplingProcessor`, does the sampling transform itself (temperature,
+then transformers' own top-k and top-p warpers) and remembers the step's log-softmax; on its next call the token
+just sampled is the last column of `input_ids`, so only one vocabulary-sized row per sequence is ever kept (asking
 `generate` for `output_logits` would keep all of them: steps x batch x vocab floats). transformers runs user
-processors before its own warpers, so `generate` is given neutral warper settings (temperature 1, top_k 0,
-top_p 1) and every other processor a model's `generation_config` could switch on is set to its neutral value.
+processors before its own warpers, so `generate` is given neutral warper settings (temperature 1, top_k 0, top_p 1)
+and every other processor a model's `generation_config` could switch on is set to its neutral value.
 
 `synced_gpus=False` on every call by default: under ZeRO-3 transformers would otherwise all-reduce over the whole
 world at every step, and a role that generates alone would hang (DESIGN §9).
 
-A ZeRO-3 actor used in place (hybrid rollout, `sync_group=` the actor's group): generation runs through the
-module's forward, so ZeRO-3's hooks gather one module at a time and no rank ever holds the whole model. Each
-forward pass is then a collective of the group, so every rank must run as many as the others: the ranks agree
-on the number of `generate` chunks (a rank with fewer prompts, or none, runs one-prompt chunks whose results it
-drops), and inside a chunk transformers' `synced_gpus` keeps a finished rank stepping until every rank is done,
-its "all finished?" all-reduce kept in `sync_group`. The price is traffic, not memory: each new token gathers
-every layer again (a whole model's worth of all-gather per decoding step), which is slow for large models; the
-vllm backend holds its own copy of the weights instead. `full_params=` (a context manager factory around the
-whole call) remains for callers that want the parameters gathered at once.
+A ZeRO-3 actor used in place (hybrid rollout, `sync_group=` the actor's group): generation runs through the module's
+forward, so ZeRO-3's hooks gather one module at a time and no rank ever holds the whole model. Each forward pass is
+then a collective of the group, so every rank must run as many as the others: the ranks agree on the number of
+chunks (a rank with fewer prompts, or none, runs one-prompt chunks whose results it drops), and inside a chunk a
+finished rank keeps stepping until every rank is done (an "all finished?" all-reduce in `sync_group` at every step:
+the lean loop's own, or transformers' `synced_gpus` kept in the group). The price is traffic, not memory: each new
+token gathers every layer again (a whole model's worth of all-gather per decoding step), which is slow for large
+models; the vllm backend holds its own copy of the weights instead. `full_params=` (a context manager factory around
+the whole call) remains for callers that want the parameters gathered at once.
 """
 
 from __future__ import annotations
@@ -33,9 +44,12 @@ import dataclasses
 import difflib
 from typing import Callable, ContextManager, Iterable
 
+import inspect
+
 import torch
 import torch.distributed as dist
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper,
+                          TopPLogitsWarper)
 
 from hpc_rlhf.engines.rollout.base import (RolloutBatch, RolloutEngine, RolloutError, SamplingParams,
                                            check_prompts, cut_at_stop)
@@ -84,18 +98,53 @@ class _SamplingProcessor(LogitsProcessor):
         return torch.stack(self.picked[:num_new], dim=1)
 
 
+class _Sampler:
+    """One decoding step of the lean loop: log_softmax(logits / T) for the report, then top-k/top-p and one draw
+    for the whole batch (argmax when greedy), as transformers' sampling does it."""
+
+    def __init__(self, sampling: SamplingParams):
+        self.greedy = sampling.greedy
+        self.temperature = sampling.logprob_temperature
+        self.warpers = []
+        if sampling.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scaled = logits / self.temperature
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        for warper in self.warpers:
+            scaled = warper(None, scaled)
+        if self.greedy:
+            return torch.argmax(scaled, dim=-1), logprobs
+        return torch.multinomial(torch.softmax(scaled, dim=-1), num_samples=1).squeeze(1), logprobs
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs through
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+DECODE_LOOPS = ("lean", "generate")
+
+
 class HFRolloutEngine(RolloutEngine):
     """Generation with a transformers causal LM that lives in this process.
 
-    max_batch_prompts bounds how many prompts share one `generate` call (each expands to n rows); it caps
+    max_batch_prompts bounds how many prompts share one decoding batch (each expands to n rows); it caps
     KV-cache memory. Results do not depend on it for greedy decoding; sampled results depend on it through
-    the random stream.
+    the random stream. `decode_loop`: "lean" or "generate" (the module docstring compares them).
     """
 
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int, *, max_batch_prompts: int = 64,
-                 full_params: Callable[[], ContextManager] | None = None, sync_group=None):
+                 full_params: Callable[[], ContextManager] | None = None, sync_group=None,
+                 decode_loop: str = "lean"):
         if max_batch_prompts < 1:
             raise RolloutError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
+        if decode_loop not in DECODE_LOOPS:
+            raise RolloutError(f"decode_loop must be one of {DECODE_LOOPS}, got {decode_loop!r}")
+        self.decode_loop = decode_loop
         self.model = model
         self.pad_id = int(pad_id)
         # Always given: with no eos of ours, generate() would stop at the checkpoint's own eos behind our back.
@@ -126,6 +175,66 @@ class HFRolloutEngine(RolloutEngine):
         return input_ids.to(self.device), attention_mask.to(self.device)
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams, stop_ids: list[int]):
+        """[rows, steps] new tokens (pad after a row's stop) and their log-probs, rows prompt-major."""
+        if self.decode_loop == "lean":
+            return self._lean_chunk(prompts, sampling, stop_ids)
+        return self._generate_call_chunk(prompts, sampling, stop_ids)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, last_only: bool):
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      past_key_values=cache, use_cache=True)
+        if last_only and _takes_logits_to_keep(self.model):
+            kwargs["logits_to_keep"] = 1  # the prefill's other positions are never sampled from
+        return self.model(**kwargs).logits[:, -1].float()
+
+    def _lean_chunk(self, prompts: list[list[int]], sampling: SamplingParams, stop_ids: list[int]):
+        input_ids, attention_mask = self._left_pad(prompts)
+        # Positions as transformers' generate gives them: counted over the real tokens, 0 on the left padding.
+        position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        cache = DynamicCache(config=getattr(self.model, "config", None))
+        logits = self._forward(input_ids, attention_mask, position_ids, cache, last_only=True)
+        n = sampling.n
+        if n > 1:  # the n samples of a prompt share its prefill: the cache is repeated, not recomputed
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            attention_mask = attention_mask.repeat_interleave(n, dim=0)
+            position_ids = position_ids.repeat_interleave(n, dim=0)
+        rows = logits.shape[0]
+        position = position_ids[:, -1:]
+        pick = _Sampler(sampling)
+        stops = torch.tensor(stop_ids, dtype=torch.long, device=logits.device)
+        pad = torch.full((rows,), self.pad_id, dtype=torch.long, device=logits.device)
+        unfinished = torch.ones(rows, dtype=torch.bool, device=logits.device)
+        tokens, logprobs = [], []
+        new_mask_column = torch.ones((rows, 1), dtype=attention_mask.dtype, device=attention_mask.device)
+        for step in range(sampling.max_new_tokens):
+            if logits is not None:
+                token, logprob = pick(logits)
+                token = torch.where(unfinished, token, pad)  # a finished row only pads, as in generate
+                tokens.append(token)
+                logprobs.append(logprob.gather(1, token[:, None]).squeeze(1))
+                unfinished &= ~torch.isin(token, stops)
+                done_here = not bool(unfinished.any())
+            if step == sampling.max_new_tokens - 1 or self._every_rank_done(done_here):
+                break
+            attention_mask = torch.cat([attention_mask, new_mask_column], dim=1)
+            position = position + 1
+            step_logits = self._forward(tokens[-1][:, None], attention_mask, position, cache, last_only=False)
+            # A rank already done keeps stepping with its peers (ZeRO-3: each forward is a collective); its
+            # rows sample nothing more.
+            logits = None if done_here else step_logits
+        if not tokens:
+            return torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, 0)
+        return torch.stack(tokens, dim=1).cpu(), torch.stack(logprobs, dim=1).float().cpu()
+
+    def _every_rank_done(self, done_here: bool) -> bool:
+        if self.sync_group is None:
+            return done_here
+        flag = torch.tensor([0 if done_here else 1], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.sync_group)
+        return int(flag.item()) == 0
+
+    def _generate_call_chunk(self, prompts: list[list[int]], sampling: SamplingParams, stop_ids: list[int]):
         input_ids, attention_mask = self._left_pad(prompts)
         processor = _SamplingProcessor(sampling)
         neutral = dict(_NEUTRAL_GENERATION)
@@ -258,8 +367,8 @@ class HFRolloutEngine(RolloutEngine):
     def sleep(self) -> None:
         """On GPU: weights to host memory and the allocator's cache released. On CPU: nothing to free.
 
-        transformers builds a fresh KV cache inside every `generate` call and drops it on return, so between
-        calls only the weights hold device memory.
+        Both decode loops build a fresh KV cache for every chunk and drop it on return, so between calls only
+        the weights hold device memory.
         """
         device = self.device
         if device.type == "cpu" or self._home_device is not None:
