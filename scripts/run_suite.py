@@ -4,7 +4,8 @@
 
 Lane `learning`: the tests that wait for the shared models (the SFT base and the reward model after it, trained
 in the background: tests/recipes.py), that is the learning tests but one, which then run one after the
-other, mostly one process on one core each. Lane `rest`: every other test, the SFT learning test (it trains from
+other, mostly one process on one core each, and after them the few test files of tests/conftest.py's
+LEARNING_LANE_TAIL, which even out the lanes' lengths. Lane `rest`: every other test, the SFT learning test (it trains from
 a random model) and the cluster tests last (they wait for the local Slurm's jobs, which go in when the learning
 lane's SFT base is trained: a gate shared through a folder, tests/background.py). In one pytest process the
 learning tests waited behind the others and then ran alone, a core idle about half of the last third of the
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LANES = {"learning": ["-m", "shared_models"], "rest": ["-m", "not shared_models"]}
+LANES = {"learning": ["-m", "learning_lane"], "rest": ["-m", "not learning_lane"]}
 NO_TESTS_COLLECTED = 5  # pytest's exit code
 OUTPUT_GRACE_S = 10.0
 

@@ -45,11 +45,15 @@ def test_tests_that_wait_for_a_shared_model_are_marked_for_their_lane_and_ordere
     # vLLM tests first, by marker or by name, but not among the learning tests
     engine, named = FakeItem("tmp_path", marks=("vllm",)), FakeItem("tmp_path", nodeid="tests/rl/t.py::test_on_vllm")
     vllm_on_base = FakeItem("sft_base", marks=("learning",), nodeid="tests/rl/test_ppo_vllm.py::test_learns")
-    items = [cluster, on_reward, on_base, vllm_on_base, from_random, plain, named, engine]
+    # a file of the learning lane's tail: after the learning tests, in that lane
+    tail = FakeItem("tmp_path", nodeid=f"{suite_conftest.LEARNING_LANE_TAIL[0]}::test_a_failure")
+    items = [cluster, tail, on_reward, on_base, vllm_on_base, from_random, plain, named, engine]
     suite_conftest.pytest_collection_modifyitems(None, None, items)
-    assert items == [named, engine, plain, from_random, on_base, vllm_on_base, on_reward, cluster]
-    assert [("shared_models" in i.marks) for i in items] == [False, False, False, False, True, True, True, False]
-    assert load_run_suite().LANES == {"learning": ["-m", "shared_models"], "rest": ["-m", "not shared_models"]}
+    assert items == [named, engine, plain, from_random, on_base, vllm_on_base, on_reward, tail, cluster]
+    assert [("learning_lane" in i.marks) for i in items] == [False, False, False, False, True, True, True, True,
+                                                              False]
+    assert load_run_suite().LANES == {"learning": ["-m", "learning_lane"], "rest": ["-m", "not learning_lane"]}
+    assert all((REPO / path).is_file() for path in suite_conftest.LEARNING_LANE_TAIL)
 
 
 def test_a_gate_opened_in_another_process_opens_here_through_the_folder(tmp_path, monkeypatch):
