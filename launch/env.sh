@@ -8,7 +8,9 @@
 #                                  from APPTAINER_BIND (e.g. APPTAINER_BIND=/scratch,/datasets)
 #                     returns 2, after saying why on stderr, when CONTAINER cannot be used
 #   hpc_rank_env      defaults the ranks need: one OpenMP thread per CPU Slurm gave the task (else 1),
-#                     unbuffered output (ranks' lines arrive whole and in time), no tokenizer thread pools
+#                     unbuffered output (ranks' lines arrive whole and in time), no tokenizer thread pools, and
+#                     Hugging Face offline (compute nodes have no internet: a hub lookup would hang until its
+#                     timeout; the image sets the same; HF_HUB_OFFLINE=0 where a node may reach the hub)
 #   hpc_split_args    "LAUNCHER_OPTION ... -- MODE ARG ..." -> arrays HPC_LAUNCHER_ARGS and HPC_MODE_ARGS
 #                     (without `--`, every argument is the mode's)
 #   hpc_need_mode     exit 2 with the given usage line when no mode was given
@@ -36,6 +38,7 @@ hpc_python() {
 hpc_rank_env() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
 }
 
 hpc_split_args() {

@@ -9,8 +9,9 @@
 # Settings every script understands (environment variables, exported before `sbatch` or set in the script):
 #   MODE, CONFIG        the training mode and its YAML config (CONFIG= empty: the mode's defaults)
 #   PLACEMENT           roles on ranks (ppo, grpo), e.g. actor=4,critic=2,ref=1,reward=1,rollout=8,rollout_tp=2;
-#                       checked against the allocation, then passed to the mode as placement=...; single-model
-#                       modes (sft, rm, dpo, kto) use actor=<all ranks>
+#                       unset: the config's `placement`, so the layout a dry run of the YAML checked is the one
+#                       that runs; set: passed to the mode as placement=... (the check reads it too);
+#                       single-model modes (sft, rm, dpo, kto) use actor=<all ranks>
 #   PYTHON              the interpreter with hpc_rlhf installed (default: python on PATH), e.g. a virtual
 #                       environment on the cluster's shared file system: PYTHON=/shared/venvs/hpc_rlhf/bin/python
 #   PLAN_MODEL          model shape for the check of roles whose model folder is a placeholder (7b, 70b, ...)
@@ -18,7 +19,8 @@
 #   CONTAINER           an Apptainer image (.sif): every rank runs `apptainer exec --nv $CONTAINER python ...`;
 #                       binds come from APPTAINER_BIND (e.g. APPTAINER_BIND=/scratch,/datasets)
 #   MAX_RESTARTS        requeue a preempted job at most this many times (default 20)
-#   MASTER_ADDR/PORT    rendezvous; default: first host of the allocation, port 20000 + job id % 20000
+#   MASTER_ADDR/PORT    rendezvous; default: first host of the allocation, port 10000 + job id % 20000 (below
+#                       Linux's ephemeral ports, 32768-60999; the same formula as hpc_rlhf.dist.launch_env)
 #   NCCL_*              passed to every rank unchanged when set (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...);
 #                       when unset NCCL picks its own defaults
 
@@ -43,16 +45,14 @@ hpc_setup() {
   [ -n "${SLURM_JOB_ID:-}" ] || hpc_die "run this script with sbatch (SLURM_JOB_ID is not set)"
   MODE=${MODE:?MODE must be set (sft, rm, dpo, kto, ppo, grpo)}
   CONFIG=${CONFIG-}
-  if [ -z "${PLACEMENT:-}" ]; then
-    hpc_is_role_mode && hpc_die "MODE=$MODE places roles on ranks: set PLACEMENT (see hpc-rlhf plan --help)"
-    PLACEMENT=actor=$SLURM_NTASKS
-  fi
+  PLACEMENT=${PLACEMENT:-}
+  hpc_is_role_mode || PLACEMENT=${PLACEMENT:-actor=$SLURM_NTASKS}
   if [ -n "$CONFIG" ] && [ ! -f "$CONFIG" ]; then
     hpc_die "CONFIG=$CONFIG does not exist (relative to $(pwd)); set CONFIG to your YAML file"
   fi
   # hpc_rlhf's bootstrap derives the same values; exporting them lets other tools (and NCCL's logs) see them.
   export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
-  export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+  export MASTER_PORT=${MASTER_PORT:-$((10000 + SLURM_JOB_ID % 20000))}
   # srun of Slurm 22.05-23.02 no longer takes --cpus-per-task from the job (SLURM_CPUS_PER_TASK): without this
   # each rank of the step would get one CPU while OMP_NUM_THREADS says more.
   [ -z "${SLURM_CPUS_PER_TASK:-}" ] || export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
@@ -60,20 +60,22 @@ hpc_setup() {
   # launch/srun.sh, a process of its own, reads them too.
   export PYTHON CONTAINER
   hpc_python || hpc_die "the ranks' python command cannot run here (see the line above)"
-  hpc_log "mode=$MODE config=${CONFIG:-<defaults>} nodes=$SLURM_JOB_NODELIST tasks=$SLURM_NTASKS" \
+  hpc_log "mode=$MODE config=${CONFIG:-<defaults>} placement=${PLACEMENT:-<from the config>}" \
+          "nodes=$SLURM_JOB_NODELIST tasks=$SLURM_NTASKS" \
           "(per node $(hpc_ranks_per_node)) master=$MASTER_ADDR:$MASTER_PORT python=${HPC_PYTHON[*]}"
   local nccl
   nccl=$(env | grep -E '^NCCL_' | sort | tr '\n' ' ')
   [ -z "$nccl" ] || hpc_log "NCCL settings: $nccl"
 }
 
-# The mode's arguments, the same for the check and for the ranks: MODE, the config, the placement that was
-# checked (role modes) or the world size (one-model modes), then the script's key=value arguments.
+# The mode's arguments, the same for the check and for the ranks: MODE, the config, PLACEMENT when set (role
+# modes; unset, the config's own) or the world size (one-model modes), then the script's key=value arguments.
 # Usage: hpc_mode_args [key=value ...]  -> array HPC_MODE_ARGS
 hpc_mode_args() {
   HPC_MODE_ARGS=("$MODE")
   [ -z "$CONFIG" ] || HPC_MODE_ARGS+=(--config "$CONFIG")
-  if hpc_is_role_mode; then HPC_MODE_ARGS+=("placement=$PLACEMENT"); else HPC_MODE_ARGS+=("dist.nproc=$SLURM_NTASKS"); fi
+  if ! hpc_is_role_mode; then HPC_MODE_ARGS+=("dist.nproc=$SLURM_NTASKS")
+  elif [ -n "$PLACEMENT" ]; then HPC_MODE_ARGS+=("placement=$PLACEMENT"); fi
   HPC_MODE_ARGS+=("$@")
 }
 
@@ -91,7 +93,7 @@ hpc_check_plan() {
   "${HPC_PYTHON[@]}" -m hpc_rlhf "${HPC_MODE_ARGS[@]}" --dry-run --world-size "$SLURM_NTASKS" \
     --gpus-per-node "$(hpc_ranks_per_node)" --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${model[@]}" \
     || hpc_die "the config does not start on this allocation ($SLURM_NTASKS ranks, $(hpc_ranks_per_node) per" \
-               "node; placement '$PLACEMENT'): see the line above; not starting"
+               "node; placement '${PLACEMENT:-from the config}'): see the line above; not starting"
 }
 
 # Run the mode on every task, then requeue the job if it was preempted. Usage: hpc_train [key=value ...]

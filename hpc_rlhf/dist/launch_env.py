@@ -28,7 +28,9 @@ from typing import Mapping
 from hpc_rlhf.dist.hostlist import expand_hostlist, parse_tasks_per_node
 
 LAUNCHERS = ("slurm", "mpi", "torchrun", "single")
-SLURM_PORT_BASE = 20000
+# The rendezvous port of a Slurm job without MASTER_PORT: 10000 + job id % 20000, i.e. 10000-29999, below Linux's
+# ephemeral ports (32768-60999 by default), which a busy node hands out to outgoing connections and may already hold.
+SLURM_PORT_BASE = 10000
 SLURM_PORT_SPAN = 20000
 SLURM_SPECIAL_STEP_IDS = 0xFFFFFFF0
 LOOPBACK = "127.0.0.1"

@@ -10,7 +10,7 @@ from tests.dist.conftest import slurm_step, torchrun
 def test_slurm_one_node():
     info = detect_launch(slurm_step())
     assert info == LaunchInfo("slurm", rank=2, world_size=4, local_rank=2, local_world_size=4, node_rank=0,
-                              num_nodes=1, master_addr="node1", master_port=21234, hostnames=("node1",),
+                              num_nodes=1, master_addr="node1", master_port=11234, hostnames=("node1",),
                               tasks_per_node=(4,))
     assert info.ranks_per_node == 4
 
@@ -23,7 +23,7 @@ def test_slurm_two_nodes_port_from_job_id():
         ("slurm", 5, 8, 1, 4)
     assert (info.node_rank, info.num_nodes, info.hostnames) == (1, 2, ("gpu-07", "gpu-08"))
     assert info.master_addr == "gpu-07"
-    assert info.master_port == 20000 + 7654  # 987654 = 49 * 20000 + 7654
+    assert info.master_port == 10000 + 7654  # 987654 = 49 * 20000 + 7654: below the ephemeral ports (32768-)
     assert info.ranks_per_node == 4
 
 

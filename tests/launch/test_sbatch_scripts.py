@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from hpc_rlhf.dist.launch_env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from hpc_rlhf.dist.placement import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +39,15 @@ def directives(path: Path) -> dict[str, str]:
 def default_of(path: Path, variable: str) -> str | None:
     match = re.search(rf"^{variable}=\$\{{{variable}:-([^}}]*)\}}", path.read_text(), re.MULTILINE)
     return match.group(1) if match else None
+
+
+def layout_of(path: Path) -> str | None:
+    """The placement a role-mode script runs: its PLACEMENT default, else its config's `placement`."""
+    default = default_of(path, "PLACEMENT")
+    config = default_of(path, "CONFIG")
+    if default or not config or "$" in config:
+        return default
+    return yaml.safe_load((REPO / config).read_text()).get("placement")
 
 
 def test_the_expected_scripts_exist():
@@ -79,11 +90,11 @@ def test_signal_delay_leaves_room_within_the_time_limit():
         assert delay + 60 <= hours * 3600 + minutes * 60 + seconds, path.name
 
 
-@pytest.mark.parametrize("path", [p for p in SCRIPTS if default_of(p, "PLACEMENT")], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in SCRIPTS if layout_of(p)], ids=lambda p: p.name)
 def test_default_placement_fits_the_scripts_own_allocation(path):
     found = directives(path)
     per_node = int(found["ntasks-per-node"])
-    plan = make_plan(default_of(path, "PLACEMENT"), int(found["nodes"]) * per_node, per_node)
+    plan = make_plan(layout_of(path), int(found["nodes"]) * per_node, per_node)
     assert plan.world_size == int(found["nodes"]) * per_node
 
 
@@ -91,7 +102,8 @@ def test_ppo_70b_is_the_32_gpu_layout():
     path = SBATCH / "ppo_70b.sbatch"
     found = directives(path)
     assert (found["nodes"], found["ntasks-per-node"], found["gpus-per-node"]) == ("4", "8", "8")
-    plan = make_plan(default_of(path, "PLACEMENT"), 32, 8)
+    assert default_of(path, "PLACEMENT") is None  # the config's placement, the one its dry run checks
+    plan = make_plan(layout_of(path), 32, 8)
     assert {name: role.size for name, role in plan.roles.items()} == {"actor": 8, "critic": 8, "ref": 4,
                                                                       "reward": 4, "rollout": 8}
     assert [len(e) for e in plan.role("rollout").engines] == [4, 4]
@@ -117,7 +129,7 @@ def test_common_sh_starts_ranks_through_launch_srun_sh_and_requeues_on_75():
 # ---------------------------------------------------------------------------- common.sh run with stand-ins
 FAKE_SRUN = """#!/bin/bash
 printf 'srun' >> "$FAKE_LOG"; printf ' %q' "$@" >> "$FAKE_LOG"; echo >> "$FAKE_LOG"
-env | grep -E '^(MASTER_ADDR|MASTER_PORT|NCCL_[A-Z_]+|SRUN_CPUS_PER_TASK)=' | sort >> "$FAKE_LOG"
+env | grep -E '^(MASTER_ADDR|MASTER_PORT|NCCL_[A-Z_]+|SRUN_CPUS_PER_TASK|HF_[A-Z_]+_OFFLINE)=' | sort >> "$FAKE_LOG"
 exit "${FAKE_SRUN_EXIT:-0}"
 """
 FAKE_SCONTROL = """#!/bin/bash
@@ -136,7 +148,8 @@ def fake_slurm(tmp_path):
     log = tmp_path / "calls.log"
 
     def run(script: str, *args: str, **env_extra: str) -> tuple[subprocess.CompletedProcess, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "MASTER_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "MASTER_"))
+               and k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
         env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), PYTHON=sys.executable,
                    SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[7-8]", SLURM_NTASKS="4",
                    SLURM_TASKS_PER_NODE="2(x2)", SLURM_SUBMIT_DIR=str(REPO), CONFIG="")
@@ -157,7 +170,9 @@ def test_a_finished_step_is_not_requeued(fake_slurm):
     assert " -m hpc_rlhf.launch.slurm rank sft " in srun
     # Our settings first, the command line's last (later overrides win), the world size for a 1-group mode.
     assert srun.index("dist.nproc=4") < srun.index("output_dir=runs/tiny_cpu-4242") < srun.index("max_steps=3")
-    assert "MASTER_ADDR=node7" in calls and f"MASTER_PORT={20000 + 4242}" in calls
+    # the port the bootstrap derives too (hpc_rlhf.dist.launch_env), below the ephemeral range
+    assert "MASTER_ADDR=node7" in calls and f"MASTER_PORT={SLURM_PORT_BASE + 4242 % SLURM_PORT_SPAN}" in calls
+    assert SLURM_PORT_BASE + SLURM_PORT_SPAN <= 32768
     assert "requeue" not in calls
 
 
@@ -197,9 +212,18 @@ def test_role_modes_get_the_checked_placement(fake_slurm):
     assert "placement=actor=1\\,critic=1\\,ref+reward=1\\,rollout=1" in sruns[-1] and "dist.nproc" not in sruns[-1]
 
 
-def test_role_mode_without_placement_is_refused(fake_slurm):
-    proc, calls = fake_slurm("tiny_cpu.sbatch", MODE="grpo")
-    assert proc.returncode == 2 and "set PLACEMENT" in proc.stderr and "srun" not in calls
+def test_a_role_mode_without_placement_runs_the_configs_own(fake_slurm):
+    """PLACEMENT unset: the dry run and the ranks both read the config's placement (examples/tiny/grpo.yaml:
+    actor=1,ref=1,rollout=2 on the 4 tasks); one that does not fit the allocation is refused before srun."""
+    proc, calls = fake_slurm("tiny_cpu.sbatch", MODE="grpo", CONFIG=None)
+    assert proc.returncode == 0, proc.stderr
+    assert "placement=<from the config>" in proc.stdout and "the plan fits" in proc.stdout
+    srun = next(line for line in calls.splitlines() if line.startswith("srun"))
+    assert " grpo --config examples/tiny/grpo.yaml " in srun and "placement=" not in srun
+    proc, later_calls = fake_slurm("tiny_cpu.sbatch", MODE="grpo", CONFIG=None, SLURM_NTASKS="3",
+                                   SLURM_TASKS_PER_NODE="2,1")
+    assert proc.returncode == 2 and "srun" not in later_calls[len(calls):]
+    assert "placement 'from the config'" in proc.stderr
 
 
 def test_nccl_settings_reach_the_ranks_only_when_set(fake_slurm):
@@ -245,8 +269,12 @@ def test_gpu_scripts_check_their_example_config_and_give_the_ranks_what_was_chec
     placement = default_of(path, "PLACEMENT")
     if placement:
         assert "placement=" + placement.replace(",", "\\,") in srun
+    elif path.stem in ("ppo_70b", "ppo_7b", "grpo_7b"):
+        assert "placement=" not in srun  # the config's, as its dry run checked
     # srun of Slurm 22.05-23.02 takes the CPUs per task from SRUN_CPUS_PER_TASK only.
     assert f"SRUN_CPUS_PER_TASK={directives(path)['cpus-per-task']}" in calls
+    # offline on the PYTHON= path too (the container sets it in its own environment)
+    assert "HF_DATASETS_OFFLINE=1" in calls and "HF_HUB_OFFLINE=1" in calls
 
 
 @pytest.mark.parametrize("args,key", [(["train.adam_offload=false"], "train.adam_offload"),
