@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import Mapping
 
 from hpc_rlhf.dist import store_host
+from hpc_rlhf.dist.devices import rank_device
 from hpc_rlhf.dist.launch_env import (LOOPBACK, BootstrapError, LaunchInfo, detect_launch, layout_from_hostnames,
                                       uses_agent_store)
 from hpc_rlhf.dist.placement import format_ranks
@@ -171,12 +172,8 @@ def _join(info: LaunchInfo, chosen: str, timeout_s: float, port_from_env: bool, 
     if info.master_addr is None:
         info = dataclasses.replace(info, master_addr=LOOPBACK)
 
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if info.local_rank >= count:
-            raise BootstrapError(f"local rank {info.local_rank} on this node but only {count} CUDA devices are "
-                                 f"visible; start at most {count} ranks per node")
-        torch.cuda.set_device(info.local_rank)
+    if torch.cuda.is_available():  # through the GPUs Slurm made visible to this task (dist/devices.py)
+        torch.cuda.set_device(rank_device(info.local_rank, info.local_world_size, torch.cuda.device_count()))
 
     attempts = 3 if pick_port else 1  # another process may take a picked port before the store binds it
     for attempt in range(attempts):

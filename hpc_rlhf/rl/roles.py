@@ -4,11 +4,14 @@ per node and the rollout engine of a rollout rank.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from hpc_rlhf.dist import groups
 from hpc_rlhf.dist.bootstrap import current_launch
+from hpc_rlhf.dist.devices import engine_visible_devices
 from hpc_rlhf.models.builders import build_causal_lm
 from hpc_rlhf.models.lora import apply_lora
 from hpc_rlhf.rl.config import Config, longest_response
@@ -54,8 +57,10 @@ def build_vllm_engine(cfg: Config, plan, eos: int):
     on_gpu = torch.cuda.is_available()
     dtype = cfg.actor.dtype if cfg.actor.dtype != "auto" else ("bfloat16" if on_gpu else "float32")  # the actor's
     eager = not on_gpu if cfg.rollout.enforce_eager is None else cfg.rollout.enforce_eager
-    return VLLMRolloutEngine(cfg.actor.path, eos, tensor_parallel_size=len(engine_ranks),
-                             gpu_ids=[r % plan.ranks_per_node for r in engine_ranks] if on_gpu else None,
+    # The engine's GPUs as this rank's CUDA_VISIBLE_DEVICES names them (indices or UUIDs), never raw numbers.
+    gpu_ids = engine_visible_devices([r % plan.ranks_per_node for r in engine_ranks], os.environ,
+                                     torch.cuda.device_count()).split(",") if on_gpu else None
+    return VLLMRolloutEngine(cfg.actor.path, eos, tensor_parallel_size=len(engine_ranks), gpu_ids=gpu_ids,
                              dtype=dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                              kv_cache_mb=cfg.rollout.kv_cache_mb or None, enforce_eager=eager,
                              seed=cfg.train.seed, enable_sleep_mode=plan.is_hybrid,

@@ -196,7 +196,8 @@ def engine_kwargs(model_path: str, *, tensor_parallel_size: int, dtype: str, gpu
 
 
 # ------------------------------------------------------------------------------------------ vLLM's processes
-def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int] | None, on_cpu: bool) -> dict[str, str]:
+def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int | str] | None,
+                       on_cpu: bool) -> dict[str, str]:
     """The environment vLLM's processes start with: our launcher's and our own variables removed, the engine's
     GPUs visible, spawn (forking a process that holds CUDA, NCCL or gloo state is unsafe), the engine core in a
     process of its own, and on CPU no thread pinning unless the user asks for it (vLLM's default pins its worker's
@@ -204,7 +205,7 @@ def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int] | None, o
     env = {k: v for k, v in environ.items()
            if k not in _LAUNCHER_VARS and (not k.startswith(_OUR_PREFIX) or k in _OURS_TO_KEEP)}
     if gpu_ids is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpu_ids)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g).strip() for g in gpu_ids)  # indices or UUIDs
     env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # an in-process engine core would sit inside our torch world
     if on_cpu:
@@ -213,7 +214,7 @@ def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int] | None, o
 
 
 @contextlib.contextmanager
-def spawn_environment(gpu_ids: Sequence[int] | None, on_cpu: bool = False):
+def spawn_environment(gpu_ids: Sequence[int | str] | None, on_cpu: bool = False):
     """`worker_environment` in os.environ while vLLM starts its processes (they copy it); restored on exit."""
     saved = dict(os.environ)
     try:
@@ -236,7 +237,8 @@ class VLLMRolloutEngine(RolloutEngine):
     """
 
     def __init__(self, model_path: str, eos_id: int, *, tensor_parallel_size: int = 1,
-                 gpu_ids: Sequence[int] | None = None, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
+                 gpu_ids: Sequence[int | str] | None = None, dtype: str = "auto",
+                 gpu_memory_utilization: float = 0.5,
                  kv_cache_mb: int | None = None, seed: int = 0, enable_sleep_mode: bool = True, sleep_level: int = 1,
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  extra_engine_args: dict | None = None, lora=None):
