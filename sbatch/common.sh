@@ -16,6 +16,8 @@
 #                       environment on the cluster's shared file system: PYTHON=/shared/venvs/hpc_rlhf/bin/python
 #   PLAN_MODEL          model shape for the check of roles whose model folder is a placeholder (7b, 70b, ...)
 #   GPU_MEMORY_GB       memory of one GPU for the check (default 80)
+#   HOST_MEMORY_GB      memory of one node for the check (offloaded optimizer states, the ranks' processes);
+#                       default: the job's --mem (SLURM_MEM_PER_NODE) when it is > 0, else not checked
 #   CONTAINER           an Apptainer image (.sif): every rank runs `apptainer exec --nv $CONTAINER python ...`;
 #                       binds come from APPTAINER_BIND (e.g. APPTAINER_BIND=/scratch,/datasets)
 #   MAX_RESTARTS        requeue a preempted job at most this many times (default 20)
@@ -88,12 +90,25 @@ hpc_mode_args() {
 # shape of the models whose folders are not there yet (placeholders). Usage: hpc_check_plan [key=value ...]
 hpc_check_plan() {
   hpc_mode_args "$@"
-  local model=()
+  local model=() host
   [ -z "${PLAN_MODEL:-}" ] || model=(--model "$PLAN_MODEL")
+  host=$(hpc_host_memory_gb)
+  if [ -n "$host" ]; then model+=(--host-memory-gb "$host")
+  else hpc_log "host memory not checked: set HOST_MEMORY_GB (GB per node) or #SBATCH --mem"; fi
   "${HPC_PYTHON[@]}" -m hpc_rlhf "${HPC_MODE_ARGS[@]}" --dry-run --world-size "$SLURM_NTASKS" \
     --gpus-per-node "$(hpc_ranks_per_node)" --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${model[@]}" \
     || hpc_die "the config does not start on this allocation ($SLURM_NTASKS ranks, $(hpc_ranks_per_node) per" \
                "node; placement '${PLACEMENT:-from the config}'): see the line above; not starting"
+}
+
+# The memory of one node for the check, in GB (1e9 bytes): HOST_MEMORY_GB, else the job's --mem
+# (SLURM_MEM_PER_NODE, MiB) when it is > 0; nothing when neither is known. scontrol's RealMemory is not used: it
+# is what the administrator configured, often below the node's memory.
+hpc_host_memory_gb() {
+  if [ -n "${HOST_MEMORY_GB:-}" ]; then echo "$HOST_MEMORY_GB"
+  elif [ "${SLURM_MEM_PER_NODE:-0}" -gt 0 ] 2>/dev/null; then
+    awk -v mib="$SLURM_MEM_PER_NODE" 'BEGIN { printf "%.1f", mib * 1.048576 / 1000 }'
+  fi
 }
 
 # Run the mode on every task, then requeue the job if it was preempted. Usage: hpc_train [key=value ...]

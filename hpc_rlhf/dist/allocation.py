@@ -1,5 +1,5 @@
-"""Does a job fit an allocation? The placement on the allocation's ranks and nodes, and the GPU memory of every
-rank against the GPU's. Pure Python: no torch.
+"""Does a job fit an allocation? The placement on the allocation's ranks and nodes, the GPU memory of every rank
+against the GPU's, and the host memory of every node against the node's (when it is given). Pure Python: no torch.
 
 One check for every caller: `hpc-rlhf plan` (its inputs come from flags) and a training mode's `--dry-run` (its
 inputs come from the config: hpc_rlhf.launch.dry_run). Each input carries the name the user gave it (a flag such
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from hpc_rlhf.dist.memory import DEFAULT_LORA_TARGETS, DEFAULT_OVERHEAD_GB, ModelShape, estimate
+from hpc_rlhf.dist.memory import DEFAULT_LORA_TARGETS, DEFAULT_OVERHEAD_GB, HOST_OVERHEAD_GB, ModelShape, estimate
 from hpc_rlhf.dist.placement import Plan, PlacementError, make_plan
 
 BREAKDOWN = ("weights", "gradients", "optimizer", "activations", "kv_cache")
@@ -38,8 +38,10 @@ class Allocation:
     gpus_per_node: int
     gpu_memory_gb: float = 80.0
     overhead_gb: float = DEFAULT_OVERHEAD_GB
+    host_memory_gb: float | None = None  # a node's memory; None: not checked
     keys: Mapping[str, str] = field(default_factory=lambda: {
-        "world_size": "--world-size", "gpus_per_node": "--gpus-per-node", "gpu_memory_gb": "--gpu-memory-gb"})
+        "world_size": "--world-size", "gpus_per_node": "--gpus-per-node", "gpu_memory_gb": "--gpu-memory-gb",
+        "host_memory_gb": "--host-memory-gb"})
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class RoleLoad:
     gpu_share: float | None = None
     lora_rank: int = 0  # > 0: the role trains (actor) or serves (rollout) a LoRA adapter of this rank
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    sleeps_on_host: bool = False  # a rollout engine that keeps its weights in host memory while the actor trains
     keys: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -103,7 +106,8 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
                                  gradient_checkpointing=load.gradient_checkpointing,
                                  tokens_in_flight=load.tokens_in_flight, overhead_gb=0.0,
                                  dtype_bytes=load.dtype_bytes, weight_sync_bucket_mb=load.weight_sync_bucket_mb,
-                                 lora_rank=load.lora_rank, lora_targets=load.lora_targets)
+                                 lora_rank=load.lora_rank, lora_targets=load.lora_targets,
+                                 sleeps_on_host=load.sleeps_on_host)
         except ValueError as exc:  # settings the memory model refuses: name the setting that is wrong
             key = load.keys.get("adam_offload" if "offload" in str(exc) else "zero_stage", name)
             raise AllocationError(key, f"role '{name}': {exc}") from None
@@ -131,15 +135,53 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
             # as a whole must hold every role on the rank.
             "fits": per_rank <= allocation.gpu_memory_gb and (share is None or own[name]["total"] <= limit),
         }
+    host = _host_per_node(plan, own, allocation)
     actor_shape = loads["actor"].shape
     return {
         "world_size": plan.world_size, "ranks_per_node": plan.ranks_per_node, "nodes": plan.num_nodes,
         "model": {"name": actor_shape.name, "params": actor_shape.num_params},
         "zero_stage": loads["actor"].zero_stage, "adam_offload": loads["actor"].adam_offload,
         "gpu_memory_gb": allocation.gpu_memory_gb, "overhead_gb": allocation.overhead_gb, "roles": roles,
-        "fits": all(r["fits"] for r in roles.values()),
-        "_advice": {name: _advice(name, loads[name], roles[name], allocation) for name in roles},
+        "host": host,
+        "fits": all(r["fits"] for r in roles.values()) and host["fits"],
+        "_advice": {name: _advice(name, loads[name], roles[name], allocation) for name in roles}
+        | ({} if host["fits"] else {"_host": _host_advice(host, loads, allocation, placement_key)}),
     }
+
+
+def _host_per_node(plan: Plan, own: Mapping[str, Mapping[str, float]], allocation: Allocation) -> dict:
+    """Host memory of every node: each of its ranks' roles' `host` (offloaded optimizer states, a sleeping
+    engine's weights) plus HOST_OVERHEAD_GB per rank, against `allocation.host_memory_gb` when given."""
+    per_node = [0.0] * plan.num_nodes
+    for rank in range(plan.world_size):
+        per_node[rank // plan.ranks_per_node] += HOST_OVERHEAD_GB
+    by_role = [dict.fromkeys(plan.roles, 0.0) for _ in range(plan.num_nodes)]
+    for name, role in plan.roles.items():
+        for rank in role.ranks:
+            node = rank // plan.ranks_per_node
+            per_node[node] += own[name]["host"]
+            by_role[node][name] += own[name]["host"]
+    limit = allocation.host_memory_gb
+    return {"gb_per_node": [round(gb, 1) for gb in per_node],
+            "by_role": [{k: round(v, 1) for k, v in roles.items() if v} for roles in by_role],
+            "limit_gb": limit, "fits": limit is None or max(per_node) <= limit}
+
+
+def _host_advice(host: dict, loads: Mapping[str, RoleLoad], allocation: Allocation, placement_key: str) -> str:
+    """The line a node short of host memory is refused with: the offload setting of the role that puts most there,
+    else the placement."""
+    node = max(range(len(host["gb_per_node"])), key=lambda n: host["gb_per_node"][n])
+    need, by_role = host["gb_per_node"][node], host["by_role"][node]
+    heaviest = max(by_role, key=by_role.get) if by_role else None
+    memory_key = allocation.keys.get("host_memory_gb", "--host-memory-gb")
+    what = f"node {node} needs {need:.0f} GB of host memory, more than {host['limit_gb']:g} GB ({memory_key})"
+    offload_key = loads[heaviest].keys.get("adam_offload") if heaviest and loads[heaviest].adam_offload else None
+    if offload_key:
+        return (f"{offload_key}: {what}: the Adam states role '{heaviest}' offloads take {by_role[heaviest]:.0f} GB "
+                f"there; try nodes with more memory ({memory_key}), fewer ranks of '{heaviest}' per node "
+                f"({placement_key}), or {_setting(offload_key, False)} on GPUs that hold the optimizer")
+    return (f"{placement_key}: {what}" + (f": role '{heaviest}' puts {by_role[heaviest]:.0f} GB there"
+                                          if heaviest else "") + f"; try fewer ranks per node or {memory_key}")
 
 
 def _groups_text(plan: Plan, name: str) -> list[str]:
@@ -197,6 +239,8 @@ def refusal(report: dict) -> str | None:
     for name, row in report["roles"].items():
         if not row["fits"]:
             return report["_advice"][name]
+    if not report["host"]["fits"]:
+        return report["_advice"]["_host"]
     return None
 
 

@@ -50,6 +50,12 @@ training passes and needs less than training's activations, so it adds nothing. 
 A, and the leader's two bucket buffers hold at most that. A rollout engine keeps the adapter beside its weights:
 vLLM allocates one adapter slot of rank `max_lora_rank` (r rounded up to the ranks it offers) on every projection
 of every layer, d bytes each (`lora_rank` given to a rollout estimate).
+Host memory per rank (`host`, checked per node against the node's memory by hpc_rlhf.dist.allocation): with Adam
+offload a training role's ranks keep DeepSpeed's CPU optimizer state, fp32 master weights, Adam m and v and the
+fp32 gradient partition, 16 bytes per trained parameter / N in pinned host memory (`cpu_optimizer`: the 12 bytes
+of master weights and moments); a vLLM engine that sleeps while the actor trains (hybrid placement, sleep level 1)
+keeps its weights there, d bytes per parameter / tp; and every rank a flat `HOST_OVERHEAD_GB` for its process
+(Python, torch's and CUDA's libraries and host buffers: an allowance, not measured by the project).
 The actor's leader also holds the weight sync's two bucket buffers (`weight_sync_bucket_mb` each, when
 given) while it streams the weights to the engines. The model ignores MoE expert activations (experts are
 counted in the parameters, activations use the dense formula) and the communication buffers of ZeRO 1-2.
@@ -65,6 +71,7 @@ from typing import Any
 
 GB = 1e9
 DEFAULT_OVERHEAD_GB = 1.0
+HOST_OVERHEAD_GB = 4.0  # host memory of one rank's process besides what the model puts there (module docstring)
 ROLLOUT_PREFILL_TOKENS = 8192  # vLLM's default chunked-prefill token budget
 ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN = 34
 TRAINING_KINDS = ("actor", "critic")
@@ -293,14 +300,16 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
              tp: int = 1, micro_batch_size: int = 1, seq_len: int = 2048, gradient_checkpointing: bool = True,
              tokens_in_flight: int = 0, overhead_gb: float = DEFAULT_OVERHEAD_GB, dtype_bytes: int = 2,
              weight_sync_bucket_mb: float = 0.0, lora_rank: int = 0,
-             lora_targets=DEFAULT_LORA_TARGETS) -> dict[str, float]:
+             lora_targets=DEFAULT_LORA_TARGETS, sleeps_on_host: bool = False) -> dict[str, float]:
     """GB on each GPU of a role of `ranks` ranks, by component, with `total` (GPU) and `cpu_optimizer`
     (host memory per rank holding offloaded Adam states). See the module docstring for the model.
 
     `micro_batch_size` x `seq_len` is the batch of a training or scoring pass on one rank; `tp` and
     `tokens_in_flight` (tokens an engine keeps in its KV cache at once) apply to rollout only. `dtype_bytes`:
     2 (bf16/fp16, the default) or 4 (fp32). `weight_sync_bucket_mb`: the actor leader's two bucket buffers.
-    `lora_rank` > 0: the actor trains a LoRA adapter on `lora_targets` (and a rollout engine serves it)."""
+    `lora_rank` > 0: the actor trains a LoRA adapter on `lora_targets` (and a rollout engine serves it).
+    `host`: host memory per rank for the model (offloaded optimizer, a sleeping engine's weights; without the
+    process's own `HOST_OVERHEAD_GB`); `sleeps_on_host`: a rollout engine that moves its weights there."""
     if role_kind not in KINDS:
         raise ValueError(f"unknown role kind '{role_kind}'; kinds: {', '.join(KINDS)}")
     if ranks < 1 or tp < 1 or micro_batch_size < 1 or seq_len < 1 or tokens_in_flight < 0:
@@ -324,7 +333,7 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
     d = dtype_bytes
     layer_working_set = ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * tokens * shape.hidden * d // 2
     out = dict(weights=0.0, gradients=0.0, optimizer=0.0, activations=0.0, kv_cache=0.0, overhead=overhead_gb,
-               cpu_optimizer=0.0)
+               cpu_optimizer=0.0, host=0.0)
     window = min(ZERO3_WINDOW_MAX, int(params * ZERO3_WINDOW_SHARE))
     gathered = shape.largest_module(lm_head=not value_model) + window if zero_stage >= 3 else 0
 
@@ -339,6 +348,8 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
         out["gradients"] = d * (trained / (ranks if zero_stage >= 2 else 1) + bucket) / GB
         optimizer = 12 * trained / (ranks if zero_stage >= 1 else 1) / GB
         out["cpu_optimizer" if adam_offload else "optimizer"] = optimizer
+        if adam_offload:  # with the fp32 gradient partition DeepSpeed's CPU optimizer steps on
+            out["host"] = optimizer + 4 * trained / (ranks if zero_stage >= 1 else 1) / GB
         if gradient_checkpointing:
             activations = d * tokens * shape.hidden * shape.layers + layer_working_set
         else:
@@ -355,6 +366,8 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
     else:  # rollout
         slot = shape.lora_params(vllm_lora_rank(lora_rank), PROJECTIONS) if lora_rank > 0 else 0
         out["weights"] = d * (params + slot) / tp / GB
+        if sleeps_on_host:
+            out["host"] = out["weights"]
         out["kv_cache"] = tokens_in_flight * shape.kv_bytes_per_token(tp) / GB
         out["activations"] = (ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * ROLLOUT_PREFILL_TOKENS * shape.hidden
                               / tp / GB)

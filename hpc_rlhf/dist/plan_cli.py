@@ -10,7 +10,8 @@ import argparse
 import sys
 
 from hpc_rlhf.dist.allocation import BREAKDOWN, Allocation, AllocationError, RoleLoad, check_allocation
-from hpc_rlhf.dist.memory import (DEFAULT_LORA_TARGETS, DEFAULT_OVERHEAD_GB, GB, PROJECTIONS, ModelShape,
+from hpc_rlhf.dist.memory import (DEFAULT_LORA_TARGETS, DEFAULT_OVERHEAD_GB, GB, HOST_OVERHEAD_GB, PROJECTIONS,
+                                 ModelShape,
                                   ModelShapeError, load_shape)
 from hpc_rlhf.dist.placement import format_ranks, format_rows
 
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
     parser.add_argument("--adam-offload", action="store_true", help="Adam states in CPU memory")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU (GB = 1e9 bytes)")
+    parser.add_argument("--host-memory-gb", type=float, default=None,
+                        help="memory of one node: the offloaded optimizer states and the ranks' processes are "
+                             "checked against it (default: not checked)")
     parser.add_argument("--micro-batch-size", type=int, default=1,
                         help="sequences per rank in one training or scoring pass")
     parser.add_argument("--seq-len", type=int, default=2048, help="prompt + response tokens of a sequence")
@@ -79,7 +83,8 @@ def compute(args: argparse.Namespace, extra_gb_of=None) -> dict:
                         tokens_in_flight=args.rollout_seqs * args.seq_len, keys=FLAG_NAMES,
                         **(lora if kind in ("actor", "rollout") else {}))
 
-    allocation = Allocation(args.world_size, args.gpus_per_node, args.gpu_memory_gb, args.overhead_gb)
+    allocation = Allocation(args.world_size, args.gpus_per_node, args.gpu_memory_gb, args.overhead_gb,
+                            host_memory_gb=args.host_memory_gb)
     result = check_allocation(args.placement, allocation, load_of, extra_gb_of=extra_gb_of)
     if lora:
         adapter = shape.lora_params(args.lora_rank, lora["lora_targets"])
@@ -116,9 +121,17 @@ def format_report(result: dict) -> str:
                  f"parameters ({100 * lora['share_of_model']:.2f}% of the model); a weight sync moves "
                  f"{lora['sync_gb'] * 1e3:.0f} MB (bf16) instead of {lora['full_sync_gb']:.1f} GB; the reference is "
                  "the actor with its adapter off (no ref role needed)")
-    verdict = "the plan fits" if result["fits"] else "the plan does NOT fit: see the rows marked NO"
+    host = result["host"]
+    limit = f"node memory {host['limit_gb']:g} GB" if host["limit_gb"] is not None else \
+        "node memory not given (--host-memory-gb): not checked"
+    host_line = (f"host memory per node (offloaded optimizer states, sleeping engines' weights, "
+                 f"{HOST_OVERHEAD_GB:g} GB per rank's process): "
+                 + ", ".join(f"node {n} {gb:,.0f} GB" for n, gb in enumerate(host["gb_per_node"]))
+                 + f"; {limit}" + ("" if host["fits"] else ": does NOT fit"))
+    verdict = "the plan fits" if result["fits"] else "the plan does NOT fit: see the rows marked NO" \
+        if not all(r["fits"] for r in result["roles"].values()) else "the plan does NOT fit: host memory"
     return (f"{head}\n\n{table}\n\nper-role GB per rank (GB/rank adds colocated roles and "
-            f"{result['overhead_gb']:g} GB overhead):\n{breakdown}\n\n{verdict}")
+            f"{result['overhead_gb']:g} GB overhead):\n{breakdown}\n\n{host_line}\n\n{verdict}")
 
 
 def refuse(prog: str, exc: AllocationError) -> int:

@@ -34,7 +34,7 @@ from hpc_rlhf.dist.plan_cli import format_report, refuse
 from hpc_rlhf.scale import communicators
 
 ALLOCATION_FLAGS = {"world_size": "--world-size", "gpus_per_node": "--gpus-per-node",
-                    "gpu_memory_gb": "--gpu-memory-gb"}
+                    "gpu_memory_gb": "--gpu-memory-gb", "host_memory_gb": "--host-memory-gb"}
 # One-model modes: what sits on each rank of their single data-parallel group, and the memory model's kind of
 # the trained model (a reward model is a value model: no LM head).
 PAIRED_WITH_REFERENCE = ("dpo", "kto", "idpo")
@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dry run: the model shape of every role whose model folder has no config.json (a "
                              "placeholder): a preset (7b, 13b, 34b, 70b) or a config.json")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="dry run: memory of one GPU")
+    parser.add_argument("--host-memory-gb", type=float, default=None,
+                        help="dry run: memory of one node, for the offloaded optimizer states and the ranks' "
+                             "processes (default: not checked; sbatch/common.sh gives the job's)")
     parser.add_argument("--json", action="store_true", help="dry run: print the report as one JSON object")
 
 
@@ -116,6 +119,8 @@ def _rl_loads(cfg: Any, plan, model: str | None, stand_ins: dict[str, str]):
                         tokens_in_flight=per_engine * cfg.data.max_len, dtype_bytes=_dtype_bytes(section),
                         weight_sync_bucket_mb=cfg.rollout.weight_sync_bucket_mb if rollout else 0.0,
                         gpu_share=cfg.rollout.gpu_memory_utilization if vllm else None, keys=keys,
+                        # a hybrid vLLM engine sleeps while the actor trains: its weights wait in host memory
+                        sleeps_on_host=vllm and plan.is_hybrid,
                         **(lora if kind in ("actor", "rollout") else {}))
 
     return load_of
@@ -167,12 +172,13 @@ def _one_model(mode: str, cfg: Any, allocation: Allocation, model: str | None, s
 
 
 def check_config(mode: str, cfg: Any, world_size: int, gpus_per_node: int, model: str | None = None,
-                 gpu_memory_gb: float = 80.0) -> dict:
+                 gpu_memory_gb: float = 80.0, host_memory_gb: float | None = None) -> dict:
     """The allocation report of a loaded config (`hpc_rlhf.config.load_config`, which has checked keys and
     values) on `world_size` ranks of `gpus_per_node` per node; raises AllocationError, one line naming the key or
     flag, when the config would not start there. `report["fits"]` is False when a role's memory does not fit
     (`refusal(report)` says which and what to change): the CLI refuses such a config too."""
-    allocation = Allocation(world_size, gpus_per_node, gpu_memory_gb, keys=ALLOCATION_FLAGS)
+    allocation = Allocation(world_size, gpus_per_node, gpu_memory_gb, host_memory_gb=host_memory_gb,
+                            keys=ALLOCATION_FLAGS)
     if world_size < 1 or gpus_per_node < 1:
         key = "world_size" if world_size < 1 else "gpus_per_node"
         raise AllocationError(ALLOCATION_FLAGS[key], f"must be at least 1, got {getattr(allocation, key)}")
@@ -204,7 +210,8 @@ def main(mode: str, cfg: Any, args: argparse.Namespace) -> int:
         print(f"{prog}: {missing[0]} is needed (the allocation to check the config for)", file=sys.stderr)
         return 2
     try:
-        report = check_config(mode, cfg, args.world_size, args.gpus_per_node, args.model, args.gpu_memory_gb)
+        report = check_config(mode, cfg, args.world_size, args.gpus_per_node, args.model, args.gpu_memory_gb,
+                              args.host_memory_gb)
     except AllocationError as exc:
         return refuse(prog, exc)
     print(json.dumps(public(report)) if args.json else format_report(report))

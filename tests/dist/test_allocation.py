@@ -4,7 +4,7 @@ mode's --dry-run (config keys). Refusals are one line starting with the name the
 import pytest
 
 from hpc_rlhf.dist.allocation import Allocation, AllocationError, RoleLoad, check_allocation, plan_on, refusal
-from hpc_rlhf.dist.memory import DEFAULT_OVERHEAD_GB, ModelShape, estimate
+from hpc_rlhf.dist.memory import DEFAULT_OVERHEAD_GB, HOST_OVERHEAD_GB, ModelShape, estimate
 
 SEVEN_B = ModelShape.preset("7b")
 KEYS = {"zero_stage": "train.zero_stage", "adam_offload": "train.adam_offload", "share": "rollout.share",
@@ -53,3 +53,49 @@ def test_settings_the_memory_model_refuses_name_their_key():
     bad = RoleLoad(kind="actor", shape=SEVEN_B, zero_stage=0, adam_offload=True, keys=KEYS)
     with pytest.raises(AllocationError, match=r"^train\.adam_offload: role 'actor': Adam offload needs ZeRO"):
         check_allocation("actor=8", Allocation(8, 8), loads(actor=bad))
+
+
+# ------------------------------------------------------------------------------------------------ host memory
+SEVENTY_B = ModelShape.preset("70b")
+
+
+def offloading(kind: str) -> RoleLoad:
+    return RoleLoad(kind=kind, shape=SEVENTY_B, zero_stage=3, adam_offload=True, keys=KEYS)
+
+
+def test_each_node_adds_its_ranks_offloaded_adam_states_and_processes():
+    """8 actor ranks on node 0 and 8 critic ranks on node 1, Adam offloaded: each node holds its role's whole
+    fp32 master weights, m, v and gradients (16 bytes a parameter), plus a process allowance per rank."""
+    report = check_allocation("actor=8,critic=8", Allocation(16, 8, 80.0, host_memory_gb=2048.0),
+                              loads(actor=offloading("actor"), critic=offloading("critic")))
+    actor_node, critic_node = report["host"]["gb_per_node"]
+    assert actor_node == pytest.approx(16 * SEVENTY_B.params() / 1e9 + 8 * HOST_OVERHEAD_GB, rel=1e-3)
+    assert critic_node == pytest.approx(16 * SEVENTY_B.params(lm_head=False) / 1e9 + 8 * HOST_OVERHEAD_GB, rel=1e-3)
+    assert report["host"]["fits"] and report["fits"] and refusal(report) is None
+
+
+def test_a_node_short_of_host_memory_is_refused_naming_the_offload():
+    report = check_allocation("actor=8,critic=8", Allocation(16, 8, 80.0, host_memory_gb=512.0),
+                              loads(actor=offloading("actor"), critic=offloading("critic")))
+    reason = refusal(report)
+    assert not report["fits"] and all(r["fits"] for r in report["roles"].values())  # the GPUs are not the problem
+    assert reason.startswith("train.adam_offload: node 0 needs 1") and "more than 512 GB (--host-memory-gb)" in reason
+    assert "the Adam states role 'actor' offloads" in reason and "\n" not in reason
+
+
+def test_host_memory_is_checked_only_when_given_and_a_layout_without_offload_needs_only_the_processes():
+    report = check_allocation("actor=8,critic=8", Allocation(16, 8, 80.0),
+                              loads(actor=offloading("actor"), critic=offloading("critic")))
+    assert report["host"]["limit_gb"] is None and report["host"]["fits"]
+    plain = check_allocation("actor+ref=4,rollout=4", Allocation(8, 8, 80.0, host_memory_gb=40.0), loads())
+    assert plain["host"]["gb_per_node"] == [8 * HOST_OVERHEAD_GB] and plain["host"]["fits"]
+    short = check_allocation("actor+ref=4,rollout=4", Allocation(8, 8, 80.0, host_memory_gb=16.0), loads())
+    assert refusal(short).startswith("--placement: node 0 needs 32 GB of host memory")
+
+
+def test_a_sleeping_vllm_engine_keeps_its_weights_in_host_memory():
+    sleeping = RoleLoad(kind="rollout", shape=SEVEN_B, tokens_in_flight=1024, sleeps_on_host=True, keys=KEYS)
+    awake = check_allocation("actor=4,rollout=4", Allocation(8, 8, 80.0), loads())
+    asleep = check_allocation("actor=4,rollout=4", Allocation(8, 8, 80.0), loads(rollout=sleeping))
+    weights = estimate("rollout", SEVEN_B, 4)["weights"]
+    assert asleep["host"]["gb_per_node"][0] - awake["host"]["gb_per_node"][0] == pytest.approx(4 * weights, abs=0.2)

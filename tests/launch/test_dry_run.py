@@ -84,6 +84,18 @@ def test_a_config_that_contradicts_the_layout_is_refused_in_one_line_naming_the_
     assert re.search(rf"--dry-run: (command line: )?{re.escape(key)}\b", err), err
 
 
+def test_ppo_70b_needs_nodes_of_about_1_1_tb_for_its_offloaded_adam_states(capsys):
+    """A DGX H100 node (2 TB) holds the actor's or the critic's offloaded Adam states; 512 GB is refused in one
+    line naming the offload; without --host-memory-gb nothing is checked and the report still shows the sums."""
+    code, out, err = dry_run(capsys, *PPO_70B, "--host-memory-gb", "2048")
+    assert code == 0 and "the plan fits" in out and "node memory 2048 GB" in out, err
+    code, out, err = dry_run(capsys, *PPO_70B, "--host-memory-gb", "512")
+    assert code == 2 and len(err.splitlines()) == 1 and "the plan does NOT fit: host memory" in out
+    assert re.search(r"--dry-run: train\.adam_offload: node 0 needs 11\d\d GB of host memory, more than 512 GB", err)
+    code, out, err = dry_run(capsys, *PPO_70B)
+    assert code == 0 and "node 0 1,1" in out and "not checked" in out
+
+
 def test_an_engine_across_two_nodes_is_refused(capsys):
     code, out, err = dry_run(capsys, "ppo", "examples/cluster/ppo_70b.yaml", 30, 6, "--model", "70b",
                              "placement=actor=2,critic=1,ref=1,reward=2,rollout=24,rollout_tp=4")

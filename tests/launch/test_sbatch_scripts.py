@@ -226,6 +226,18 @@ def test_a_role_mode_without_placement_runs_the_configs_own(fake_slurm):
     assert "placement 'from the config'" in proc.stderr
 
 
+def test_the_check_weighs_host_memory_from_host_memory_gb_or_the_jobs_mem(fake_slurm):
+    """HOST_MEMORY_GB, else the job's --mem (SLURM_MEM_PER_NODE, MiB), is the node memory the dry run checks; with
+    neither the job log says it was not checked. 4 tiny ranks need their processes' 4 x 4 GB per node of 2."""
+    proc, calls = fake_slurm("tiny_cpu.sbatch", HOST_MEMORY_GB="6")
+    assert proc.returncode == 2 and "srun" not in calls
+    assert "node 0 needs 8 GB of host memory, more than 6 GB (--host-memory-gb)" in proc.stderr
+    proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="16000")  # 16.8 GB
+    assert proc.returncode == 0 and "node memory 16.8 GB" in proc.stdout, proc.stderr
+    proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="0")
+    assert proc.returncode == 0 and "host memory not checked: set HOST_MEMORY_GB" in proc.stdout
+
+
 def test_nccl_settings_reach_the_ranks_only_when_set(fake_slurm):
     proc, calls = fake_slurm("tiny_cpu.sbatch", NCCL_SOCKET_IFNAME="ib0", NCCL_DEBUG="INFO")
     assert proc.returncode == 0, proc.stderr
