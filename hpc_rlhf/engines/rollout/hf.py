@@ -63,16 +63,22 @@ _NEUTRAL_GENERATION = dict(temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, e
                            remove_invalid_values=False)
 
 
+def _truncation(sampling: SamplingParams) -> list[LogitsProcessor]:
+    """transformers' own top-k and top-p warpers, as `generate` would apply them (none when switched off)."""
+    warpers = []
+    if sampling.top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+    return warpers
+
+
 class _SamplingProcessor(LogitsProcessor):
     """Temperature + top-k + top-p, recording log_softmax(logits / T) of each sampled token."""
 
     def __init__(self, sampling: SamplingParams):
         self.temperature = sampling.logprob_temperature
-        self.warpers = []
-        if sampling.top_k > 0:
-            self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
-        if sampling.top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+        self.warpers = _truncation(sampling)
         self.pending: torch.Tensor | None = None  # log-softmax rows of the step whose token is not yet known
         self.picked: list[torch.Tensor] = []      # one [rows] tensor per decoded step
 
@@ -105,11 +111,7 @@ class _Sampler:
     def __init__(self, sampling: SamplingParams):
         self.greedy = sampling.greedy
         self.temperature = sampling.logprob_temperature
-        self.warpers = []
-        if sampling.top_k > 0:
-            self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
-        if sampling.top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+        self.warpers = _truncation(sampling)
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scaled = logits / self.temperature
