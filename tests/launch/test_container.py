@@ -71,12 +71,21 @@ def quoted_pins(lines: list[str]) -> list[str]:
     return [pin for line in lines for pin in re.findall(r'"([A-Za-z0-9_.-]+==[^"]+)"', line)]
 
 
-def test_header_bootstraps_from_a_cuda_pytorch_image_with_the_tested_torch():
+def test_header_bootstraps_from_a_cuda_13_devel_image_and_installs_the_tested_torch_from_pypi():
+    """vLLM 0.32.0's ops and PyPI's torch 2.13.0 link CUDA 13 (containers/check_cuda_runtimes.sh reads it from the
+    wheels): the base image's toolkit, which compiles flash-attn and DeepSpeed's ops, is CUDA 13 too, and torch
+    comes from PyPI's index (a base image's own torch of the same version but another CUDA would satisfy the pin)."""
     assert HEADER["Bootstrap"] == "docker"
     image = HEADER["From"]
+    assert re.search(r"cuda[:-]?13\.", image) and "devel" in image, image
     torch_version = makefile_specs()["TORCH_SPEC"].split("==")[1]
-    assert image.startswith(("pytorch/pytorch:", "nvcr.io/nvidia/pytorch:"))
-    assert "cuda" in image and "devel" in image and torch_version in image, image
+    assert f'--index-url https://pypi.org/simple "torch=={torch_version}"' in SECTIONS["post"]
+    assert "torch.version.cuda.startswith('13.')" in SECTIONS["post"]
+
+
+def test_the_image_test_loads_vllms_compiled_ops_not_only_its_package():
+    test = SECTIONS["test"]
+    assert "stubs/libcuda.so" in test and "vllm._C_stable_libtorch" in test and "vllm.cumem_allocator" in test
 
 
 def test_sections_are_known_and_complete():
