@@ -93,6 +93,9 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
             raise AllocationError(allocation.keys[name], f"must be at least 1, got {value}")
     if allocation.gpu_memory_gb <= 0:
         raise AllocationError(allocation.keys["gpu_memory_gb"], f"must be positive, got {allocation.gpu_memory_gb}")
+    if allocation.host_memory_gb is not None and allocation.host_memory_gb <= 0:
+        raise AllocationError(allocation.keys.get("host_memory_gb", "--host-memory-gb"),
+                              f"must be positive (a node's memory in GB), got {allocation.host_memory_gb:g}")
     plan = plan_on(placement, allocation, placement_key)
     own: dict[str, dict[str, float]] = {}
     loads: dict[str, RoleLoad] = {}

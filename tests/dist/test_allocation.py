@@ -93,6 +93,11 @@ def test_host_memory_is_checked_only_when_given_and_a_layout_without_offload_nee
     assert refusal(short).startswith("--placement: node 0 needs 32 GB of host memory")
 
 
+def test_a_node_memory_that_is_not_positive_is_refused_naming_the_flag():
+    with pytest.raises(AllocationError, match=r"^--host-memory-gb: must be positive \(a node's memory in GB\), got 0"):
+        check_allocation("actor=8", Allocation(8, 8, 80.0, host_memory_gb=0.0), loads())
+
+
 def test_a_sleeping_vllm_engine_keeps_its_weights_in_host_memory():
     sleeping = RoleLoad(kind="rollout", shape=SEVEN_B, tokens_in_flight=1024, sleeps_on_host=True, keys=KEYS)
     awake = check_allocation("actor=4,rollout=4", Allocation(8, 8, 80.0), loads())
