@@ -12,7 +12,8 @@ learning tests waited behind the others and then ran alone, a core idle about ha
 suite. The learning lane is the longer one (fresh clones: 15m39s against 13m38s with the cluster tests in it,
 15m24s against 13m52s without), so what needs no shared model runs in the other.
 
-Each lane's lines are printed as they come, prefixed with the lane's name; its pytest summary comes last. The exit
+Each lane's lines are printed as they come, prefixed with the lane's name; at the end, each lane's failed tests
+(pytest's FAILED and ERROR lines) and its pytest summary. The exit
 status is the worse of the two (a lane that collects nothing, because the arguments deselect all of it, counts as
 passed). A process a test left running would hold its lane's output open after pytest has exited: the suite waits
 OUTPUT_GRACE_S for the output to end, then names such processes (pid and command line) and ends without them.
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 LANES = {"learning": ["-m", "learning_lane"], "rest": ["-m", "not learning_lane"]}
 NO_TESTS_COLLECTED = 5  # pytest's exit code
 OUTPUT_GRACE_S = 10.0
+MAX_FAILURE_LINE = 300
 
 
 def _holders(pipe_fd: int) -> list[str]:
@@ -92,6 +94,14 @@ def print_timeline(root: Path, start_wall: float, slowest: int = 12) -> None:
               + (f"\n{'':30}beside: {', '.join(sorted(beside, key=len)[:4])}" if beside else ""))
 
 
+def lane_report(name: str, code: int, log: str) -> list[str]:
+    """A lane's last lines: its failed tests (pytest's FAILED and ERROR lines, cut to MAX_FAILURE_LINE characters),
+    repeated at the end where a reader of only the output's tail (CI's) finds them, then its pytest summary."""
+    lines = log.rstrip().splitlines()
+    failed = [f"lane {name}: {line[:MAX_FAILURE_LINE]}" for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    return [*failed, f"lane {name}: exit {code}: {(lines[-1:] or ['(no output)'])[0]}"]
+
+
 def main(argv: list[str]) -> int:
     # The built-in assets, once, before two processes would each find them missing and write them.
     subprocess.run([sys.executable, "-m", "hpc_rlhf", "assets"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
@@ -119,8 +129,7 @@ def main(argv: list[str]) -> int:
     elapsed = time.monotonic() - start
     print_timeline(root, start_wall)
     for name, code in codes.items():
-        summary = (root / f"{name}.log").read_text().rstrip().splitlines()[-1:] or ["(no output)"]
-        print(f"lane {name}: exit {code}: {summary[0]}")
+        print(*lane_report(name, code, (root / f"{name}.log").read_text()), sep="\n")
     minutes, seconds = divmod(round(elapsed), 60)
     print(f"suite: {minutes}m{seconds:02d}s in two lanes (logs in {root})")
     worst = max((0 if code == NO_TESTS_COLLECTED else code) for code in codes.values())

@@ -83,3 +83,15 @@ def test_a_process_left_holding_a_lanes_output_is_named():
         holder.wait()
         holder.stdout.close()
 
+
+
+def test_a_lanes_failed_tests_are_repeated_with_its_summary_at_the_end():
+    log = "\n".join(["tests/a.py ..F", "=== short test summary info ===",
+                     "FAILED tests/a.py::test_x - AssertionError: " + "y" * 500, "ERROR tests/b.py::test_z - boom",
+                     "1 failed, 2 passed, 1 error in 3.00s", ""])
+    report = load_run_suite().lane_report("rest", 1, log)
+    assert report[0].startswith("lane rest: FAILED tests/a.py::test_x - AssertionError: y")
+    assert len(report[0]) == len("lane rest: ") + load_run_suite().MAX_FAILURE_LINE
+    assert report[1:] == ["lane rest: ERROR tests/b.py::test_z - boom",
+                          "lane rest: exit 1: 1 failed, 2 passed, 1 error in 3.00s"]
+    assert load_run_suite().lane_report("learning", 0, "") == ["lane learning: exit 0: (no output)"]

@@ -36,6 +36,7 @@ SCRIPT = REPO / "scripts" / "local_slurm.sh"
 STEPS = 30  # long enough that the preemption signal lands mid-run, short enough for a minute-long job
 MPI_STEPS = 4  # the MPI jobs only have to start and train across their ranks: a few steps and the final eval
 JOB_TIMEOUT_S = 600
+QUEUE_WAIT_S = 1800  # the longest a job of the session may wait in the queue for its turn
 # Printed by each rank before training: how our bootstrap sees the launch (no torch import). One write(2) of the
 # whole line: print() under PYTHONUNBUFFERED writes word by word, and two ranks' words once interleaved in the
 # output mpirun gathers ("PROBEPROBE mpi 0 2 / mpi 1 2").
@@ -79,16 +80,24 @@ class LocalCluster:
         return dict(item.split("=", 1) for item in out.split() if "=" in item)
 
     def wait(self, job_id: str, timeout: float = JOB_TIMEOUT_S) -> dict[str, str]:
-        """Wait until the job has left the queue for good (a requeued job stays in it); return its record."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Wait until the job has left the queue for good (a requeued job stays in it); return its record.
+
+        `timeout` counts from when the job first runs: the session's jobs share 4 slots, and a job submitted with
+        the others may wait its turn in the queue longer than it runs (never more than QUEUE_WAIT_S)."""
+        submitted, started = time.monotonic(), None
+        while True:
             state = self.job_fields(job_id).get("JobState", "")
             if state not in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "REQUEUE_HOLD",
                              "SUSPENDED"):
                 return self.job_fields(job_id)
+            if started is None and state != "PENDING":
+                started = time.monotonic()
+            now = time.monotonic()
+            if (started is not None and now - started > timeout) or now - submitted > QUEUE_WAIT_S + timeout:
+                break
             time.sleep(1)
         subprocess.run(["scancel", job_id], env=self.env)
-        raise AssertionError(f"job {job_id} did not finish within {timeout:g} s: {self.job_fields(job_id)}")
+        raise AssertionError(f"job {job_id} did not finish within {timeout:g} s of its start: {self.job_fields(job_id)}")
 
 
 @dataclass
@@ -245,22 +254,26 @@ log:
 
 
 def _signal_when_running(cluster: LocalCluster, job: Submitted, record: Preemption, min_step: int = 2) -> None:
-    deadline = time.monotonic() + JOB_TIMEOUT_S
+    # The deadline counts from when the job runs: a job submitted with the session's others may wait its turn.
+    deadline = time.monotonic() + QUEUE_WAIT_S + JOB_TIMEOUT_S
     try:
         while time.monotonic() < deadline:
+            state = cluster.job_fields(job.job_id).get("JobState")
+            if state == "PENDING":
+                deadline = max(deadline, time.monotonic() + JOB_TIMEOUT_S)
             try:
                 steps = [row["step"] for row in job.metrics()]
             except (FileNotFoundError, json.JSONDecodeError):  # not started, or a line half written
                 steps = []
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+                record.error = f"the job ended ({state}) before it could be signalled"
+                return
             if steps and max(steps) >= min_step:
                 cluster.run(["scancel", "--signal=USR1", job.job_id])
                 record.step_seen = max(steps)
                 return
-            if cluster.job_fields(job.job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-                record.error = "the job ended before it could be signalled"
-                return
             time.sleep(0.1)
-        record.error = "no step was logged in time"
+        record.error = f"no step was logged within {JOB_TIMEOUT_S} s of the job's start"
     except Exception as exc:  # noqa: BLE001 - reported by the test that reads the record
         record.error = f"{type(exc).__name__}: {exc}"
     finally:
