@@ -21,6 +21,11 @@
 #   CONTAINER           an Apptainer image (.sif): every rank runs `apptainer exec --nv $CONTAINER python ...`;
 #                       binds come from APPTAINER_BIND (e.g. APPTAINER_BIND=/scratch,/datasets)
 #   MAX_RESTARTS        requeue a preempted job at most this many times (default 20)
+#   STOP_LEAD_S         the script's #SBATCH --signal=USR1@LEAD, in seconds (default 600): the time the ranks have
+#                       for their last step and checkpoint; the check warns when the checkpoint alone needs more
+#   REQUEUE_MARGIN_S    requeue the job this many seconds before its time limit if the ranks still run then
+#                       (hpc_rlhf/launch/requeue_guard.sh; default 120): a slow stop still requeues
+#   CHECKPOINT_GBPS     the write speed of one node to output_dir's file system, GB/s, for that warning (default 2)
 #   MASTER_ADDR/PORT    rendezvous; default: first host of the allocation, port 10000 + job id % 20000 (below
 #                       Linux's ephemeral ports, 32768-60999; the same formula as hpc_rlhf.dist.launch_env)
 #   NCCL_*              passed to every rank unchanged when set (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...);
@@ -97,6 +102,8 @@ hpc_check_plan() {
   else hpc_log "host memory not checked: set HOST_MEMORY_GB (GB per node) or #SBATCH --mem"; fi
   "${HPC_PYTHON[@]}" -m hpc_rlhf "${HPC_MODE_ARGS[@]}" --dry-run --world-size "$SLURM_NTASKS" \
     --gpus-per-node "$(hpc_ranks_per_node)" --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${model[@]}" \
+    --stop-lead-s "${STOP_LEAD_S:-600}" --requeue-margin-s "${REQUEUE_MARGIN_S:-120}" \
+    --checkpoint-gbps "${CHECKPOINT_GBPS:-2}" \
     || hpc_die "the config does not start on this allocation ($SLURM_NTASKS ranks, $(hpc_ranks_per_node) per" \
                "node; placement '${PLACEMENT:-from the config}'): see the line above; not starting"
 }
@@ -117,7 +124,9 @@ hpc_host_memory_gb() {
 # preemption it performs itself. A job that reaches its time limit simply ends (TIMEOUT). Our ranks checkpoint
 # on the early SIGUSR1 (#SBATCH --signal) and exit with code 75; the script then calls `scontrol requeue`, and
 # the job runs again under the same id, appending to the same log (--open-mode=append), and resumes from the
-# newest checkpoint in output_dir.
+# newest checkpoint in output_dir. A stop that overruns (a step or a checkpoint slower than the signal's lead, a
+# rank that never answers) would end the job at its limit, TIMEOUT, with no one to requeue it: the requeue guard
+# (hpc_rlhf/launch/requeue_guard.sh) requeues it REQUEUE_MARGIN_S before the limit whatever the ranks do.
 hpc_train() {
   # The arguments that were checked are the ones the ranks get (hpc_mode_args).
   hpc_mode_args "$@"
@@ -130,9 +139,12 @@ hpc_train() {
   # failed rank ends the step at once, instead of the others waiting in a collective until its timeout. Ranks that
   # are already stopping for a checkpoint ignore that SIGTERM and finish.
   "$HPC_RLHF_HOME/launch/srun.sh" "${args[@]}" &
-  local pid=$! rc
+  local pid=$! rc guard
+  bash "$HPC_RLHF_HOME/hpc_rlhf/launch/requeue_guard.sh" "${REQUEUE_MARGIN_S:-120}" "${MAX_RESTARTS:-20}" &
+  guard=$!
   wait "$pid"; rc=$?
   while [ "$signalled" = 1 ]; do signalled=0; wait "$pid"; rc=$?; done
+  kill "$guard" 2>/dev/null
   trap - TERM
   if [ "$rc" = "$HPC_PREEMPTED_EXIT_CODE" ]; then
     local restarts=${SLURM_RESTART_COUNT:-0}

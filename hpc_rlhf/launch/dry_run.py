@@ -33,6 +33,8 @@ from hpc_rlhf.dist.memory import PROJECTIONS, ModelShape, ModelShapeError, load_
 from hpc_rlhf.dist.plan_cli import format_report, refuse
 from hpc_rlhf.scale import communicators
 
+DEFAULT_REQUEUE_MARGIN_S = 120.0  # sbatch/common.sh's REQUEUE_MARGIN_S
+DEFAULT_CHECKPOINT_GBPS = 2.0  # GB/s one node writes to a parallel file system: an assumption, CHECKPOINT_GBPS
 ALLOCATION_FLAGS = {"world_size": "--world-size", "gpus_per_node": "--gpus-per-node",
                     "gpu_memory_gb": "--gpu-memory-gb", "host_memory_gb": "--host-memory-gb"}
 # One-model modes: what sits on each rank of their single data-parallel group, and the memory model's kind of
@@ -55,6 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-memory-gb", type=float, default=None,
                         help="dry run: memory of one node, for the offloaded optimizer states and the ranks' "
                              "processes (default: not checked; sbatch/common.sh gives the job's)")
+    parser.add_argument("--stop-lead-s", type=float, default=None,
+                        help="dry run: seconds between Slurm's stop signal and the time limit (--signal=USR1@LEAD): "
+                             "warns when the last step and the checkpoint may not fit in it (default: not checked)")
+    parser.add_argument("--requeue-margin-s", type=float, default=DEFAULT_REQUEUE_MARGIN_S,
+                        help="dry run: the requeue guard's margin before the time limit (REQUEUE_MARGIN_S)")
+    parser.add_argument("--checkpoint-gbps", type=float, default=DEFAULT_CHECKPOINT_GBPS,
+                        help="dry run: write speed of one node to output_dir's file system, GB/s")
+    parser.add_argument("--step-time-s", type=float, default=0.0,
+                        help="dry run: one training step's seconds, when known (the stop waits for the step)")
     parser.add_argument("--json", action="store_true", help="dry run: print the report as one JSON object")
 
 
@@ -201,6 +212,55 @@ def check_config(mode: str, cfg: Any, world_size: int, gpus_per_node: int, model
     return report
 
 
+def checkpoint_per_node_gb(report: dict) -> list[float]:
+    """GB each node writes for one checkpoint: every trained role's rank writes its optimizer states (on the GPU or
+    offloaded) and, under ZeRO-3, its shard of the weights; with whole weights per rank, the role's first rank
+    writes them."""
+    per_node = [0.0] * report["nodes"]
+    for row in report["roles"].values():
+        gb = row["breakdown_gb"]
+        optimizer = gb.get("optimizer", 0.0) + gb.get("cpu_optimizer", 0.0)
+        if optimizer <= 0:  # not trained: nothing of it in a checkpoint
+            continue
+        for index, rank in enumerate(row["ranks"]):
+            weights = gb["weights"] if report["zero_stage"] == 3 or index == 0 else 0.0
+            per_node[rank // report["ranks_per_node"]] += optimizer + weights
+    return per_node
+
+
+def check_stop_lead(report: dict, lead_s: float, margin_s: float, gbps: float, step_s: float = 0.0) -> dict:
+    """Whether the ranks can finish their step and write their checkpoint between Slurm's stop signal (`lead_s`
+    before the time limit) and the requeue guard (`margin_s` before it), at `gbps` per node. Raises AllocationError
+    for a margin that leaves no time at all."""
+    for flag, value in (("--stop-lead-s", lead_s), ("--checkpoint-gbps", gbps)):
+        if value <= 0:
+            raise AllocationError(flag, f"must be positive, got {value:g}")
+    if margin_s < 0 or margin_s >= lead_s:
+        raise AllocationError("--requeue-margin-s", f"{margin_s:g} s must be at least 0 and less than the stop "
+                                                    f"signal's lead ({lead_s:g} s, --stop-lead-s): the guard would "
+                                                    f"requeue the job before its ranks could stop")
+    per_node = checkpoint_per_node_gb(report)
+    write_s = max(per_node) / gbps
+    return {"gb_per_node": [round(gb, 1) for gb in per_node], "write_s": round(write_s, 1), "gbps": gbps,
+            "step_s": step_s, "lead_s": lead_s, "margin_s": margin_s,
+            "enough": step_s + write_s <= lead_s - margin_s}
+
+
+def stop_lead_line(stop: dict) -> str:
+    need = f"a checkpoint of up to {max(stop['gb_per_node']):,.0f} GB per node at {stop['gbps']:g} GB/s: " \
+           f"{stop['write_s']:.0f} s" + (f", after a step of {stop['step_s']:.0f} s" if stop["step_s"] else
+                                         ", after the step in progress")
+    window = f"{stop['lead_s'] - stop['margin_s']:.0f} s between the stop signal ({stop['lead_s']:.0f} s before " \
+             f"the limit) and the requeue guard ({stop['margin_s']:.0f} s before it)"
+    if stop["enough"]:
+        return f"stop: {need}; {window}"
+    return (f"warning: the stop signal's lead is too short for {need}; only {window}: the job would be requeued "
+            f"before the checkpoint is complete and resume from the one before; give the stop signal a lead of at "
+            f"least {stop['step_s'] + stop['write_s'] + stop['margin_s']:.0f} s"
+            + ("" if stop["step_s"] else " plus one step (--step-time-s)")
+            + " (#SBATCH --signal=USR1@LEAD and STOP_LEAD_S)")
+
+
 def main(mode: str, cfg: Any, args: argparse.Namespace) -> int:
     """The CLI's dry run: the report on stdout and exit 0, or one line on stderr and exit 2."""
     prog = f"hpc-rlhf {mode} --dry-run"
@@ -212,9 +272,14 @@ def main(mode: str, cfg: Any, args: argparse.Namespace) -> int:
     try:
         report = check_config(mode, cfg, args.world_size, args.gpus_per_node, args.model, args.gpu_memory_gb,
                               args.host_memory_gb)
+        if args.stop_lead_s is not None:
+            report["stop"] = check_stop_lead(report, args.stop_lead_s, args.requeue_margin_s, args.checkpoint_gbps,
+                                             args.step_time_s)
     except AllocationError as exc:
         return refuse(prog, exc)
     print(json.dumps(public(report)) if args.json else format_report(report))
+    if "stop" in report and not args.json:
+        print(stop_lead_line(report["stop"]), file=sys.stdout if report["stop"]["enough"] else sys.stderr)
     if report["stand_in_shapes"] and not args.json:
         print(f"note: sized by --model {args.model} (these folders are not there yet): "
               + ", ".join(f"{key}={folder}" for key, folder in report["stand_in_shapes"].items()))

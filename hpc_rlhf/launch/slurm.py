@@ -20,7 +20,9 @@ preemption); the trainers stop every rank after the same step, write a checkpoin
 (`Preempted`). The task then asks Slurm to requeue the job (`requeue_self`, rank 0 only) and exits without a
 result, so submitit keeps waiting; the requeued job runs the same task again and the trainer resumes from the
 newest checkpoint in its output_dir. The task holds no state of its own: `checkpoint()` (called by submitit's
-own signal handler, which is in charge until the trainer has installed its handlers) resubmits it unchanged.
+own signal handler, which is in charge until the trainer has installed its handlers) resubmits it unchanged. A stop
+that overruns (the ranks still running `requeue_margin_s` before the limit) is requeued by the requeue guard the job
+script starts (requeue_guard.sh, as in the sbatch scripts), so the job never ends TIMEOUT with no one to requeue it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.runtime.checkpointing.Preempted.EXIT_CODE (
 STOP_SIGNAL = "USR1"  # what runtime.checkpointing.StopSignal handles (besides SIGTERM)
 # Slurm needs this much time after the stop signal for the last step, the checkpoint and the exit.
 MIN_SECONDS_AFTER_SIGNAL = 60
+# Requeues the job this many seconds before its limit if the ranks have not stopped by then (at most half the
+# signal's lead by default): the same guard as the sbatch scripts' (sbatch/common.sh).
+REQUEUE_GUARD = Path(__file__).with_name("requeue_guard.sh")
+DEFAULT_REQUEUE_MARGIN_S = 120
 
 
 class SlurmLaunchError(RuntimeError):
@@ -170,13 +176,25 @@ class TrainingTask(submitit.helpers.Checkpointable):
 def slurm_parameters(*, nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: int = 0, cpus_per_task: int = 1,
                      time_min: int = 60, partition: str | None = None, account: str | None = None,
                      signal_delay_s: int = 60, job_name: str = "hpc_rlhf",
-                     extra_slurm: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Our arguments as `submitit.SlurmExecutor.update_parameters` keywords (checked, no cluster needed)."""
+                     extra_slurm: Mapping[str, Any] | None = None, requeue_margin_s: int | None = None,
+                     max_restarts: int = 100) -> dict[str, Any]:
+    """Our arguments as `submitit.SlurmExecutor.update_parameters` keywords (checked, no cluster needed).
+
+    The job script starts the requeue guard (requeue_guard.sh, its text inlined: the job's shell may not see this
+    installation) in the background before the tasks: `requeue_margin_s` (default: 120 s, at most half of
+    `signal_delay_s`) before the limit it requeues a job whose ranks have not stopped."""
     for name, value, minimum in (("nodes", nodes, 1), ("tasks_per_node", tasks_per_node, 1),
                                  ("gpus_per_node", gpus_per_node, 0), ("cpus_per_task", cpus_per_task, 1),
                                  ("time_min", time_min, 1), ("signal_delay_s", signal_delay_s, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
             raise SlurmLaunchError(f"submit: {name} must be an integer of at least {minimum}, got {value!r}")
+    if requeue_margin_s is None:
+        requeue_margin_s = min(DEFAULT_REQUEUE_MARGIN_S, signal_delay_s // 2)
+    if not isinstance(requeue_margin_s, int) or isinstance(requeue_margin_s, bool) or \
+            not 0 <= requeue_margin_s < signal_delay_s:
+        raise SlurmLaunchError(f"submit: requeue_margin_s must be a whole number of seconds from 0 to less than "
+                               f"signal_delay_s ({signal_delay_s} s), got {requeue_margin_s!r}: the guard would "
+                               f"requeue the job before its ranks could stop")
     if time_min * 60 < signal_delay_s + MIN_SECONDS_AFTER_SIGNAL:
         raise SlurmLaunchError(f"submit: time_min={time_min} leaves no room for the stop signal: the time limit "
                                f"must exceed signal_delay_s ({signal_delay_s} s) by at least "
@@ -190,7 +208,9 @@ def slurm_parameters(*, nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: 
         "signal_delay_s": signal_delay_s,
         # submitit would ask for its own USR2; our trainers checkpoint on USR1 (and SIGTERM). Inside the job,
         # submitit's handler uses the same signal until the trainer takes it over.
-        "setup": [f"export SUBMITIT_PREEMPT_SIGNAL={STOP_SIGNAL}"],
+        "setup": [f"export SUBMITIT_PREEMPT_SIGNAL={STOP_SIGNAL}",
+                  f"bash -c {shlex.quote(REQUEUE_GUARD.read_text())} requeue_guard {requeue_margin_s} "
+                  f"{max_restarts} &"],
         "additional_parameters": {"signal": f"{STOP_SIGNAL}@{signal_delay_s}", "requeue": True},
     }
     if gpus_per_node:  # `--gpus-per-node=0` is refused by clusters without GPU resources
@@ -229,7 +249,7 @@ def submit(mode: str, config: str | None = None, overrides: Sequence[str] = (), 
            tasks_per_node: int = 1, gpus_per_node: int = 0, cpus_per_task: int = 1, time_min: int = 60,
            partition: str | None = None, account: str | None = None, folder: str | os.PathLike = "runs/submitit",
            signal_delay_s: int = 60, container: str | None = None,
-           extra_slurm: Mapping[str, Any] | None = None) -> submitit.Job:
+           extra_slurm: Mapping[str, Any] | None = None, requeue_margin_s: int | None = None) -> submitit.Job:
     """Queue `hpc-rlhf MODE` on nodes x tasks_per_node Slurm tasks; returns the submitit Job.
 
     `folder` receives submitit's pickles and logs (one subfolder per job id; it must be on a file system the
@@ -242,7 +262,8 @@ def submit(mode: str, config: str | None = None, overrides: Sequence[str] = (), 
         raise SlurmLaunchError(f"submit: config file {config} does not exist")
     params = slurm_parameters(nodes=nodes, tasks_per_node=tasks_per_node, gpus_per_node=gpus_per_node,
                               cpus_per_task=cpus_per_task, time_min=time_min, partition=partition, account=account,
-                              signal_delay_s=signal_delay_s, job_name=f"hpc_rlhf-{mode}", extra_slurm=extra_slurm)
+                              signal_delay_s=signal_delay_s, job_name=f"hpc_rlhf-{mode}", extra_slurm=extra_slurm,
+                              requeue_margin_s=requeue_margin_s)
     task = TrainingTask(mode, task_args(config, overrides, nodes * tasks_per_node))
     executor = submitit.SlurmExecutor(folder=Path(folder) / "%j", python=container_python(container))
     executor.update_parameters(**params)
@@ -268,6 +289,9 @@ def build_parser(prog: str = "python -m hpc_rlhf.launch.slurm") -> argparse.Argu
     parser.add_argument("--folder", default="runs/submitit", help="submitit pickles and logs (shared file system)")
     parser.add_argument("--signal-delay-s", type=int, default=60,
                         help="SIGUSR1 this many seconds before the time limit: checkpoint and requeue")
+    parser.add_argument("--requeue-margin-s", type=int, default=None,
+                        help="requeue the job this many seconds before the time limit if its ranks still run "
+                             f"(default {DEFAULT_REQUEUE_MARGIN_S}, at most half of --signal-delay-s)")
     parser.add_argument("--container", default=None, help="Apptainer image (.sif) to run in, with --nv")
     parser.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
                         help="extra sbatch option, e.g. --slurm qos=high (repeatable)")
@@ -297,7 +321,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m hpc_rlhf.laun
         job = submit(args.mode, args.config, overrides, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                      gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time_min=args.time_min,
                      partition=args.partition, account=args.account, folder=args.folder,
-                     signal_delay_s=args.signal_delay_s, container=args.container, extra_slurm=extra)
+                     signal_delay_s=args.signal_delay_s, container=args.container, extra_slurm=extra,
+                     requeue_margin_s=args.requeue_margin_s)
     except SlurmLaunchError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2

@@ -123,7 +123,7 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
     `micro_batch_loss(row indices)` trained on; on a logging step the window's figures, the step figures and,
     when due, `evaluate()` go to metrics.jsonl; then a checkpoint when one is due or a stop was requested.
     Failure handling: the watchdog knows the step in progress and its phase (`eval`, `training`, `checkpoint`),
-    which is also where HPC_RLHF_FAULT's kill/raise/freeze faults fire, and a nan fault poisons the loss.
+    which is also where HPC_RLHF_FAULT's kill/raise/freeze/hang faults fire, and a nan fault poisons the loss.
     """
     cfg = run.cfg
     engine.train()

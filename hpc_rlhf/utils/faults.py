@@ -8,6 +8,9 @@ separated by ';'. Keys of one fault:
     kind   kill    SIGKILL this process (as the out-of-memory killer or a node failure would)
            raise   raise InjectedFault (a RuntimeError) from the phase
            freeze  SIGSTOP this process: it stays alive but does nothing, like a hung GPU or a stuck file system
+           hang    ignore the stop signals (SIGUSR1, SIGTERM) and sleep for good, its other threads still running:
+                   a rank stuck in an uninterruptible write, which neither a stop signal nor Slurm's SIGCONT ends;
+                   only SIGKILL does
            nan     make the training loss NaN on this rank (`poison`), as an overflow or bad batch would
     rank   global rank it applies to (default: every rank)
     phase  phase name, as given to `hpc_rlhf.dist.watchdog.phase` (default: any phase; `nan` faults: training)
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from hpc_rlhf.utils import console
 
 FAULT_ENV = "HPC_RLHF_FAULT"
-KINDS = ("kill", "raise", "freeze", "nan")
+KINDS = ("kill", "raise", "freeze", "hang", "nan")
 KEYS = ("kind", "rank", "phase", "step")
 NAN_PHASE = "training"
 
@@ -153,7 +156,7 @@ def _this_rank() -> int:
 
 
 def matching(phase: str, step: int, rank: int | None = None) -> Fault | None:
-    """The kill/raise/freeze fault that `point(phase, step)` would fire on this rank, if any."""
+    """The kill/raise/freeze/hang fault that `point(phase, step)` would fire on this rank, if any."""
     faults = active()
     if not faults:
         return None
@@ -162,7 +165,7 @@ def matching(phase: str, step: int, rank: int | None = None) -> Fault | None:
 
 
 def point(phase: str, step: int, rank: int | None = None) -> None:
-    """Fire the kill/raise/freeze fault that matches (this rank, `phase`, `step`), if there is one."""
+    """Fire the kill/raise/freeze/hang fault that matches (this rank, `phase`, `step`), if there is one."""
     fault = matching(phase, step, rank)
     if fault is None:
         return
@@ -171,8 +174,14 @@ def point(phase: str, step: int, rank: int | None = None) -> None:
         raise InjectedFault(f"injected fault ({FAULT_ENV}: {fault.describe()}) at {where}")
     # Flushed first: a killed or stopped process writes nothing afterwards. The wall-clock time lets a test (or
     # a reader of the log) measure how long the job took to end after the failure.
+    if fault.kind == "hang":
+        for stop in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(stop, signal.SIG_IGN)
     console.say(f"hpc_rlhf: injected fault ({FAULT_ENV}: {fault.describe()}) at {where} [unix time "
                 f"{time.time():.3f}]", fd=1)
+    if fault.kind == "hang":
+        while True:
+            time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
 
 

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,8 @@ class LocalCluster:
                 break
             time.sleep(1)
         subprocess.run(["scancel", job_id], env=self.env)
-        raise AssertionError(f"job {job_id} did not finish within {timeout:g} s of its start: {self.job_fields(job_id)}")
+        raise AssertionError(f"job {job_id} did not finish within {timeout:g} s of its start: "
+                             f"{self.job_fields(job_id)}")
 
 
 @dataclass
@@ -201,9 +203,11 @@ class Submitted:
 
 @dataclass
 class Preemption:
-    """What the signalling thread did: the step it had seen when it sent SIGUSR1 (None: it never sent it)."""
+    """What the signalling thread did: the step it had seen when it sent SIGUSR1 (None: it never sent it), and for
+    a slow stop the time limit it cut the job to (minutes; None: it did not)."""
     step_seen: int | None = None
     error: str | None = None
+    cut_limit_min: int | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -274,6 +278,54 @@ def _signal_when_running(cluster: LocalCluster, job: Submitted, record: Preempti
                 return
             time.sleep(0.1)
         record.error = f"no step was logged within {JOB_TIMEOUT_S} s of the job's start"
+    except Exception as exc:  # noqa: BLE001 - reported by the test that reads the record
+        record.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        record.done.set()
+
+
+# ppo_70b's shrunk run, first run only (the probe sets it when SLURM_RESTART_COUNT is 0): its critic rank hangs as
+# it enters step 2's checkpoint, ignoring the stop signals (a frozen rank would be woken by the SIGCONT with which
+# Slurm ends a job, and the tiny job then checkpoints within KillWait), so only SIGKILL ends it.
+SLOW_STOP_FAULT = "rank=1,phase=checkpoint,step=2,kind=hang"
+SLOW_STOP_MARGIN_S = 170  # REQUEUE_MARGIN_S of that job: more than the 60-120 s left once the limit is cut
+SLOW_STOP_GUARD_POLL_S = 2
+
+
+def _stall_then_cut_the_limit(cluster: LocalCluster, job: Submitted, record: Preemption) -> None:
+    """A stop that overruns, on a real Slurm: once the hung rank has announced itself in the job's log, send the
+    stop signal (which it cannot answer), then cut the job's time limit to 60-120 s from now (whole minutes:
+    Slurm keeps limits in minutes), inside the requeue guard's margin. The guard must requeue the job; the
+    requeued run gets its 15 minutes back while it waits for its begin time (Slurm holds a requeued job a few
+    seconds), so its own guard sees a far limit."""
+    deadline = time.monotonic() + QUEUE_WAIT_S + JOB_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            fields = cluster.job_fields(job.job_id)
+            state = fields.get("JobState")
+            if state == "PENDING":
+                deadline = max(deadline, time.monotonic() + JOB_TIMEOUT_S)
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+                record.error = f"the job ended ({state}) before its rank hung"
+                return
+            if job.log.is_file() and "injected fault (HPC_RLHF_FAULT" in job.log.read_text(errors="replace"):
+                break
+            time.sleep(0.2)
+        else:
+            record.error = f"no rank hung within {JOB_TIMEOUT_S} s of the job's start"
+            return
+        record.step_seen = max((row["step"] for row in job.metrics()), default=0)
+        cluster.run(["scancel", "--signal=USR1", job.job_id])
+        started = datetime.fromisoformat(fields["StartTime"]).timestamp()
+        record.cut_limit_min = int(time.time() - started) // 60 + 2
+        cluster.run(["scontrol", "update", f"JobId={job.job_id}", f"TimeLimit={record.cut_limit_min}"])
+        restore_by = time.monotonic() + 5 * SLOW_STOP_MARGIN_S
+        while time.monotonic() < restore_by:
+            if cluster.job_fields(job.job_id).get("Restarts", "0") != "0":
+                cluster.run(["scontrol", "update", f"JobId={job.job_id}", "TimeLimit=15"])
+                return
+            time.sleep(0.2)
+        record.error = "the job was not requeued after its time limit was cut"
     except Exception as exc:  # noqa: BLE001 - reported by the test that reads the record
         record.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -412,6 +464,8 @@ def tiny_jobs(cluster: LocalCluster, tmp_path_factory) -> TinyJobs:
 # ppo_70b's run is preempted once and must requeue itself and resume.
 GPU_SCRIPT_STEPS = 3
 PPO_70B_STEPS = 4  # one step more: the preemption lands after step 1 and the resumed run still has steps to go
+# The scripts' own leads (up to 1,500 s for ppo_70b) exceed the shrunk jobs' 15 minutes: Slurm would signal at once.
+SHRUNK_STOP_LEAD_S = 300
 SHRUNK_CPUS_PER_TASK = 2  # ppo_70b's run: each rank must see it (SRUN_CPUS_PER_TASK, sbatch/common.sh)
 # script -> (tasks per node, placement or None for the one-model modes)
 SHRUNK_LAYOUTS = {
@@ -428,6 +482,9 @@ case "${{SLURM_STEP_ID:-batch}}" in
   [0-9]|[0-9][0-9]) printf 'CPUS rank=%s step=%s cpus_per_task=%s srun_cpus_per_task=%s\\n' "$SLURM_PROCID" \\
                     "$SLURM_STEP_ID" "${{SLURM_CPUS_PER_TASK:-}}" "${{SRUN_CPUS_PER_TASK:-}}" ;;
 esac
+if [ -n "${{FIRST_RUN_FAULT:-}}" ] && [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
+  export HPC_RLHF_FAULT=$FIRST_RUN_FAULT
+fi
 exec {python} "$@"
 """
 
@@ -460,6 +517,8 @@ def shrunk_overrides(script: str, out: Path) -> list[str]:
           f"train.max_steps={steps}", "train.batch_size=8", "train.micro_batch_size=8"]
     if script == "grpo_7b.sbatch":
         return rl
+    if script == "ppo_70b.sbatch":  # a checkpoint every step, and a hung rank left to the requeue guard
+        rl += ["checkpoint.every_steps=1", "dist.heartbeat_timeout_s=600"]
     return [*rl, f"critic.path={model}", f"reward.models=[{model}]", f"critic_train.max_steps={steps}",
             "critic_train.batch_size=8", "critic_train.micro_batch_size=8", "critic_train.warmup_steps=0"]
 
@@ -479,11 +538,17 @@ def _submit_gpu_script_jobs(cluster: LocalCluster | None, root: Path) -> dict[st
         name = script.removesuffix(".sbatch")
         out = root / name
         cpus = SHRUNK_CPUS_PER_TASK if script == "ppo_70b.sbatch" else 1
-        # The script's own directives ask for 4 nodes x 8 GPUs, 12 CPUs a task and whole nodes: the command line
-        # shrinks them to the fake nodes (no GPUs), and lets the session's other jobs share the nodes.
+        # The script's own directives ask for 4 nodes x 8 GPUs, 12 CPUs a task, whole nodes and a day: the command
+        # line shrinks them to the fake nodes (no GPUs) and 15 minutes, and lets the session's other jobs share the
+        # nodes.
         env = {"PYTHON": str(probe)} | ({"PLACEMENT": placement} if placement else {})
+        if script == "ppo_70b.sbatch":  # a stop that overruns: the requeue guard must requeue it
+            env |= {"FIRST_RUN_FAULT": SLOW_STOP_FAULT, "REQUEUE_MARGIN_S": str(SLOW_STOP_MARGIN_S),
+                    "REQUEUE_GUARD_POLL_S": str(SLOW_STOP_GUARD_POLL_S)}
+        env["STOP_LEAD_S"] = str(SHRUNK_STOP_LEAD_S)
         job_id = cluster.sbatch("--nodes=2", f"--ntasks-per-node={per_node}", "--gpus-per-node=0",
                                 f"--cpus-per-task={cpus}", "--oversubscribe", "--time=15",
+                                f"--signal=USR1@{SHRUNK_STOP_LEAD_S}",
                                 f"--output={root}/{name}-%j.out", f"sbatch/{script}", *shrunk_overrides(script, out),
                                 env=env)
         job = Submitted(job_id, out, Path(f"{root}/{name}-{job_id}.out"))
@@ -491,7 +556,7 @@ def _submit_gpu_script_jobs(cluster: LocalCluster | None, root: Path) -> dict[st
         runs[script] = ScriptRun(script, job, steps, placement)
         if script == "ppo_70b.sbatch":
             record = runs[script].preemption = Preemption()
-            threading.Thread(target=_signal_when_running, args=(cluster, job, record, 1), daemon=True).start()
+            threading.Thread(target=_stall_then_cut_the_limit, args=(cluster, job, record), daemon=True).start()
     return runs
 
 

@@ -1,15 +1,16 @@
 """Every GPU sbatch script, shrunk to the local two-node cluster (conftest.gpu_script_jobs): submitted as its own
 file with its example config (examples/cluster/), only the allocation, the placement and the model, data and batch
 keys overridden, each trains a few steps with its roles on both fake nodes and writes its final model. ppo_70b's
-run (ZeRO-3, Adam offload, as its config says) is preempted after a step, requeues itself and resumes; its ranks
-see the CPUs per task the job asked for (SRUN_CPUS_PER_TASK, sbatch/common.sh)."""
+run (ZeRO-3, Adam offload, as its config says) overruns its stop (a rank hangs), is requeued by the requeue guard
+before its time limit and resumes; its ranks see the CPUs per task the job asked for (SRUN_CPUS_PER_TASK,
+sbatch/common.sh). The clean stop (exit 75, requeued by the script) is tests/cluster/test_preemption.py's."""
 
 import math
 import re
 
 import pytest
 
-from tests.cluster.conftest import SHRUNK_CPUS_PER_TASK, SHRUNK_LAYOUTS
+from tests.cluster.conftest import SHRUNK_CPUS_PER_TASK, SHRUNK_LAYOUTS, SLOW_STOP_MARGIN_S
 
 pytestmark = pytest.mark.cluster
 
@@ -31,18 +32,23 @@ def test_gpu_script_runs_shrunk_across_both_nodes(cluster, gpu_script_jobs, scri
         assert (run.job.output_dir / "final_critic" / "model.safetensors").is_file()
 
 
-def test_ppo_70b_shrunk_is_preempted_requeues_and_resumes(cluster, gpu_script_jobs):
+def test_ppo_70b_shrunk_overruns_its_stop_and_the_guard_requeues_it_to_resume(cluster, gpu_script_jobs):
+    """A stop that overruns: the critic rank hangs entering step 2's checkpoint, deaf to the stop signals
+    (conftest.SLOW_STOP_FAULT, first run only), so the ranks never stop; the job's limit is cut to 1-2 minutes
+    away, within the requeue guard's margin. The guard requeues the job, which resumes from step 1's checkpoint
+    (step 2's was never sealed) and finishes."""
     run = gpu_script_jobs["ppo_70b.sbatch"]
     record = cluster.wait(run.job.job_id)
     log = run.job.log.read_text()
     assert run.preemption.done.wait(30) and run.preemption.error is None, run.preemption.error
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{log[-4000:]}"
-    assert "ranks checkpointed and stopped (exit 75); requeueing" in log and "restart 1] mode=ppo" in log
+    assert "injected fault (HPC_RLHF_FAULT: kind=hang,rank=1,phase=checkpoint,step=2)" in log, log[-4000:]
+    assert "requeue guard: the ranks have not stopped" in log and f"(margin {SLOW_STOP_MARGIN_S} s)" in log
+    assert "ranks checkpointed and stopped" not in log and "restart 1] mode=ppo" in log
     resumed = [line for line in log.splitlines() if "resumed from" in line]
-    assert len(resumed) == 1, log[-4000:]
-    resumed_step = int(resumed[0].rsplit("(step ", 1)[1].rstrip(")"))
-    assert run.preemption.step_seen <= resumed_step < run.steps
+    assert len(resumed) == 1 and resumed[0].endswith("(step 1)"), log[-4000:]
     assert [r["step"] for r in run.job.metrics()] == list(range(1, run.steps + 1))
+    assert (run.job.output_dir / "final" / "model.safetensors").is_file()
     config = (run.job.output_dir / "config.yaml").read_text()
     assert re.search(r"adam_offload: true", config) and "zero_stage: 3" in config  # the example config's settings
 

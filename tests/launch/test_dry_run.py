@@ -13,7 +13,7 @@ import pytest
 from hpc_rlhf.cli import main
 from hpc_rlhf.config import load_config
 from hpc_rlhf.dist.allocation import AllocationError
-from hpc_rlhf.launch.dry_run import check_config
+from hpc_rlhf.launch.dry_run import check_config, check_stop_lead
 from hpc_rlhf.rl import ppo
 from tests.launch.test_sbatch_scripts import GPU_SCRIPTS, default_of, directives
 
@@ -49,9 +49,12 @@ def test_each_example_config_passes_the_dry_run_for_its_scripts_allocation(capsy
     mode, config, world, per_node, preset = allocation_of(script)
     placement = default_of(script, "PLACEMENT")
     extra = [f"placement={placement}"] if placement else [f"dist.nproc={world}"]  # what sbatch/common.sh passes
-    code, out, err = dry_run(capsys, mode, config, world, per_node, "--model", preset, *extra)
-    assert code == 0 and err == "", err
-    assert "the plan fits\nnote: sized by --model" in out and f"{world} ranks on {world // per_node} node(s)" in out
+    code, out, err = dry_run(capsys, mode, config, world, per_node, "--model", preset, *extra,
+                             "--stop-lead-s", default_of(script, "STOP_LEAD_S"))
+    assert code == 0 and err == "", err  # the script's stop signal leaves time for its checkpoint: no warning
+    assert "the plan fits\nstop: a checkpoint of up to" in out and "note: sized by --model" in out
+    assert f"{world} ranks on {world // per_node} node(s)" in out
+    assert f"--signal=USR1@{default_of(script, 'STOP_LEAD_S')}" in script.read_text()
     # The config carries what the layout needs: the placement it names is the script's, and placeholders are marked.
     text = (REPO / config).read_text()
     assert "PLACEHOLDER" in text and "/path/to/" in text
@@ -94,6 +97,27 @@ def test_ppo_70b_needs_nodes_of_about_1_1_tb_for_its_offloaded_adam_states(capsy
     assert re.search(r"--dry-run: train\.adam_offload: node 0 needs 11\d\d GB of host memory, more than 512 GB", err)
     code, out, err = dry_run(capsys, *PPO_70B)
     assert code == 0 and "node 0 1,1" in out and "not checked" in out
+
+
+def test_the_stop_lead_is_checked_against_the_checkpoint_each_node_writes(capsys):
+    """ppo_70b's actor node writes its 8 ranks' weight shards and offloaded Adam states (~986 GB): at 2 GB/s that
+    takes longer than the 480 s a 600 s lead leaves before the requeue guard (120 s): a warning, not a refusal;
+    the script's 1,500 s is enough; a margin as long as the lead is refused."""
+    report = check_config("ppo", load_config(ppo.Config, EXAMPLES / "ppo_70b.yaml"), 32, 8, "70b")
+    actor, critic = report["roles"]["actor"]["breakdown_gb"], report["roles"]["critic"]["breakdown_gb"]
+    stop = check_stop_lead(report, lead_s=600, margin_s=120, gbps=2.0)
+    assert stop["gb_per_node"][0] == pytest.approx(8 * (actor["weights"] + actor["cpu_optimizer"]), abs=0.1)
+    assert stop["gb_per_node"][1] == pytest.approx(8 * (critic["weights"] + critic["cpu_optimizer"]), abs=0.1)
+    assert stop["gb_per_node"][2:] == [0.0, 0.0]  # reference, reward, engines: nothing to save
+    assert stop["write_s"] == pytest.approx(max(stop["gb_per_node"]) / 2.0, abs=0.1) and not stop["enough"]
+    assert check_stop_lead(report, lead_s=1500, margin_s=120, gbps=2.0)["enough"]
+    assert not check_stop_lead(report, lead_s=1500, margin_s=120, gbps=2.0, step_s=1000)["enough"]
+    code, out, err = dry_run(capsys, *PPO_70B, "--stop-lead-s", "600")
+    assert code == 0 and "the plan fits" in out
+    assert re.search(r"warning: the stop signal's lead is too short for a checkpoint of up to 98\d GB per node at "
+                     r"2 GB/s: 49\d s.*lead of at least 61\d s plus one step", err), err
+    code, out, err = dry_run(capsys, *PPO_70B, "--stop-lead-s", "100")
+    assert code == 2 and re.fullmatch(r"hpc-rlhf ppo --dry-run: --requeue-margin-s: 120 s must be .*\n", err), err
 
 
 def test_an_engine_across_two_nodes_is_refused(capsys):

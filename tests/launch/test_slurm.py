@@ -18,8 +18,9 @@ from submitit.slurm.slurm import _make_sbatch_string
 
 from hpc_rlhf.launch import modes
 from hpc_rlhf.launch import slurm
-from hpc_rlhf.launch.slurm import (PREEMPTED_EXIT_CODE, SlurmLaunchError, TrainingTask, forget_the_submitters_world,
-                                   requeue_self, should_requeue, slurm_parameters, submit, task_args)
+from hpc_rlhf.launch.slurm import (PREEMPTED_EXIT_CODE, REQUEUE_GUARD, SlurmLaunchError, TrainingTask,
+                                   forget_the_submitters_world, requeue_self, should_requeue, slurm_parameters,
+                                   submit, task_args)
 from hpc_rlhf.runtime.checkpointing import Preempted
 
 
@@ -52,6 +53,25 @@ def test_job_side_submitit_handler_uses_the_trainers_signal():
     text = _make_sbatch_string(command="true", folder="/tmp/x/%j", **slurm_parameters(signal_delay_s=90))
     assert "export SUBMITIT_PREEMPT_SIGNAL=USR1" in text
     assert text.index("SUBMITIT_PREEMPT_SIGNAL") < text.index("srun")  # set before the tasks start
+
+
+def test_the_job_script_starts_the_requeue_guard_before_the_tasks():
+    text = _make_sbatch_string(command="true", folder="/tmp/x/%j", **slurm_parameters(signal_delay_s=90))
+    guard = REQUEUE_GUARD.read_text()
+    assert guard.strip().splitlines()[-1] in text  # inlined: the job's shell may not see this installation
+    # margin: at most half the signal's lead by default; the task's max_restarts
+    assert " requeue_guard 45 100 &" in text and text.index("requeue_guard 45") < text.index("srun")
+    text = _make_sbatch_string(command="true", folder="/tmp/x/%j",
+                               **slurm_parameters(signal_delay_s=600, requeue_margin_s=200))
+    assert " requeue_guard 200 100 &" in text
+    assert " requeue_guard 120 " in _make_sbatch_string(command="true", folder="/tmp/x/%j",
+                                                        **slurm_parameters(signal_delay_s=600))
+
+
+@pytest.mark.parametrize("margin", [90, 120, -1, 1.5])
+def test_a_requeue_margin_that_leaves_the_ranks_no_time_is_refused(margin):
+    with pytest.raises(SlurmLaunchError, match=r"requeue_margin_s .*signal_delay_s \(90 s\)"):
+        slurm_parameters(signal_delay_s=90, requeue_margin_s=margin)
 
 
 def test_extra_slurm_options_are_added_and_win():

@@ -27,7 +27,7 @@ def test_nan_faults_belong_to_the_training_phase():
 
 @pytest.mark.parametrize("text, message", [
     ("rank=1,phase=scoring", "has no kind"),
-    ("kind=explode", "kind 'explode' is not one of kill, raise, freeze, nan"),
+    ("kind=explode", "kind 'explode' is not one of kill, raise, freeze, hang, nan"),
     ("kind=kill,rnak=1", "unknown key 'rnak'; did you mean 'rank'?"),
     ("kind=kill,rank=one", "rank='one' is not a whole number"),
     ("kind=kill,step=4-2", "step range '4-2' ends before it starts"),
@@ -129,3 +129,18 @@ def test_freeze_stops_the_process_until_it_is_continued():
     os.kill(proc.pid, signal.SIGCONT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "survived" in out
+
+
+def test_hang_ignores_the_stop_signals_and_slurms_sigcont_until_killed():
+    proc = _run_point("hang")
+    try:
+        line = proc.stdout.readline()  # printed once the stop signals are ignored
+        assert "injected fault (HPC_RLHF_FAULT: kind=hang" in line
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGCONT):  # what Slurm sends a job it ends
+            os.kill(proc.pid, sig)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=2)
+    finally:
+        proc.kill()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and "survived" not in out
