@@ -26,6 +26,8 @@
 #   REQUEUE_MARGIN_S    requeue the job this many seconds before its time limit if the ranks still run then
 #                       (hpc_rlhf/launch/requeue_guard.sh; default 120): a slow stop still requeues
 #   CHECKPOINT_GBPS     the write speed of one node to output_dir's file system, GB/s, for that warning (default 2)
+#   CHECK_FILES         1 (default): the check reads the real files too (model and tokenizer folders, the first rows
+#                       of the data files, output_dir writable with room for two checkpoints); 0: the plan only
 #   MASTER_ADDR/PORT    rendezvous; default: first host of the allocation, port 10000 + job id % 20000 (below
 #                       Linux's ephemeral ports, 32768-60999; the same formula as hpc_rlhf.dist.launch_env)
 #   NCCL_*              passed to every rank unchanged when set (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...);
@@ -90,13 +92,16 @@ hpc_mode_args() {
 # ranks will read (the config, the placement, the script's arguments) and exits 2, naming the key, when the job
 # would not start: roles that do not add up to the world, an engine across two nodes, a role the config needs
 # and the placement lacks, batch sizes that do not divide the role groups, a rank that needs more GPU memory than
-# GPU_MEMORY_GB (default 80). So the job ends in seconds, not after every rank has loaded a model. The plan and
-# the memory per GPU go into the job log. PLAN_MODEL (a preset such as 7b or 70b, or a config.json) gives the
-# shape of the models whose folders are not there yet (placeholders). Usage: hpc_check_plan [key=value ...]
+# GPU_MEMORY_GB (default 80), a node short of host memory, and (CHECK_FILES=1, the default) a model or tokenizer
+# folder, data file or output_dir that is not what the run needs (hpc_rlhf/launch/preflight.py). So the job ends in
+# seconds, not after every rank has loaded a model. The plan and the memory per GPU go into the job log. PLAN_MODEL
+# (a preset such as 7b or 70b, or a config.json) gives the shape of the models whose folders are not there yet
+# (placeholders; with CHECK_FILES=0 only). Usage: hpc_check_plan [key=value ...]
 hpc_check_plan() {
   hpc_mode_args "$@"
   local model=() host
   [ -z "${PLAN_MODEL:-}" ] || model=(--model "$PLAN_MODEL")
+  [ "${CHECK_FILES:-1}" = 0 ] || model+=(--check-files)
   host=$(hpc_host_memory_gb)
   if [ -n "$host" ]; then model+=(--host-memory-gb "$host")
   else hpc_log "host memory not checked: set HOST_MEMORY_GB (GB per node) or #SBATCH --mem"; fi

@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from hpc_rlhf.dist.allocation import (Allocation, AllocationError, RoleLoad, che
                                      refusal)
 from hpc_rlhf.dist.memory import PROJECTIONS, ModelShape, ModelShapeError, load_shape
 from hpc_rlhf.dist.plan_cli import format_report, refuse
+from hpc_rlhf.launch import preflight
 from hpc_rlhf.scale import communicators
 
 DEFAULT_REQUEUE_MARGIN_S = 120.0  # sbatch/common.sh's REQUEUE_MARGIN_S
@@ -66,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dry run: write speed of one node to output_dir's file system, GB/s")
     parser.add_argument("--step-time-s", type=float, default=0.0,
                         help="dry run: one training step's seconds, when known (the stop waits for the step)")
+    parser.add_argument("--check-files", action="store_true",
+                        help="dry run: also read the real files (model and tokenizer folders, the first rows of the "
+                             "data files, output_dir writable with room for two checkpoints); what sbatch/common.sh "
+                             "runs inside the job")
     parser.add_argument("--json", action="store_true", help="dry run: print the report as one JSON object")
 
 
@@ -73,9 +79,18 @@ def is_rl(cfg: Any) -> bool:
     return hasattr(cfg, "placement") and hasattr(cfg, "rollout")
 
 
-def _shape(folder: str | None, key: str, preset: str | None, stand_ins: dict[str, str]) -> ModelShape:
+@dataclass
+class ModelFolders:
+    """Every model folder a plan read (config key -> folder), and those of them sized by `--model` instead because
+    they are not there yet (placeholders)."""
+    read: dict[str, str] = field(default_factory=dict)
+    stand_ins: dict[str, str] = field(default_factory=dict)
+
+
+def _shape(folder: str | None, key: str, preset: str | None, folders: ModelFolders) -> ModelShape:
     """The shape of the model in `folder` (its config.json), or of `preset` when the folder is not there yet
-    (recorded in `stand_ins`: key -> folder, for the report)."""
+    (recorded in `folders.stand_ins`, for the report)."""
+    folders.read[key] = str(folder)
     if folder and Path(folder).is_dir() and (Path(folder) / "config.json").is_file():
         try:
             return ModelShape.from_config_json(folder)
@@ -86,7 +101,7 @@ def _shape(folder: str | None, key: str, preset: str | None, stand_ins: dict[str
             shape = load_shape(preset)
         except ModelShapeError as exc:
             raise AllocationError("--model", str(exc)) from None
-        stand_ins[key] = str(folder)
+        folders.stand_ins[key] = str(folder)
         return shape
     raise AllocationError(key, f"'{folder}' is not a model folder with a config.json (a placeholder?): give its "
                                f"shape with --model (7b, 13b, 34b, 70b or a config.json)")
@@ -96,14 +111,14 @@ def _dtype_bytes(model_section) -> int:
     return 4 if model_section.dtype == "float32" else 2  # auto = bfloat16 on GPU
 
 
-def _rl_loads(cfg: Any, plan, model: str | None, stand_ins: dict[str, str]):
-    actor = _shape(cfg.actor.path, "actor.path", model, stand_ins)
-    shapes = {"actor": actor, "ref": _shape(cfg.ref_path, "ref_path", model, stand_ins) if cfg.ref_path else actor,
+def _rl_loads(cfg: Any, plan, model: str | None, folders: ModelFolders):
+    actor = _shape(cfg.actor.path, "actor.path", model, folders)
+    shapes = {"actor": actor, "ref": _shape(cfg.ref_path, "ref_path", model, folders) if cfg.ref_path else actor,
               "rollout": actor}
     if plan.has("critic"):
-        shapes["critic"] = _shape(cfg.critic.path, "critic.path", model, stand_ins)
+        shapes["critic"] = _shape(cfg.critic.path, "critic.path", model, folders)
     for index, name in enumerate(n for n in plan.roles if plan.roles[n].kind == "reward"):
-        shapes[name] = _shape(cfg.reward.models[index], f"reward.models[{index}]", model, stand_ins)
+        shapes[name] = _shape(cfg.reward.models[index], f"reward.models[{index}]", model, folders)
     rollout = plan.roles.get("rollout")
     samples = cfg.rollout.prompts_per_step * cfg.rollout.n_samples
     per_engine = math.ceil(samples / len(rollout.engines)) if rollout else 0
@@ -152,7 +167,7 @@ def _check_rl(cfg: Any, plan, allocation: Allocation) -> None:
         raise AllocationError("placement", first.removeprefix(f"placement '{cfg.placement}': "), rest) from None
 
 
-def _one_model(mode: str, cfg: Any, allocation: Allocation, model: str | None, stand_ins: dict[str, str]):
+def _one_model(mode: str, cfg: Any, allocation: Allocation, model: str | None, folders: ModelFolders):
     world = allocation.world_size
     if cfg.dist.nproc != world:
         raise AllocationError("dist.nproc", f"is {cfg.dist.nproc} but the allocation has {world} ranks "
@@ -164,9 +179,9 @@ def _one_model(mode: str, cfg: Any, allocation: Allocation, model: str | None, s
                                                   f"{train.micro_batch_size * world}")
     with_ref = mode in PAIRED_WITH_REFERENCE and cfg.ref.mode == "colocated"
     placement = f"actor+ref={world}" if with_ref else f"actor={world}"
-    shapes = {"actor": _shape(cfg.model.path, "model.path", model, stand_ins)}
+    shapes = {"actor": _shape(cfg.model.path, "model.path", model, folders)}
     if with_ref:
-        shapes["ref"] = _shape(cfg.ref.path, "ref.path", model, stand_ins) if cfg.ref.path else shapes["actor"]
+        shapes["ref"] = _shape(cfg.ref.path, "ref.path", model, folders) if cfg.ref.path else shapes["actor"]
     memory_kind = "critic" if mode in VALUE_MODEL_MODES else "ref" if mode in INFERENCE_MODES else "actor"
 
     def load_of(name: str, kind: str) -> RoleLoad:
@@ -193,22 +208,23 @@ def check_config(mode: str, cfg: Any, world_size: int, gpus_per_node: int, model
     if world_size < 1 or gpus_per_node < 1:
         key = "world_size" if world_size < 1 else "gpus_per_node"
         raise AllocationError(ALLOCATION_FLAGS[key], f"must be at least 1, got {getattr(allocation, key)}")
-    stand_ins: dict[str, str] = {}
+    folders = ModelFolders()
     if is_rl(cfg):
         if cfg.world_size() != world_size:
             raise AllocationError("placement", f"'{cfg.placement}' asks for {cfg.world_size()} ranks but the "
                                                f"allocation has {world_size} (--world-size)")
         plan = plan_on(cfg.placement, allocation, "placement")
         _check_rl(cfg, plan, allocation)
-        report = check_allocation(cfg.placement, allocation, _rl_loads(cfg, plan, model, stand_ins),
+        report = check_allocation(cfg.placement, allocation, _rl_loads(cfg, plan, model, folders),
                                   placement_key="placement",
                                   extra_gb_of=lambda p: communicators.buffers_gb(p, cfg.train.zero_stage))
     else:
-        placement, load_of = _one_model(mode, cfg, allocation, model, stand_ins)
+        placement, load_of = _one_model(mode, cfg, allocation, model, folders)
         zero_stage = cfg.train.zero_stage if hasattr(cfg, "train") else 0
         report = check_allocation(placement, allocation, load_of, placement_key="dist.nproc",
                                   extra_gb_of=lambda p: communicators.buffers_gb(p, zero_stage))
-    report["stand_in_shapes"] = stand_ins  # model folders not there yet, sized by --model
+    report["stand_in_shapes"] = folders.stand_ins  # model folders not there yet, sized by --model
+    report["model_folders"] = folders.read
     return report
 
 
@@ -275,9 +291,13 @@ def main(mode: str, cfg: Any, args: argparse.Namespace) -> int:
         if args.stop_lead_s is not None:
             report["stop"] = check_stop_lead(report, args.stop_lead_s, args.requeue_margin_s, args.checkpoint_gbps,
                                              args.step_time_s)
+        if args.check_files:
+            report["files"] = preflight.check_files(cfg, report, sum(checkpoint_per_node_gb(report)))
     except AllocationError as exc:
         return refuse(prog, exc)
     print(json.dumps(public(report)) if args.json else format_report(report))
+    if "files" in report and not args.json:
+        print("files checked:\n  " + "\n  ".join(report["files"]))
     if "stop" in report and not args.json:
         print(stop_lead_line(report["stop"]), file=sys.stdout if report["stop"]["enough"] else sys.stderr)
     if report["stand_in_shapes"] and not args.json:

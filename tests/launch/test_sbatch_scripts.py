@@ -152,7 +152,8 @@ def fake_slurm(tmp_path):
                and k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
         env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), PYTHON=sys.executable,
                    SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[7-8]", SLURM_NTASKS="4",
-                   SLURM_TASKS_PER_NODE="2(x2)", SLURM_SUBMIT_DIR=str(REPO), CONFIG="")
+                   SLURM_TASKS_PER_NODE="2(x2)", SLURM_SUBMIT_DIR=str(REPO), CONFIG="",
+                   CHECK_FILES="0")  # the example configs' folders are placeholders; the real files' check: below
         env.update(env_extra)
         env = {k: v for k, v in env.items() if v is not None}  # None: unset
         proc = subprocess.run(["bash", str(SBATCH / script), *args], cwd=REPO, env=env, capture_output=True,
@@ -296,3 +297,39 @@ def test_ppo_70b_refuses_a_config_that_contradicts_its_layout_before_srun(fake_s
     proc, calls = fake_slurm(path.name, *args, **allocation_env(path))
     assert proc.returncode == 2 and "srun" not in calls
     assert f"--dry-run: command line: {key}" in proc.stderr or f"--dry-run: {key}:" in proc.stderr, proc.stderr
+
+
+def tiny_files(out: Path) -> list[str]:
+    """ppo_70b's placeholders replaced by the built-in tiny model and prompts (ensured by the suite's set-up)."""
+    from hpc_rlhf.config import TINY_ASSETS
+
+    model, data = REPO / TINY_ASSETS / "models" / "llama-tiny", REPO / TINY_ASSETS / "data"
+    return [f"actor.path={model}", f"critic.path={model}", f"reward.models=[{model}]", f"output_dir={out}",
+            f"data.train_files=[{data / 'prompts_train.jsonl'}]"]
+
+
+@pytest.mark.parametrize("typo, key, says", [
+    (None, None, None),
+    ("actor.path={models}/llama-tiyn", "actor.path", "model folder '.*llama-tiyn' does not exist"),
+    ("data.train_files=[{data}/prompts_train.jsnol]", "data.train_files", "prompts_train.jsnol' does not exist"),
+    ("data.train_files=[{data}/../models/llama-tiny/config.json]", "data.train_files",
+     "line 1: malformed JSON"),  # a pretty-printed JSON object is not JSON Lines
+    ("output_dir=/proc/hpc_rlhf_out", "output_dir", "'/proc/hpc_rlhf_out' cannot be created or written"),
+])
+def test_the_job_reads_the_real_files_before_any_rank_starts(fake_slurm, tmp_path, typo, key, says):
+    """CHECK_FILES=1, the default of the GPU scripts: a typo'd model folder or data file, a data file that is not
+    rows of JSON objects, an output_dir that cannot be written: exit 2 naming the key, and srun never runs."""
+    from hpc_rlhf.config import TINY_ASSETS
+
+    path = SBATCH / "ppo_70b.sbatch"
+    assets = REPO / TINY_ASSETS
+    args = tiny_files(tmp_path / "out")
+    if typo:
+        args.append(typo.format(models=assets / "models", data=assets / "data"))
+    proc, calls = fake_slurm(path.name, *args, **allocation_env(path), CHECK_FILES=None)
+    if key is None:
+        assert proc.returncode == 0 and "srun" in calls, proc.stderr
+        assert "files checked:" in proc.stdout and "actor.path: tokenizer in" in proc.stdout
+        return
+    assert proc.returncode == 2 and "srun" not in calls, proc.stderr
+    assert re.search(rf"--dry-run: {re.escape(key)}: .*({says})", proc.stderr), proc.stderr

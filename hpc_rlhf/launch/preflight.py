@@ -1,0 +1,140 @@
+"""The in-job check of the real files (`--dry-run --check-files`, which sbatch/common.sh runs before any rank
+starts): a typo or a leftover placeholder ends the job in seconds, with one line naming the key, instead of after
+every rank has loaded its model.
+
+- model folders: every folder the plan read (`report["model_folders"]`: actor.path, critic.path, reward.models[i],
+  model.path, ...) holds a config.json and weights whose safetensors headers read, and the tokenizer folder
+  (`actor.tokenizer` or `model.tokenizer`, else the model folder) has tokenizer files;
+- data files: every `*_files` key (data.train_files, data.eval_files, eval.prompt_files, ...) names files or
+  folders that exist; the first PEEK_ROWS rows of a JSON or JSON Lines file parse as JSON objects (the trainer
+  checks every row against its mode's keys when it loads them);
+- output_dir: can be created and written, and its file system has room for two checkpoints (the plan's estimate:
+  every trained role's weights and optimizer states; a new checkpoint is complete before the old one goes).
+
+A login-node dry run leaves this out: the folders there may be placeholders (sized by `--model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from hpc_rlhf.dist.allocation import AllocationError
+
+PEEK_ROWS = 5
+CHECKPOINTS_OF_ROOM = 2
+
+
+def check_files(cfg: Any, report: dict, checkpoint_gb: float) -> list[str]:
+    """Check the folders and files the run will read and the folder it writes; returns one line per thing checked
+    (for the job log). Raises AllocationError naming the key of the first problem."""
+    checked = [_check_model_folder(key, folder) for key, folder in report["model_folders"].items()]
+    checked += [_check_tokenizer(key, folder) for key, folder in tokenizer_folders(cfg).items()]
+    for key, paths in data_files(cfg).items():
+        checked += [_check_data_file(key, Path(path)) for path in paths]
+    checked.append(_check_output_dir(cfg.output_dir, checkpoint_gb))
+    return checked
+
+
+def tokenizer_folders(cfg: Any) -> dict[str, str]:
+    """key -> the tokenizer folder the run loads (its own key when set, else the model folder's)."""
+    section, name = (cfg.actor, "actor") if hasattr(cfg, "actor") else (cfg.model, "model")
+    if section.tokenizer:
+        return {f"{name}.tokenizer": section.tokenizer}
+    return {f"{name}.path": section.path}
+
+
+def data_files(cfg: Any, prefix: str = "") -> dict[str, list[str]]:
+    """Every `*_files` key of the config (a list of paths), by its dotted name."""
+    found = {}
+    for spec in dataclasses.fields(cfg):
+        value, key = getattr(cfg, spec.name), f"{prefix}{spec.name}"
+        if dataclasses.is_dataclass(value):
+            found |= data_files(value, f"{key}.")
+        elif spec.name.endswith("_files") and isinstance(value, (list, tuple)):
+            found[key] = [str(v) for v in value]
+    return found
+
+
+def _check_model_folder(key: str, folder: str) -> str:
+    from hpc_rlhf.models.builders import ModelFolderError, check_model_folder  # torch: only the in-job check needs it
+
+    if not Path(folder).exists():
+        raise AllocationError(key, f"model folder '{folder}' does not exist (a placeholder, or a typo?); compute nodes "
+                                   f"cannot download from the hub")
+    try:
+        check_model_folder(folder)
+    except ModelFolderError as exc:
+        raise AllocationError(key, str(exc)) from None
+    return f"{key}: model folder {folder}"
+
+
+def _check_tokenizer(key: str, folder: str) -> str:
+    from hpc_rlhf.models.builders import tokenizer_folder_problem  # torch: only the in-job check needs it
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise AllocationError(key, f"tokenizer folder '{folder}' does not exist")
+    problem = tokenizer_folder_problem(path)
+    if problem:
+        raise AllocationError(key, problem)
+    return f"{key}: tokenizer in {folder}"
+
+
+def _json_rows(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of the first PEEK_ROWS non-blank lines (a whole-file JSON array: its first line only)."""
+    seen = 0
+    with open(path, encoding="utf-8", errors="strict") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                yield number, line
+                seen += 1
+                if seen == PEEK_ROWS:
+                    return
+
+
+def _check_data_file(key: str, path: Path) -> str:
+    if not path.exists():
+        raise AllocationError(key, f"'{path}' does not exist")
+    if path.is_dir() or path.suffix not in (".jsonl", ".json"):
+        return f"{key}: {path}"  # parquet, csv, save_to_disk folders: read whole when the run loads them
+    try:
+        rows = list(_json_rows(path))
+    except UnicodeDecodeError as exc:
+        raise AllocationError(key, f"'{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not rows:
+        raise AllocationError(key, f"'{path}' is empty (no rows)")
+    if rows[0][1].lstrip().startswith("[") and path.suffix == ".json":
+        return f"{key}: {path} (a JSON array, read whole when the run loads it)"
+    for number, line in rows:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise AllocationError(key, f"'{path}', line {number}: malformed JSON ({exc.msg}, column {exc.colno})") \
+                from None
+        if not isinstance(row, dict):
+            raise AllocationError(key, f"'{path}', line {number}: a row must be a JSON object, got "
+                                       f"{type(row).__name__}")
+    return f"{key}: {path} (first {len(rows)} rows parse)"
+
+
+def _check_output_dir(output_dir: str, checkpoint_gb: float) -> str:
+    folder = Path(output_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise AllocationError("output_dir", f"'{folder}' cannot be created or written: "
+                                            f"{exc.strerror or exc}") from None
+    free_gb = shutil.disk_usage(folder).free / 1e9
+    need_gb = CHECKPOINTS_OF_ROOM * checkpoint_gb
+    if free_gb < need_gb:
+        raise AllocationError("output_dir", f"'{folder}' has {free_gb:,.1f} GB free, but {CHECKPOINTS_OF_ROOM} "
+                                            f"checkpoints need about {need_gb:,.1f} GB ({checkpoint_gb:,.1f} GB "
+                                            f"each, from the plan): free space or choose another file system")
+    return f"output_dir: {folder} writable, {free_gb:,.0f} GB free (two checkpoints: ~{need_gb:,.1f} GB)"

@@ -1,0 +1,82 @@
+"""hpc_rlhf/launch/preflight.py: the in-job check of the real files names the key of the first problem (a model
+folder without weights, a tokenizer folder without tokenizer files, a data row that is not an object, an
+output_dir without room for two checkpoints). Through the sbatch scripts: tests/launch/test_sbatch_scripts.py."""
+
+from __future__ import annotations
+
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from hpc_rlhf.config import TINY_ASSETS, load_config
+from hpc_rlhf.dist.allocation import AllocationError
+from hpc_rlhf.launch import preflight
+from hpc_rlhf.launch.dry_run import check_config, checkpoint_per_node_gb
+from hpc_rlhf.rl import ppo
+from hpc_rlhf.trainers import sft
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / TINY_ASSETS / "models" / "llama-tiny"
+DATA = REPO / TINY_ASSETS / "data"
+
+
+def tiny_ppo(tmp_path: Path, *extra: str):
+    cfg = load_config(ppo.Config, REPO / "examples" / "tiny" / "ppo.yaml",
+                      [f"actor.path={MODEL}", f"critic.path={MODEL}", f"reward.models=[{MODEL}]",
+                       f"output_dir={tmp_path / 'out'}", *extra])
+    return cfg, check_config("ppo", cfg, 6, 2, gpu_memory_gb=1000)
+
+
+def test_every_folder_and_file_the_run_reads_is_checked(tmp_path):
+    cfg, report = tiny_ppo(tmp_path)
+    lines = preflight.check_files(cfg, report, sum(checkpoint_per_node_gb(report)))
+    keys = [line.split(":", 1)[0] for line in lines]
+    assert keys == ["actor.path", "critic.path", "reward.models[0]", "actor.path", "data.train_files",
+                    "data.eval_files", "output_dir"]
+    assert (tmp_path / "out").is_dir()  # made, and nothing left in it
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_the_data_keys_are_found_in_every_section():
+    cfg = load_config(sft.Config, REPO / "examples" / "tiny" / "sft.yaml")
+    assert {"data.train_files", "data.eval_files", "eval.prompt_files"} <= set(preflight.data_files(cfg))
+
+
+def test_a_model_folder_without_weights_names_its_key(tmp_path):
+    folder = tmp_path / "no_weights"
+    folder.mkdir()
+    shutil.copy(MODEL / "config.json", folder)
+    cfg, report = tiny_ppo(tmp_path, f"critic.path={folder}")
+    with pytest.raises(AllocationError, match=r"critic\.path: model folder '.*no_weights' has a config.json but no "
+                                              r"weights"):
+        preflight.check_files(cfg, report, 0.0)
+
+
+def test_a_tokenizer_folder_without_tokenizer_files_names_its_key(tmp_path):
+    cfg, report = tiny_ppo(tmp_path, f"actor.tokenizer={tmp_path}")
+    with pytest.raises(AllocationError, match=r"actor\.tokenizer: tokenizer folder .* has no tokenizer files"):
+        preflight.check_files(cfg, report, 0.0)
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"prompt": "a"}\n["a list"]\n', "line 2: a row must be a JSON object, got list"),
+    ('{"prompt": "a"}\n\n{"prompt": \n', "line 3: malformed JSON"),
+    ("\n\n", "is empty"),
+])
+def test_the_first_rows_of_a_data_file_must_be_json_objects(tmp_path, text, says):
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text(text)
+    cfg, report = tiny_ppo(tmp_path, f"data.eval_files=[{rows}]")
+    with pytest.raises(AllocationError, match=rf"data\.eval_files: .*{says}"):
+        preflight.check_files(cfg, report, 0.0)
+
+
+def test_an_output_dir_without_room_for_two_checkpoints_is_refused(tmp_path, monkeypatch):
+    cfg, report = tiny_ppo(tmp_path)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda _: usage(100e9, 95e9, 5e9))
+    preflight.check_files(cfg, report, 2.4)  # 4.8 GB: fits in 5
+    with pytest.raises(AllocationError, match=r"output_dir: .* has 5.0 GB free, but 2 checkpoints need about 6.0 GB"):
+        preflight.check_files(cfg, report, 3.0)
