@@ -123,6 +123,13 @@ hpc_host_memory_gb() {
   fi
 }
 
+# An all-reduce across every task (`hpc-rlhf bandwidth`: NCCL on GPUs, gloo on CPUs), its time and bandwidth
+# printed by rank 0. Usage: hpc_bandwidth [--size-mb MB] [--iters N]
+hpc_bandwidth() {
+  "$HPC_RLHF_HOME/launch/srun.sh" bandwidth "$@" \
+    || hpc_die "the all-reduce across the job's $SLURM_NTASKS ranks failed (see above): the fabric or NCCL's settings"
+}
+
 # Run the mode on every task, then requeue the job if it was preempted. Usage: hpc_train [key=value ...]
 #
 # Why the script requeues: `#SBATCH --requeue` only lets Slurm requeue a job after a node failure or a
@@ -145,7 +152,7 @@ hpc_train() {
   # are already stopping for a checkpoint ignore that SIGTERM and finish.
   "$HPC_RLHF_HOME/launch/srun.sh" "${args[@]}" &
   local pid=$! rc guard
-  bash "$HPC_RLHF_HOME/hpc_rlhf/launch/requeue_guard.sh" "${REQUEUE_MARGIN_S:-120}" "${MAX_RESTARTS:-20}" &
+  bash "$HPC_RLHF_HOME/hpc_rlhf/launch/requeue_guard.sh" "${REQUEUE_MARGIN_S:-120}" "${MAX_RESTARTS:-20}" $$ &
   guard=$!
   wait "$pid"; rc=$?
   while [ "$signalled" = 1 ]; do signalled=0; wait "$pid"; rc=$?; done

@@ -43,6 +43,7 @@ COMMANDS = {
     "simulate": "hpc_rlhf.scale.simulate",
     "plot": "hpc_rlhf.plot",
     "from-openrlhf": "hpc_rlhf.openrlhf",
+    "bandwidth": "hpc_rlhf.dist.bandwidth",
 }
 DESCRIPTIONS = {
     "sft": "supervised fine-tuning on prompt/response pairs or chats",
@@ -63,6 +64,7 @@ DESCRIPTIONS = {
     "submit": "queue a training mode on Slurm with submitit (requeued on preemption)",
     "plot": "draw an RL run's reward, KL and held-out accuracy (PNG), with a control run as a line",
     "from-openrlhf": "print the hpc_rlhf config of an OpenRLHF command's flags (ppo, dpo, rm, sft)",
+    "bandwidth": "time an all-reduce across the job's ranks (run on every rank): NCCL or gloo bandwidth",
 }
 
 

@@ -1,6 +1,8 @@
 #!/bin/bash
-# requeue_guard.sh MARGIN_S [MAX_RESTARTS]: requeue this Slurm job MARGIN_S seconds before its time limit if it is
-# still running then, whatever its ranks are doing.
+# requeue_guard.sh MARGIN_S [MAX_RESTARTS [WATCHED_PID]]: requeue this Slurm job MARGIN_S seconds before its time
+# limit if it is still running then, whatever its ranks are doing. It ends with the process WATCHED_PID (the batch
+# shell that started it) and once the job is no longer RUNNING: a job that has finished and is completing has an
+# EndTime in the past, and must not be requeued.
 #
 # Started in the background by the batch shell (sbatch/common.sh's hpc_train, and the job script `hpc-rlhf
 # submit` writes), beside the step. The normal stop is the ranks': Slurm's stop signal (--signal=USR1@LEAD) makes
@@ -14,8 +16,9 @@
 # a time limit changed while the job runs (scontrol update) counts. It needs only bash, date and scontrol: it runs
 # outside any container. Past MAX_RESTARTS (SLURM_RESTART_COUNT) it does not requeue.
 set -u
-margin=${1:?usage: requeue_guard.sh MARGIN_S [MAX_RESTARTS]}
+margin=${1:?usage: requeue_guard.sh MARGIN_S [MAX_RESTARTS [WATCHED_PID]]}
 max_restarts=${2:-20}
+watched=${3:-}
 poll=${REQUEUE_GUARD_POLL_S:-30}
 job=${SLURM_JOB_ID:?requeue_guard.sh runs inside a Slurm job}
 restarts=${SLURM_RESTART_COUNT:-0}
@@ -24,7 +27,14 @@ trap '[ -z "$sleeper" ] || kill "$sleeper" 2>/dev/null; exit 0' TERM
 say() { echo "[$(date +%H:%M:%S) job $job restart $restarts] requeue guard: $*" >&2; }
 
 while true; do
+  if [ -n "$watched" ] && ! kill -0 "$watched" 2>/dev/null; then exit 0; fi
   fields=$(scontrol show job -o "$job" 2>/dev/null)
+  state=$(sed -n 's/.* JobState=\([^ ]*\).*/\1/p' <<<"$fields")
+  case "$state" in
+    RUNNING|"") ;;  # "": scontrol did not answer this time (a busy controller): ask again
+    PENDING|CONFIGURING) sleep 1; continue ;;
+    *) exit 0 ;;  # completing, completed, requeued, cancelled: nothing left to guard
+  esac
   end=$(sed -n 's/.* EndTime=\([^ ]*\).*/\1/p' <<<"$fields")
   end_s=
   # Only a date: `date -d ""` would read an empty field as today's midnight (EndTime=Unknown: no limit yet).

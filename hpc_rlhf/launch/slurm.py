@@ -210,7 +210,7 @@ def slurm_parameters(*, nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: 
         # submitit's handler uses the same signal until the trainer takes it over.
         "setup": [f"export SUBMITIT_PREEMPT_SIGNAL={STOP_SIGNAL}",
                   f"bash -c {shlex.quote(REQUEUE_GUARD.read_text())} requeue_guard {requeue_margin_s} "
-                  f"{max_restarts} &"],
+                  f"{max_restarts} $$ &"],
         "additional_parameters": {"signal": f"{STOP_SIGNAL}@{signal_delay_s}", "requeue": True},
     }
     if gpus_per_node:  # `--gpus-per-node=0` is refused by clusters without GPU resources

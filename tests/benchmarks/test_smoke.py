@@ -46,7 +46,7 @@ TRL = {
                     "--rows", "64"],
     "ppo_vs_trl": ["--layouts", "colocated", "--rounds", "1", "--steps", "1", "--warmup", "1", "--rows", "64"],
 }
-GPU_ONLY = ["gpu_throughput"]
+GPU_ONLY = ["gpu_throughput", "gpu_checks"]
 # Reads the outputs of rl_phases runs (none given: only its table of published runs, computed), so not in run_all.sh.
 ANALYSES = {"step_time_validation": []}
 TRL_112 = REPO / ".venv-trl112" / "bin" / "python"
@@ -102,7 +102,21 @@ def test_trl_comparison_smoke_run(name):
     assert "---" in run(name, TRL[name]).stdout
 
 
-@pytest.mark.parametrize("name", GPU_ONLY)
+def test_the_gpu_checks_refuse_a_machine_without_a_gpu_and_skip_what_they_cannot_run(capsys):
+    module = load("gpu_checks")
+    assert module.main([]) == 2 and "no CUDA GPU here" in capsys.readouterr().err
+    one_gpu, two = module.checks(sys.executable, 1), module.checks(sys.executable, 2)
+    assert list(one_gpu) == ["nccl", "bf16 train", "generation", "vllm", "weight sync"]
+    assert module.run_check("weight sync", one_gpu["weight sync"]) == ("skipped", 0.0, "two NCCL ranks need two GPUs")
+    assert two["weight sync"]["skip"] is None
+    missing = dict(one_gpu["vllm"], needs="hpc_rlhf_no_such_module")
+    assert module.run_check("vllm", missing) == ("skipped", 0.0, "hpc_rlhf_no_such_module is not installed")
+    outcome, _, line = module.run_check("x", {"cmd": [sys.executable, "-c", "import sys; sys.exit('boom')"],
+                                               "timeout": 60, "headline": "^never$"})
+    assert outcome == "FAILED" and line == "exit 1: boom"
+
+
+@pytest.mark.parametrize("name", ["gpu_throughput"])
 def test_gpu_benchmark_parses_its_arguments(name, capsys):
     module = load(name)
     with pytest.raises(SystemExit) as exited:

@@ -463,6 +463,7 @@ def tiny_jobs(cluster: LocalCluster, tmp_path_factory) -> TinyJobs:
 # "Shrunk runs"); everything else (ZeRO stage, Adam offload, checkpoint settings, ...) is the example config's.
 # ppo_70b's run is preempted once and must requeue itself and resume.
 GPU_SCRIPT_STEPS = 3
+SMOKE_STEPS = 2  # as examples/cluster/smoke_gpu.yaml
 PPO_70B_STEPS = 4  # one step more: the preemption lands after step 1 and the resumed run still has steps to go
 # The scripts' own leads (up to 1,500 s for ppo_70b) exceed the shrunk jobs' 15 minutes: Slurm would signal at once.
 SHRUNK_STOP_LEAD_S = 300
@@ -475,6 +476,7 @@ SHRUNK_LAYOUTS = {
     "grpo_7b.sbatch": (1, "actor+ref=1,rollout=1"),
     "ppo_7b.sbatch": (2, "actor+ref=1,critic+reward=1,rollout=2"),
     "ppo_70b.sbatch": (2, "actor=1,critic=1,ref+reward=1,rollout=1"),
+    "smoke_gpu.sbatch": (1, "actor+ref=1,rollout=1"),  # gloo across the nodes, one vLLM CPU engine of tp 1
 }
 # What each rank's python says first (PYTHON names this wrapper): the CPUs Slurm gave its task.
 CPU_PROBE = """#!/bin/bash
@@ -498,6 +500,10 @@ class ScriptRun:
     preemption: Preemption | None = None
 
 
+def shrunk_steps(script: str) -> int:
+    return {"ppo_70b.sbatch": PPO_70B_STEPS, "smoke_gpu.sbatch": SMOKE_STEPS}.get(script, GPU_SCRIPT_STEPS)
+
+
 def shrunk_overrides(script: str, out: Path) -> list[str]:
     """The key=value arguments of a shrunk run: tiny model and data, a few small steps, gloo, the hf engine."""
     from hpc_rlhf.config import TINY_ASSETS
@@ -507,7 +513,7 @@ def shrunk_overrides(script: str, out: Path) -> list[str]:
     common = [f"output_dir={out}", "data.eval_files=[]", "data.max_prompt_len=16", "data.max_len=32",
               "dist.backend=gloo", "dist.timeout_s=300", "log.every_steps=1", "log.tensorboard=false",
               "train.warmup_steps=0"]
-    steps = PPO_70B_STEPS if script == "ppo_70b.sbatch" else GPU_SCRIPT_STEPS
+    steps = shrunk_steps(script)
     if script in ("sft.sbatch", "rm.sbatch", "dpo.sbatch"):
         train_file = data / ("sft_train.jsonl" if script == "sft.sbatch" else "pref_train.jsonl")
         return [*common, f"model.path={model}", f"data.train_files=[{train_file}]", f"train.max_steps={steps}",
@@ -517,6 +523,9 @@ def shrunk_overrides(script: str, out: Path) -> list[str]:
           f"train.max_steps={steps}", "train.batch_size=8", "train.micro_batch_size=8"]
     if script == "grpo_7b.sbatch":
         return rl
+    if script == "smoke_gpu.sbatch":  # its own engine, vLLM (CPU build here), with room for its 16 samples
+        return [*rl, "rollout.backend=vllm", "train.batch_size=16", "rollout.prompts_per_step=4",
+                "rollout.n_samples=4"]
     if script == "ppo_70b.sbatch":  # a checkpoint every step, and a hung rank left to the requeue guard
         rl += ["checkpoint.every_steps=1", "dist.heartbeat_timeout_s=600"]
     return [*rl, f"critic.path={model}", f"reward.models=[{model}]", f"critic_train.max_steps={steps}",
@@ -552,8 +561,7 @@ def _submit_gpu_script_jobs(cluster: LocalCluster | None, root: Path) -> dict[st
                                 f"--output={root}/{name}-%j.out", f"sbatch/{script}", *shrunk_overrides(script, out),
                                 env=env)
         job = Submitted(job_id, out, Path(f"{root}/{name}-{job_id}.out"))
-        steps = PPO_70B_STEPS if script == "ppo_70b.sbatch" else GPU_SCRIPT_STEPS
-        runs[script] = ScriptRun(script, job, steps, placement)
+        runs[script] = ScriptRun(script, job, shrunk_steps(script), placement)
         if script == "ppo_70b.sbatch":
             record = runs[script].preemption = Preemption()
             threading.Thread(target=_stall_then_cut_the_limit, args=(cluster, job, record), daemon=True).start()

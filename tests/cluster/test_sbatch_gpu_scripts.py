@@ -53,6 +53,22 @@ def test_ppo_70b_shrunk_overruns_its_stop_and_the_guard_requeues_it_to_resume(cl
     assert re.search(r"adam_offload: true", config) and "zero_stage: 3" in config  # the example config's settings
 
 
+def test_the_smoke_job_measures_the_all_reduce_across_both_nodes_before_its_rl_steps(cluster, gpu_script_jobs):
+    """sbatch/smoke_gpu.sbatch shrunk: the all-reduce over its two ranks (gloo here, one per fake node), then two
+    GRPO steps with a vLLM engine (CPU build, tensor-parallel 1) synced after each (test above: steps, final
+    model)."""
+    run = gpu_script_jobs["smoke_gpu.sbatch"]
+    record = cluster.wait(run.job.job_id)
+    log = run.job.log.read_text()
+    assert record["JobState"] == "COMPLETED", f"{record}\n{log[-4000:]}"
+    measured = re.findall(r"^all-reduce of 256 MB over 2 ranks \(gloo\): [\d.,]+ ms, algorithm bandwidth "
+                          r"[\d.,]+ GB/s, bus bandwidth [\d.,]+ GB/s$", log, re.MULTILINE)
+    assert len(measured) == 1, log[-4000:]
+    assert log.index(measured[0]) < log.index("INFO hpc_rlhf: placement:")  # the fabric before the RL steps
+    rows = run.job.metrics()
+    assert [r["step"] for r in rows] == [1, 2] and all(r["weight_sync_mb"] > 0 for r in rows), rows
+
+
 def test_ranks_see_the_cpus_per_task_of_the_job(cluster, gpu_script_jobs):
     run = gpu_script_jobs["ppo_70b.sbatch"]
     cluster.wait(run.job.job_id)

@@ -50,7 +50,8 @@ def test_each_example_config_passes_the_dry_run_for_its_scripts_allocation(capsy
     placement = default_of(script, "PLACEMENT")
     extra = [f"placement={placement}"] if placement else [f"dist.nproc={world}"]  # what sbatch/common.sh passes
     code, out, err = dry_run(capsys, mode, config, world, per_node, "--model", preset, *extra,
-                             "--stop-lead-s", default_of(script, "STOP_LEAD_S"))
+                             "--stop-lead-s", default_of(script, "STOP_LEAD_S"),
+                             "--requeue-margin-s", default_of(script, "REQUEUE_MARGIN_S") or "120")
     assert code == 0 and err == "", err  # the script's stop signal leaves time for its checkpoint: no warning
     assert "the plan fits\nstop: a checkpoint of up to" in out and "note: sized by --model" in out
     assert f"{world} ranks on {world // per_node} node(s)" in out

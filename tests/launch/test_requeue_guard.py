@@ -15,7 +15,8 @@ from tests.distributed import REPO
 GUARD = REPO / "hpc_rlhf" / "launch" / "requeue_guard.sh"
 FAKE_SCONTROL = """#!/bin/bash
 case "$1" in
-  show) [ -s "$FAKE_SLURM/end" ] && echo "JobId=$SLURM_JOB_ID JobState=RUNNING EndTime=$(cat "$FAKE_SLURM/end") x=y" ;;
+  show) [ -s "$FAKE_SLURM/end" ] && echo "JobId=$SLURM_JOB_ID JobState=$(cat "$FAKE_SLURM/state" 2>/dev/null \
+          || echo RUNNING) EndTime=$(cat "$FAKE_SLURM/end") x=y" ;;
   requeue) echo "$2" >> "$FAKE_SLURM/requeued" ;;
   *) exit 1 ;;
 esac
@@ -28,12 +29,14 @@ def set_end(folder: Path, seconds_from_now: float | None) -> None:
     (folder / "end").write_text(end)
 
 
-def start_guard(folder: Path, margin_s: int, max_restarts: int = 20, restarts: int = 0) -> subprocess.Popen:
+def start_guard(folder: Path, margin_s: int, max_restarts: int = 20, restarts: int = 0,
+                watched: int | None = None) -> subprocess.Popen:
     (folder / "scontrol").write_text(FAKE_SCONTROL)
     (folder / "scontrol").chmod(0o755)
     env = dict(os.environ, PATH=f"{folder}:{os.environ['PATH']}", FAKE_SLURM=str(folder), SLURM_JOB_ID="4242",
                SLURM_RESTART_COUNT=str(restarts), REQUEUE_GUARD_POLL_S="1")
-    return subprocess.Popen(["bash", str(GUARD), str(margin_s), str(max_restarts)], env=env, text=True,
+    extra = [] if watched is None else [str(watched)]
+    return subprocess.Popen(["bash", str(GUARD), str(margin_s), str(max_restarts), *extra], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -62,3 +65,28 @@ def test_the_guard_does_not_requeue_past_max_restarts(tmp_path):
     _, err = guard.communicate(timeout=20)
     assert guard.returncode == 0 and not (tmp_path / "requeued").exists()
     assert "restarted 3 times (MAX_RESTARTS=3): not requeueing" in err
+
+
+def test_a_job_that_has_finished_is_not_requeued(tmp_path):
+    """Completing, its EndTime is in the past: the guard leaves (the submitit job script's guard outlives the
+    batch shell by a moment; a requeue there ran a finished job again)."""
+    (tmp_path / "state").write_text("COMPLETING")
+    set_end(tmp_path, -20)
+    guard = start_guard(tmp_path, margin_s=60)
+    _, err = guard.communicate(timeout=20)
+    assert guard.returncode == 0 and not (tmp_path / "requeued").exists() and err == ""
+
+
+def test_the_guard_ends_with_the_batch_shell_it_watches(tmp_path):
+    shell = subprocess.Popen(["sleep", "3"])
+    set_end(tmp_path, 3600)
+    guard = start_guard(tmp_path, margin_s=60, watched=shell.pid)
+    try:
+        time.sleep(1.5)
+        assert guard.poll() is None
+        shell.wait()
+        set_end(tmp_path, 10)  # the limit is near, but the shell is gone: the job is ending
+        guard.communicate(timeout=20)
+    finally:
+        guard.kill()
+    assert guard.returncode == 0 and not (tmp_path / "requeued").exists()

@@ -77,7 +77,8 @@ def test_each_script_checks_the_plan_before_training_through_common_sh(path):
     assert 'source "${HPC_RLHF_HOME:-$SLURM_SUBMIT_DIR}/sbatch/common.sh"' in text
     calls = [line.strip().split()[0] for line in text.splitlines() if line.strip().startswith("hpc_")]
     # set-up, the plan check, then one or more training steps (tiny_cpu makes its starting models first)
-    assert calls[:2] == ["hpc_setup", "hpc_check_plan"] and len(calls) >= 3 and set(calls[2:]) == {"hpc_train"}
+    assert calls[:2] == ["hpc_setup", "hpc_check_plan"] and len(calls) >= 3 and calls[-1] == "hpc_train"
+    assert set(calls[2:]) <= {"hpc_train", "hpc_bandwidth"}  # smoke_gpu measures the fabric first
     # srun and its flags live in launch/srun.sh, the requeue in common.sh only
     assert not any(line.lstrip().startswith(("srun", "scontrol")) for line in text.splitlines())
 
@@ -277,8 +278,11 @@ def test_gpu_scripts_check_their_example_config_and_give_the_ranks_what_was_chec
     proc, calls = fake_slurm(path.name, **allocation_env(path))
     assert proc.returncode == 0, proc.stderr
     assert "the plan fits" in proc.stdout  # the dry run's report, in the job log
-    srun = next(line for line in calls.splitlines() if line.startswith("srun"))
+    sruns = [line for line in calls.splitlines() if line.startswith("srun")]
+    srun = sruns[-1]  # the training step (smoke_gpu's all-reduce comes first)
     assert f"--config examples/cluster/{path.stem}.yaml" in srun
+    if path.stem == "smoke_gpu":
+        assert len(sruns) == 2 and " -m hpc_rlhf.launch.slurm rank bandwidth --size-mb 256" in sruns[0]
     placement = default_of(path, "PLACEMENT")
     if placement:
         assert "placement=" + placement.replace(",", "\\,") in srun

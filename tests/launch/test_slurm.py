@@ -60,10 +60,10 @@ def test_the_job_script_starts_the_requeue_guard_before_the_tasks():
     guard = REQUEUE_GUARD.read_text()
     assert guard.strip().splitlines()[-1] in text  # inlined: the job's shell may not see this installation
     # margin: at most half the signal's lead by default; the task's max_restarts
-    assert " requeue_guard 45 100 &" in text and text.index("requeue_guard 45") < text.index("srun")
+    assert " requeue_guard 45 100 $$ &" in text and text.index("requeue_guard 45") < text.index("srun")
     text = _make_sbatch_string(command="true", folder="/tmp/x/%j",
                                **slurm_parameters(signal_delay_s=600, requeue_margin_s=200))
-    assert " requeue_guard 200 100 &" in text
+    assert " requeue_guard 200 100 $$ &" in text
     assert " requeue_guard 120 " in _make_sbatch_string(command="true", folder="/tmp/x/%j",
                                                         **slurm_parameters(signal_delay_s=600))
 
