@@ -59,10 +59,41 @@ def heartbeat(seq: int, role: str, phase: str, step: int, host: str, pid: int, p
                        "pidns": pidns, "state": state})
 
 
+class RecordError(ValueError):
+    """A heartbeat or failure record in the store that is not one: cut short, or written by something else."""
+
+
+HEARTBEAT_FIELDS = {"seq": int, "role": str, "phase": str, "step": int, "host": str, "pid": int, "pidns": str,
+                    "state": str}
+FAILURE_FIELDS = {"rank": int, "role": str, "phase": str, "step": int, "kind": str, "detail": str, "primary": bool,
+                  "by": int, "time": (int, float)}
+MAX_RECORD_BYTES = 64 << 10  # a record is a few hundred bytes; a larger one is not ours
+
+
+def parse_record(raw: bytes | str, fields: Mapping[str, type | tuple], what: str) -> dict[str, Any]:
+    """A JSON object with at least `fields`, each of its type (bool is not an int here), or RecordError."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise RecordError(f"{what}: {len(raw)} bytes, more than a record's {MAX_RECORD_BYTES}")
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise RecordError(f"{what}: not JSON ({type(exc).__name__})") from None
+    if not isinstance(record, dict):
+        raise RecordError(f"{what}: a JSON {type(record).__name__}, not an object")
+    for name, kind in fields.items():
+        value = record.get(name)
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise RecordError(f"{what}: field '{name}' is {value!r:.40}, not {getattr(kind, '__name__', kind)}")
+    return record
+
+
 def read_heartbeat(store, rank: int) -> dict[str, Any] | None:
-    """`rank`'s last heartbeat in `store` (a PrefixStore on key_prefix()), or None if it never wrote one."""
+    """`rank`'s last heartbeat in `store` (a PrefixStore on key_prefix()), or None if it never wrote one; a value
+    there that is not a heartbeat raises RecordError (the caller reports it and reads the rank as silent)."""
     key = heartbeat_key(rank)
-    return json.loads(store.get(key)) if store.check([key]) else None
+    if not store.check([key]):
+        return None
+    return parse_record(store.get(key), HEARTBEAT_FIELDS, f"the heartbeat of rank {rank}")
 
 
 def failure_record(rank: int, role: str, phase: str, step: int, kind: str, detail: str, *, primary: bool,
@@ -84,10 +115,18 @@ def failure_count(store) -> int:
     return int(store.add(FAILURE_COUNT, 0))
 
 
-def read_failures(store) -> list[dict[str, Any]]:
-    """Every failure record published so far, oldest first."""
-    raw = store.get(FAILURE_LOG).decode()
-    return [json.loads(line) for line in raw.splitlines() if line.strip()]
+def read_failures(store) -> tuple[list[dict[str, Any]], list[str]]:
+    """(every failure record published so far, oldest first; what was wrong with each line of the log that is not a
+    record). A bad line is skipped, not fatal: the records after it still count."""
+    records, bad = [], []
+    for number, line in enumerate(store.get(FAILURE_LOG).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(parse_record(line, FAILURE_FIELDS, f"line {number} of the failure log"))
+        except RecordError as exc:
+            bad.append(str(exc))
+    return records, bad
 
 
 def format_failure(record: dict[str, Any], seen_by: int | None = None) -> str:

@@ -147,7 +147,7 @@ def _serve(port: int, world_size: int, timeout_s: float, ready_fd: int, parent: 
         time.sleep(POLL_S)
     rank0_gone = os.getppid() != parent
     records = dist.PrefixStore(liveness.key_prefix(), store)
-    beat0 = liveness.read_heartbeat(records, 0)
+    beat0 = _heartbeat_or_none(records, 0)
     if beat0 is None:
         return  # rank 0 never started its watchdog: no one reads records; close so that joiners fail now
     if rank0_gone and beat0["state"] == liveness.RUNNING:
@@ -158,6 +158,14 @@ def _serve(port: int, world_size: int, timeout_s: float, ready_fd: int, parent: 
     _linger(records, world_size)
 
 
+def _heartbeat_or_none(records, rank: int) -> dict | None:
+    """A rank's heartbeat; a value that is not one counts as none (the ranks' watchdogs report it)."""
+    try:
+        return liveness.read_heartbeat(records, rank)
+    except liveness.RecordError:
+        return None
+
+
 def _linger(records, world_size: int) -> None:
     """Serve until no rank can still need the store: each has stopped, failed, been terminated, or beats no more."""
     last_seq: dict[int, tuple[int, float]] = {}
@@ -166,7 +174,7 @@ def _linger(records, world_size: int) -> None:
         now = time.monotonic()
         needed = False
         for rank in range(world_size):
-            beat = liveness.read_heartbeat(records, rank)
+            beat = _heartbeat_or_none(records, rank)
             if beat is None or beat["state"] != liveness.RUNNING:
                 continue
             seq, since = last_seq.get(rank, (None, now))

@@ -67,7 +67,7 @@ from hpc_rlhf.dist.failures import (_alive_a_moment_later, _pid_namespace, defau
 from hpc_rlhf.dist.liveness import (FAILED, RUNNING, STOPPED, TERMINATED, failure_record, format_failure,
                                     key_prefix, publish)
 from hpc_rlhf.dist.progress import Progress, current_phase, current_step, phase, set_step  # noqa: F401  (the API)
-from hpc_rlhf.utils import faults
+from hpc_rlhf.utils import console, faults
 
 log = logging.getLogger("hpc_rlhf")
 
@@ -117,6 +117,7 @@ class Watchdog:
         self.peers = {r: _PeerView(r, now) for r in watched_ranks(rank, world_size, store_host_rank)}
         self.records: list[dict[str, Any]] = []  # every published failure, as last read
         self.reported: set[int] = set()          # peers this rank published a failure of
+        self.bad_records: set[str] = set()       # store values that were not records, each reported once
         self.fatal_message: str | None = None
         self._records_read = 0
         self._seq = 0
@@ -175,13 +176,27 @@ class Watchdog:
         count = self._op(liveness.failure_count, self.store)
         if count <= self._records_read:
             return
-        self.records = self._op(liveness.read_failures, self.store)
-        self._records_read = len(self.records)
+        self.records, bad = self._op(liveness.read_failures, self.store)
+        for problem in bad:
+            self._report_bad_record(problem)
+        self._records_read = count
         # see _linger_for_readers
         self._op(self.store.set, liveness.seen_key(self.rank), str(self._records_read))
 
+    def _report_bad_record(self, problem: str) -> None:
+        """Once per problem: a record that does not parse is skipped, and the peers are still judged by their
+        heartbeats (a watchdog that stopped at the first bad record would leave a frozen rank to dist.timeout_s)."""
+        if problem not in self.bad_records:
+            self.bad_records.add(problem)
+            console.say(f"hpc_rlhf: rank {self.rank}: watchdog: skipped {problem} (the store holds something that "
+                        f"is not a record of this job's ranks)")
+
     def _read_peer(self, peer: _PeerView, now: float) -> None:
-        beat = self._op(liveness.read_heartbeat, self.store, peer.rank)
+        try:
+            beat = self._op(liveness.read_heartbeat, self.store, peer.rank)
+        except liveness.RecordError as exc:
+            self._report_bad_record(str(exc))  # read as silence: judged by the time since its last good beat
+            return
         if beat is None:
             return
         if beat["seq"] != peer.seq:

@@ -4,6 +4,7 @@ TCPStore, and the error file that a locally launched rank leaves for its launche
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 
 import pytest
@@ -37,7 +38,34 @@ def test_published_records_are_read_back_in_order_and_counted(records):
     liveness.publish(records, first)
     liveness.publish(records, second)
     assert liveness.failure_count(records) == 2
-    assert liveness.read_failures(records) == [first, second]
+    assert liveness.read_failures(records) == ([first, second], [])
+
+
+def test_a_line_of_the_failure_log_that_is_not_a_record_is_skipped_and_named(records):
+    """Something else wrote to the log (another user on the store's port, a torn append): the records around it
+    still count, and each bad line is named."""
+    first = liveness.failure_record(1, "critic", "training", 4, "failed", "its process is gone", primary=True, by=0)
+    liveness.publish(records, first)
+    records.append(liveness.FAILURE_LOG, "rank 3 is dead, stop everything\n")
+    records.append(liveness.FAILURE_LOG, '{"rank": "3", "primary": true}\n')
+    records.append(liveness.FAILURE_LOG, "[" * 100_000 + "\n")
+    liveness.publish(records, dict(first, rank=2))
+    found, bad = liveness.read_failures(records)
+    assert found == [first, dict(first, rank=2)]
+    assert bad[0] == "line 2 of the failure log: not JSON (JSONDecodeError)"
+    assert bad[1].startswith("line 3 of the failure log: field 'rank' is '3', not int")
+    assert bad[2].startswith("line 4 of the failure log: 100000 bytes, more than")
+
+
+@pytest.mark.parametrize("value, says", [
+    (b"garbage", "not JSON"), (b"[1, 2]", "a JSON list, not an object"),
+    (b'{"seq": true, "role": "actor"}', "field 'seq' is True, not int"),
+    (b"\xff\xfe", "not JSON"),
+])
+def test_a_heartbeat_that_is_not_one_raises_record_error(records, value, says):
+    records.set(liveness.heartbeat_key(2), value)
+    with pytest.raises(liveness.RecordError, match=rf"^the heartbeat of rank 2: {re.escape(says)}"):
+        liveness.read_heartbeat(records, 2)
 
 
 def test_a_heartbeat_is_read_as_written_and_a_missing_one_is_none(records):

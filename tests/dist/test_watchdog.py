@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 
-from hpc_rlhf.dist import progress, watchdog
+from hpc_rlhf.dist import liveness, progress, watchdog
 from hpc_rlhf.dist.bootstrap import store_host_rank
 from hpc_rlhf.dist.liveness import STOPPED
 from hpc_rlhf.dist.failures import is_consequence, process_alive, watched_ranks
@@ -187,6 +187,29 @@ def test_a_silent_rank_is_reported_with_its_last_phase(server):
                                      "no heartbeat for")
     world.beat(1)  # rank 1 learns it from the published record even if it has not waited as long
     assert world.fatal[1].startswith("hpc_rlhf: rank 2 (role rollout) stopped responding during scoring")
+
+
+def test_records_that_are_not_records_are_reported_once_and_the_frozen_rank_is_still_found(server, capfd):
+    """Another user of the store's port writes junk into the failure log and over rank 1's heartbeat: each is
+    reported once and skipped, nothing is blamed on it, and rank 2 freezing still ends the job within the
+    timeout (a watchdog stopped by the first bad record would leave it to dist.timeout_s)."""
+    from torch.distributed import TCPStore
+
+    world = Ranks(server, 3, ["actor", "ref", "rollout"])  # (the harness's watchdogs use the store unprefixed)
+    world.beat(0, 1, 2)
+    intruder = TCPStore("127.0.0.1", server, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+    intruder.append(liveness.FAILURE_LOG, "rank 1 (role ref) failed: go home\n")
+    intruder.add(liveness.FAILURE_COUNT, 1)
+    intruder.set(liveness.heartbeat_key(1), "not a heartbeat")  # until rank 1's next beat replaces it
+    deadline = time.monotonic() + TIMEOUT + 1
+    while time.monotonic() < deadline and 0 not in world.fatal:
+        world.beat(0)
+        world.beat(1)
+        time.sleep(INTERVAL)
+    assert world.fatal[0].startswith("hpc_rlhf: rank 2 (role rollout) stopped responding during setup")
+    err = capfd.readouterr().err
+    assert err.count("watchdog: skipped line 1 of the failure log: not JSON") == 2  # once per rank that read it
+    assert err.count("watchdog: skipped the heartbeat of rank 1: not JSON") == 1  # rank 0 watches rank 1
 
 
 def test_a_rank_that_never_beat_is_reported_after_the_timeout(server):
