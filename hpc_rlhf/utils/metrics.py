@@ -9,6 +9,7 @@ after the resumed checkpoint are dropped first, so the file reads as one uninter
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 METRICS_FILE = "metrics.jsonl"
+logger = logging.getLogger(__name__)
 
 
 def _plain(value: Any) -> Any:
@@ -27,27 +29,61 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class MetricsError(ValueError):
+    """A metrics.jsonl whose rows cannot be read back (a line in its middle is not a JSON row)."""
+
+
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of `output_dir`'s metrics.jsonl. A last line that is not a JSON row was torn by a crash or a full
+    disk while it was written: dropped with a warning (its step is redone from the checkpoint). One elsewhere is a
+    MetricsError naming the file and the line."""
     path = Path(output_dir) / METRICS_FILE
     if not path.exists():
         return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     rows = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            rows.append(json.loads(line))
+    for index, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif index == last:
+            logger.warning("%s: its last line (%d) is not a whole JSON row (torn by a crash or a full disk): "
+                           "dropped", path, index + 1)
+        else:
+            raise MetricsError(f"{path}, line {index + 1}: not a JSON row; the file was changed by something other "
+                               f"than hpc_rlhf (move it away to start its metrics afresh)")
     return rows
 
 
-def truncate_metrics(output_dir: str | Path, after_step: int) -> None:
-    """Drop rows logged after `after_step` (they belong to work a resume will redo)."""
+def truncate_metrics(output_dir: str | Path, after_step: int) -> Path | None:
+    """Drop rows logged after `after_step` (they belong to work a resume will redo). A run that starts over
+    (`after_step` 0: no checkpoint, or checkpoint.resume=false) keeps the earlier run's rows: the file is moved to
+    metrics.jsonl.N (the first free N), which is returned, and the new run starts an empty one."""
     path = Path(output_dir) / METRICS_FILE
     if not path.exists():
-        return
-    kept = [r for r in read_metrics(output_dir) if int(r.get("step", 0)) <= after_step]
+        return None
+    if after_step <= 0:
+        if not path.read_text(encoding="utf-8", errors="replace").strip():
+            return None
+        number = 1
+        while path.with_name(f"{METRICS_FILE}.{number}").exists():
+            number += 1
+        kept = path.with_name(f"{METRICS_FILE}.{number}")
+        os.replace(path, kept)
+        logger.warning("%s: a run that starts over from step 0 keeps the earlier run's metrics as %s", path,
+                       kept.name)
+        return kept
+    kept_rows = [r for r in read_metrics(output_dir) if int(r.get("step", 0)) <= after_step]
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept_rows))
     os.replace(tmp, path)
+    return None
 
 
 class MetricsLogger:

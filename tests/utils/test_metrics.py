@@ -1,4 +1,8 @@
-from hpc_rlhf.utils.metrics import MetricsLogger, read_metrics
+import json
+
+import pytest
+
+from hpc_rlhf.utils.metrics import MetricsError, MetricsLogger, read_metrics
 
 
 def test_metrics_jsonl_and_tensorboard(tmp_path):
@@ -29,3 +33,34 @@ def test_disabled_logger_writes_nothing(tmp_path):
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert not (tmp_path / "x").exists()
+
+
+def test_a_torn_last_line_is_dropped_and_the_resume_goes_on(tmp_path, caplog):
+    logger = MetricsLogger(tmp_path, tensorboard=False, progress=False)
+    for step in range(1, 4):
+        logger.log(step, {"loss": float(step)})
+    logger.close()
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 4, "loss"')  # the node died in the middle of the write
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert "its last line (4) is not a whole JSON row" in caplog.text
+    resumed = MetricsLogger(tmp_path, tensorboard=False, progress=False, initial_step=3)
+    resumed.log(4, {"loss": 4.0})
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_a_bad_line_inside_the_file_is_named(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(MetricsError, match=r"metrics\.jsonl, line 2: not a JSON row"):
+        read_metrics(tmp_path)
+
+
+def test_a_run_that_starts_over_keeps_the_earlier_runs_metrics(tmp_path):
+    for run in range(3):
+        logger = MetricsLogger(tmp_path, tensorboard=False, progress=False)  # step 0: no checkpoint to resume
+        logger.log(1, {"loss": float(run)})
+        logger.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0)]
+    kept = [json.loads((tmp_path / f"metrics.jsonl.{n}").read_text())["loss"] for n in (1, 2)]
+    assert kept == [0.0, 1.0]
