@@ -120,13 +120,28 @@ def resume_if_possible(run: Run, engines: dict) -> dict[str, Any]:
                            f"{run.world_size}. Start with a new output_dir or checkpoint.resume=false.")
     for name, engine in engines.items():
         engine.load_checkpoint(path / name)
-    rng_file = path / "rng" / f"rank{run.rank:05d}.pt"
-    if rng_file.is_file():
-        ckpt.set_rng_state(torch.load(rng_file, weights_only=False))
+    restore_rng(run, path)
     run.start_step = step
     run.extra["resumed_from"] = path
     log.info("resumed from %s (step %d)", path, step)
     return state
+
+
+def restore_rng(run, path: Path) -> None:
+    """This rank's random generators as the checkpoint in `path` left them, read with weights_only: a file in the
+    run folder is not trusted code (plain tensors and numbers only). One that needs code to load is not loaded (a
+    warning): the resume goes on, not bit for bit."""
+    rng_file = path / "rng" / f"rank{run.rank:05d}.pt"
+    if not rng_file.is_file():
+        return
+    try:
+        state = torch.load(rng_file, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ... by version
+        log.warning("%s: the random generators' state is not plain tensors and numbers (a checkpoint of an older "
+                    "hpc_rlhf, or a file put there): not loaded, so the resumed run is not bit for bit the "
+                    "uninterrupted one (%s)", rng_file, (str(exc).splitlines() or [""])[0][:200])
+        return
+    ckpt.set_rng_state(state)
 
 
 def should_save(step: int, every: int, max_steps: int) -> bool:

@@ -140,11 +140,14 @@ def prune(output_dir: str | Path, keep: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ RNG state
 def rng_state() -> dict[str, Any]:
+    """Every generator's state as plain tensors, ints, floats and strings: what `torch.load(weights_only=True)`
+    reads back, so that loading a checkpoint runs no code from it."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -158,7 +161,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        keys = keys.numpy().astype(np.uint32) if isinstance(keys, torch.Tensor) else keys
+        np.random.set_state((name, keys, pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 

@@ -59,3 +59,36 @@ def test_rng_state_round_trip():
     a = torch.rand(3)
     ck.set_rng_state(state)
     assert torch.equal(a, torch.rand(3))
+
+
+def test_the_rng_state_is_plain_data_that_loads_without_running_code(tmp_path):
+    """Saved and read back with torch.load(weights_only=True), as a resume reads it: python's, numpy's and torch's
+    generators draw again what they drew after the save."""
+    import random
+
+    import numpy as np
+
+    torch.save(ck.rng_state(), tmp_path / "rng.pt")
+    drawn = (random.random(), float(np.random.rand()), torch.rand(2))
+    ck.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    again = (random.random(), float(np.random.rand()), torch.rand(2))
+    assert drawn[:2] == again[:2] and torch.equal(drawn[2], again[2])
+
+
+def test_a_pickled_object_in_the_rng_file_is_not_run_on_resume(tmp_path, caplog):
+    """A file in the run folder is not trusted: one that needs code to load is refused with a warning, and the
+    resume goes on without it (not bit for bit)."""
+    from types import SimpleNamespace
+
+    from hpc_rlhf.runtime import checkpointing
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    folder = tmp_path / "step_000000003"
+    (folder / "rng").mkdir(parents=True)
+    torch.save({"python": Planted()}, folder / "rng" / "rank00000.pt")
+    checkpointing.restore_rng(SimpleNamespace(rank=0), folder)
+    assert not (tmp_path / "ran").exists()
+    assert "not plain tensors and numbers" in caplog.text
