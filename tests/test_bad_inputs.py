@@ -205,6 +205,8 @@ CLI_CASES = [
      "command line: output_dir='{d}/a_file' is a file, not a folder"),
     ("output folder below a file", [*SFT, "output_dir={d}/a_file/run"],
      "command line: output_dir='{d}/a_file/run' cannot be created: '{d}/a_file' is a file, not a folder"),
+    ("output folder that cannot be made (where nothing can be created)", [*SFT, "output_dir=/proc/hpc_rlhf_out"],
+     "hpc-rlhf sft: output_dir: '/proc/hpc_rlhf_out' cannot be created or written: No such file or directory"),
     ("output folder below a file (config file)", ["sft", "--config", "{d}/output_below_file.yaml"],
      "{d}/output_below_file.yaml: output_dir='{d}/a_file/run' cannot be created: '{d}/a_file' is a file"),
     ("generated file below a file", [*GENERATE, "generate.output_file={d}/a_file/out.jsonl"],

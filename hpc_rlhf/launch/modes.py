@@ -17,7 +17,8 @@ import importlib
 import sys
 
 from hpc_rlhf.config import ConfigError, format_help, load_config
-from hpc_rlhf.launch import dry_run
+from hpc_rlhf.dist.allocation import AllocationError
+from hpc_rlhf.launch import dry_run, preflight
 from hpc_rlhf.launch.local import run_or_spawn
 
 # mode -> module defining Config and run(cfg)
@@ -119,6 +120,12 @@ def run_training_mode(mode: str, argv: list[str]) -> int:
         return 2
     if args.dry_run:
         return dry_run.main(mode, cfg, args)
+    if getattr(cfg, "output_dir", None):
+        try:
+            preflight.check_output_dir_writable(cfg.output_dir)
+        except AllocationError as exc:
+            print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
+            return 2
     return run_or_spawn(mode, cfg, module.run, argv)
 
 

@@ -122,7 +122,10 @@ def _check_data_file(key: str, path: Path) -> str:
     return f"{key}: {path} (first {len(rows)} rows parse)"
 
 
-def _check_output_dir(output_dir: str, checkpoint_gb: float) -> str:
+def check_output_dir_writable(output_dir: str) -> Path:
+    """Make `output_dir` (as the run would) and write a file in it; AllocationError naming the key when either
+    fails. The command line runs it before any rank starts, so a run folder that cannot be written is one line, not
+    rank 0's traceback."""
     folder = Path(output_dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -131,6 +134,11 @@ def _check_output_dir(output_dir: str, checkpoint_gb: float) -> str:
     except OSError as exc:
         raise AllocationError("output_dir", f"'{folder}' cannot be created or written: "
                                             f"{exc.strerror or exc}") from None
+    return folder
+
+
+def _check_output_dir(output_dir: str, checkpoint_gb: float) -> str:
+    folder = check_output_dir_writable(output_dir)
     free_gb = shutil.disk_usage(folder).free / 1e9
     need_gb = CHECKPOINTS_OF_ROOM * checkpoint_gb
     if free_gb < need_gb:
