@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--size-mb must be positive, --iters at least 1, --warmup at least 0")
     import torch.distributed as dist
 
-    from hpc_rlhf.dist import bootstrap
+    from hpc_rlhf.dist import bootstrap  # torch: `hpc-rlhf --help` lists this command without importing it
 
     info = bootstrap.init_distributed(args.backend, timeout_s=args.timeout_s)
     try:
