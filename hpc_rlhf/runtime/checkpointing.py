@@ -1,7 +1,9 @@
 """Checkpoints and stopping, the same for every mode: SIGUSR1/SIGTERM (Slurm's --signal, preemption) ask for a
-checkpoint and a clean exit that the launcher requeues; checkpoints are atomic (staged, then sealed by rank 0) and a
-resumed run continues exactly (engines, optimizer, RNG states, the recipe's own state); too many non-finite steps
-in a row stop a run; the final model is written as a Hugging Face folder.
+checkpoint and a clean exit that the launcher requeues; checkpoints are atomic (staged; every rank fsyncs and
+checksums a share of the files; rank 0 writes the marker and renames) and a resumed run continues exactly (engines,
+optimizer, RNG states, the recipe's own state); a resume that finds checkpoints of which none verifies refuses
+(CheckpointError, exit 2) rather than start over; too many non-finite steps in a row stop a run; the final model
+is written as a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -15,15 +17,21 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hpc_rlhf.config import ConfigError
 from hpc_rlhf.dist import watchdog
 from hpc_rlhf.models.lora import save_model
 from hpc_rlhf.dist.agree import any_rank
-from hpc_rlhf.runtime.run import Run
+from hpc_rlhf.runtime.run import Run, seed_everything
 from hpc_rlhf.utils import checkpoint as ckpt
 
 log = logging.getLogger("hpc_rlhf")
 
 TRAINER_STATE = "trainer_state.json"
+
+
+class CheckpointError(ConfigError):
+    """checkpoint.resume=true found checkpoints but cannot use any: bad input in output_dir (exit 2), which a
+    fresh start would paper over by training from step 0."""
 
 
 # ------------------------------------------------------------------------------------------------ stopping
@@ -77,7 +85,8 @@ class NonFiniteGuard:
 # ------------------------------------------------------------------------------------------------ checkpoints
 def save_checkpoint(run: Run, step: int, engines: dict, state: dict[str, Any] | None = None,
                     save_extra: Callable[[Path], dict[str, Any]] | None = None) -> Path:
-    """All ranks: every engine this rank holds saves into the staging folder, then rank 0 seals it.
+    """All ranks: every engine this rank holds saves into the staging folder; each rank fsyncs and checksums a
+    share of the files; rank 0 writes the marker and moves the folder into place.
 
     `engines` maps a name to a TrainEngine for the engines this rank takes part in; the names must be the same
     on all ranks of each engine's group. Per-rank RNG states are saved too, for exact resume. `save_extra(staging)`,
@@ -92,56 +101,119 @@ def save_checkpoint(run: Run, step: int, engines: dict, state: dict[str, Any] | 
         engine.save_checkpoint(staging / name)
     rng_dir = staging / "rng"
     rng_dir.mkdir(exist_ok=True)
-    torch.save(ckpt.rng_state(), rng_dir / f"rank{run.rank:05d}.pt")
+    # The seed and the rank count beside the states: a resume on another number of ranks derives each rank's
+    # state from them (restore_rng), one on the same ranks restores the states bit for bit.
+    torch.save({**ckpt.rng_state(), "seed": run_seed(run), "world_size": run.world_size},
+               rng_dir / f"rank{run.rank:05d}.pt")
     extra = save_extra(staging) if save_extra is not None else {}
     if run.is_main:
         (staging / TRAINER_STATE).write_text(json.dumps({"step": step, "mode": run.mode,
                                                          "world_size": run.world_size, **(state or {}), **extra}))
     dist.barrier()
+    checksums = _seal_my_share(run, step)
     final = None
     if run.is_main:
-        final = ckpt.commit(run.output_dir, step, keep=run.cfg.checkpoint.keep)
+        final = ckpt.commit(run.output_dir, step, keep=run.cfg.checkpoint.keep, checksums=checksums)
         log.info("checkpoint of step %d written to %s", step, final)
     dist.barrier()
     return final or ckpt.checkpoints_root(run.output_dir) / ckpt.checkpoint_name(step)
 
 
+def _seal_my_share(run: Run, step: int) -> dict[str, str] | None:
+    """Every rank fsyncs and checksums its share of the staging folder's files (rank 0's listing, so that a rank
+    whose view of a shared file system lags does not split them otherwise); rank 0 gets every checksum."""
+    listing = [ckpt.file_sizes(run.output_dir, step) if run.is_main else None]
+    dist.broadcast_object_list(listing, src=0)
+    mine = ckpt.seal_files(ckpt.staging_dir(run.output_dir, step), ckpt.share(listing[0], run.rank, run.world_size))
+    gathered = [None] * run.world_size if run.is_main else None
+    dist.gather_object(mine, gathered, dst=0)
+    return {name: value for part in gathered for name, value in part.items()} if run.is_main else None
+
+
 def resume_if_possible(run: Run, engines: dict) -> dict[str, Any]:
-    """Load the newest complete checkpoint if resuming is on; returns its trainer state ({} when none)."""
+    """Load the newest checkpoint that verifies if resuming is on; returns its trainer state ({} when there is no
+    checkpoint). Checkpoints of which none verifies raise CheckpointError."""
     if not run.cfg.checkpoint.resume:
         return {}
-    found = ckpt.latest_complete(run.output_dir)
+    found = choose_checkpoint(run)
     if found is None:
         return {}
     step, path = found
     state = json.loads((path / TRAINER_STATE).read_text())
     if state.get("world_size") != run.world_size:
-        raise RuntimeError(f"{path} was written by a job of {state.get('world_size')} ranks; this job has "
-                           f"{run.world_size}. Start with a new output_dir or checkpoint.resume=false.")
+        raise CheckpointError(f"checkpoint.resume=true: {path} was written by a job of {state.get('world_size')} "
+                              f"ranks; this job has {run.world_size} (the engines' ZeRO partitions are per rank). "
+                              f"Run on {state.get('world_size')} ranks, or start over with a new output_dir or "
+                              f"checkpoint.resume=false.")
     for name, engine in engines.items():
         engine.load_checkpoint(path / name)
-    restore_rng(run, path)
+    restore_rng(run, path, step)
     run.start_step = step
     run.extra["resumed_from"] = path
     log.info("resumed from %s (step %d)", path, step)
     return state
 
 
-def restore_rng(run, path: Path) -> None:
+def choose_checkpoint(run: Run) -> tuple[int, Path] | None:
+    """The newest candidate (ckpt.candidates: rank 0's listing) that verifies on every rank, each rank checking
+    its share of the files (sizes and checksums), so that no rank reads the whole checkpoint. None when there is
+    no candidate; CheckpointError, naming each folder and why it failed, when none verifies."""
+    listing = [[(step, str(path)) for step, path in ckpt.candidates(run.output_dir)] if run.is_main else None]
+    dist.broadcast_object_list(listing, src=0)
+    problems = []
+    for step, name in listing[0]:
+        path = Path(name)
+        info, problem = ckpt.read_marker(path)
+        if problem is None:
+            problem = ckpt.verify(path, names=ckpt.share(info["files"], run.rank, run.world_size))
+        everyone = [None] * run.world_size
+        dist.all_gather_object(everyone, problem)
+        problem = next((p for p in everyone if p), None)
+        if problem is None:
+            return step, path
+        if run.is_main:
+            log.warning("skipping incomplete or corrupt checkpoint: %s", problem)
+        problems.append(problem)
+    if problems:
+        raise CheckpointError(f"checkpoint.resume=true: no checkpoint in {ckpt.checkpoints_root(run.output_dir)} "
+                              f"verifies ({'; '.join(problems)}); move the folders away, or start over with "
+                              f"checkpoint.resume=false (the metrics so far are kept as metrics.jsonl.N)")
+    return None
+
+
+def run_seed(run) -> int:
+    """The seed start_run seeded every generator with."""
+    return getattr(getattr(run.cfg, "train", None), "seed", 0)
+
+
+def restore_rng(run, path: Path, step: int) -> None:
     """This rank's random generators as the checkpoint in `path` left them, read with weights_only: a file in the
     run folder is not trusted code (plain tensors and numbers only). One that needs code to load is not loaded (a
-    warning): the resume goes on, not bit for bit."""
-    rng_file = path / "rng" / f"rank{run.rank:05d}.pt"
-    if not rng_file.is_file():
+    warning). When the states cannot be restored (such a file, none for this rank, or one written by a job of
+    another number of ranks), this rank's are derived from the saved seed, the step and the rank: reproducible,
+    but not bit for bit the uninterrupted run."""
+    saved = _load_rng(path / "rng" / f"rank{run.rank:05d}.pt")
+    if saved is not None and saved.get("world_size", run.world_size) == run.world_size:
+        ckpt.set_rng_state(saved)
         return
+    seed = (saved or _load_rng(path / "rng" / f"rank{0:05d}.pt") or {}).get("seed", run_seed(run))
+    seed_everything(ckpt.derived_seed(int(seed), step, run.rank))
+    log.warning("%s: the random generators' states of rank %d are derived from the seed %d and step %d, not "
+                "restored (saved by %s ranks, this job has %d): the resumed run is not bit for bit the "
+                "uninterrupted one", path, run.rank, seed, step, (saved or {}).get("world_size", "?"),
+                run.world_size)
+
+
+def _load_rng(rng_file: Path) -> dict | None:
+    if not rng_file.is_file():
+        return None
     try:
-        state = torch.load(rng_file, weights_only=True)
+        return torch.load(rng_file, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ... by version
         log.warning("%s: the random generators' state is not plain tensors and numbers (a checkpoint of an older "
-                    "hpc_rlhf, or a file put there): not loaded, so the resumed run is not bit for bit the "
-                    "uninterrupted one (%s)", rng_file, (str(exc).splitlines() or [""])[0][:200])
-        return
-    ckpt.set_rng_state(state)
+                    "hpc_rlhf, or a file put there): not loaded (%s)", rng_file,
+                    (str(exc).splitlines() or [""])[0][:200])
+        return None
 
 
 def should_save(step: int, every: int, max_steps: int) -> bool:
