@@ -76,6 +76,7 @@ def d(tmp_path_factory) -> Path:
 
     copy_tokenizer(root / "no_config")
     shutil.copytree(root / "model", root / "no_weights")
+    (root / "unfinished_run" / "checkpoints" / "step_000000002").mkdir(parents=True)  # a folder with no marker
     (root / "no_weights" / "model.safetensors").unlink()
     copy_tokenizer(root / "no_pad")
     tok_config = json.loads((root / "no_pad" / "tokenizer_config.json").read_text())
@@ -325,6 +326,10 @@ CLI_CASES = [
      "linear layers are: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
     ("attention kernel not installed", [*SFT, "model.attn_implementation=flash_attention_2"],
      "model.attn_implementation=flash_attention_2 needs"),
+    ("checkpoints of which none verifies", [*SFT, "output_dir={d}/unfinished_run"],
+     "checkpoint.resume=true: no checkpoint in {d}/unfinished_run/checkpoints verifies "
+     "({d}/unfinished_run/checkpoints/step_000000002 has no COMPLETE.json (it was not finished)); move the folders "
+     "away, or start over with checkpoint.resume=false"),
 ]
 
 
