@@ -11,7 +11,10 @@ text included, so a function can require a proper ending), `answers` the data se
 1-D tensor). Anything else stops the run with a message naming the function.
 
 An HTTP endpoint (`reward.http_url`) receives `{"prompts": [...], "responses": [...], "answers": [...]}` as a
-JSON POST and answers `{"rewards": [...]}`; it is called with a timeout and a few retries.
+JSON POST and answers `{"rewards": [...]}`; each try has a wall-clock deadline (`reward.http_timeout_s`) and a cap
+on the reply's size (`reward.http_max_reply_mb`), and a failed try is repeated (3 tries in all) when the endpoint
+could not be reached, was too slow or answered 5xx. Scoring the same batch twice must be harmless (a reward
+endpoint should have no side effects).
 """
 
 from __future__ import annotations
@@ -19,14 +22,18 @@ from __future__ import annotations
 import json
 import math
 import time
-import urllib.error
-import urllib.request
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
+
+import torch
 
 from hpc_rlhf.data.synthetic import exact_match as _exact_match
+from hpc_rlhf.utils.http_post import HttpCallError, decode_json_object, post_json, shown_url, url_problem
 from hpc_rlhf.utils.imports import ModuleFileMissing, import_target
 
 RewardFn = Callable[[list, list, list], Sequence[float]]
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # rewards are combined and trained on in float32
+HTTP_TRIES = 3          # tries of a remote reward call in all
+MAX_BACKOFF_S = 10.0    # the longest pause between two of them
 
 
 class RewardFunctionError(ValueError):
@@ -63,7 +70,8 @@ def load_reward_function(spec: str) -> RewardFn:
 
 
 def check_rewards(values, count: int, what: str) -> list[float]:
-    """The returned rewards as floats, or a clear error naming the function and what was wrong."""
+    """The returned rewards as floats, or a clear error naming the function and what was wrong. Each must be finite
+    in float32, the precision rewards are combined and trained in (1e39 is finite in float64 and inf there)."""
     if hasattr(values, "tolist"):
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
@@ -74,12 +82,30 @@ def check_rewards(values, count: int, what: str) -> list[float]:
     out = []
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise RewardFunctionError(f"{what} returned {v!r} ({type(v).__name__}) for response {i}; "
+            raise RewardFunctionError(f"{what} returned {_short(v)} ({type(v).__name__}) for response {i}; "
                                       f"rewards must be numbers")
-        if not math.isfinite(v):
-            raise RewardFunctionError(f"{what} returned {v} for response {i}; rewards must be finite")
-        out.append(float(v))
+        try:
+            value = float(v)
+        except OverflowError:  # an int past float's range (a JSON reply may carry one)
+            value = math.inf
+        if not math.isfinite(v if isinstance(v, float) else value):
+            raise RewardFunctionError(f"{what} returned {_short(v)} for response {i}; rewards must be finite")
+        if abs(value) > FLOAT32_MAX:
+            raise RewardFunctionError(f"{what} returned {_short(v)} for response {i}, past float32's range "
+                                      f"(|reward| <= {FLOAT32_MAX:.4g}) in which rewards are trained")
+        out.append(value)
     return out
+
+
+def check_weighted(total: torch.Tensor, what: str) -> torch.Tensor:
+    """`total` (float32 rewards after weighting) unchanged when every value is finite, else an error naming `what`
+    and the first sample that is not: a weight can push a finite reward past float32's range."""
+    bad = (~torch.isfinite(total)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise RewardFunctionError(f"{what} gave response {i} the reward {float(total[i])} after weighting; rewards "
+                                  f"must be finite in float32 (check the weight and the values it returns)")
+    return total
 
 
 def call_reward_function(fn: RewardFn, spec: str, prompts: list[str], responses: list[str],
@@ -92,18 +118,46 @@ def call_reward_function(fn: RewardFn, spec: str, prompts: list[str], responses:
 
 
 def remote_rewards(url: str, prompts: list[str], responses: list[str], answers: list[str | None],
-                   timeout_s: float = 60.0, retries: int = 3) -> list[float]:
+                   timeout_s: float = 60.0, retries: int = HTTP_TRIES, max_reply_mb: float = 16.0,
+                   headers: Mapping[str, str] | None = None) -> list[float]:
+    """The endpoint's rewards, in `retries` tries at most, each with a wall-clock deadline of `timeout_s` and a
+    reply of `max_reply_mb` at most. Every failure is one RewardFunctionError naming the URL (as `shown_url`
+    shows it: no credentials, no query) and the cause."""
+    shown = shown_url(url)
+    problem = url_problem(url)
+    if problem is not None:
+        raise RewardFunctionError(f"reward.http_url {problem}")
     body = json.dumps({"prompts": prompts, "responses": responses, "answers": answers}).encode()
-    last = None
+    last = ""
     for attempt in range(retries):
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        if attempt:
+            time.sleep(backoff_s(attempt))
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-                payload = json.loads(reply.read())
-            if not isinstance(payload, dict) or "rewards" not in payload:
-                raise RewardFunctionError(f"reward endpoint {url} answered without a 'rewards' list")
-            return check_rewards(payload["rewards"], len(responses), f"reward endpoint {url}")
-        except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as exc:
-            last = exc
-            time.sleep(min(2 ** attempt, 10))
-    raise RewardFunctionError(f"reward endpoint {url} failed {retries} times; last error: {last}")
+            raw = post_json(url, body, timeout_s=timeout_s, max_bytes=int(max_reply_mb * 2 ** 20), headers=headers,
+                            timeout_key="reward.http_timeout_s", cap_key="reward.http_max_reply_mb")
+            payload = decode_json_object(raw)
+        except HttpCallError as exc:
+            if not exc.retry:
+                raise RewardFunctionError(f"reward endpoint {shown} {exc}") from None
+            last = str(exc)
+            continue
+        if "rewards" not in payload:
+            raise RewardFunctionError(f"reward endpoint {shown} answered without a 'rewards' list")
+        return check_rewards(payload["rewards"], len(responses), f"reward endpoint {shown}")
+    raise RewardFunctionError(f"reward endpoint {shown} failed {retries} time{'s' if retries > 1 else ''}; "
+                              f"last: {last}")
+
+
+def backoff_s(attempt: int) -> float:
+    """The pause before try `attempt` + 1 (attempt >= 1) of the remote reward call."""
+    return float(min(2 ** (attempt - 1), MAX_BACKOFF_S))
+
+
+def longest_remote_call_s(timeout_s: float, retries: int = HTTP_TRIES) -> float:
+    """The longest one remote reward call can take: every try to its deadline, with the pauses between them."""
+    return retries * timeout_s + sum(backoff_s(a) for a in range(1, retries))
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,12 +1,13 @@
-"""A remote reward endpoint on loopback for the tests of the reward clients: each response in the POSTed JSON gets
-`score(response)`."""
+"""Remote reward endpoints on loopback for the tests of the reward clients: one where each response in the POSTed
+JSON gets `score(response)`, and one that answers fixed bytes (for replies a client must refuse)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from typing import Callable, Iterator
 
 
@@ -27,6 +28,34 @@ def reward_server(score: Callable[[str], float]) -> Iterator[str]:
 
     server = HTTPServer(("127.0.0.1", 0), Handler)
     # A short poll: shutdown() waits for the next one (0.5 s by default).
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/score"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextlib.contextmanager
+def raw_reward_server(raw: bytes, delay_s: float = 0.0) -> Iterator[str]:
+    """An endpoint that answers every POST with the bytes `raw` (200, their length declared), after `delay_s`."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            time.sleep(delay_s)
+            try:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up: what a slow test wants
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_port}/score"

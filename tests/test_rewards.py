@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hpc_rlhf import rewards
-from tests.reward_server import reward_server
+from tests.reward_server import raw_reward_server, reward_server
 
 
 def test_builtin_exact_match():
@@ -60,3 +60,49 @@ def test_tensor_return_and_raising_function():
 def test_http_endpoint_round_trip():
     with reward_server(lambda response: float(len(response))) as url:
         assert rewards.remote_rewards(url, ["p", "q"], ["ab", "c"], [None, None]) == [2.0, 1.0]
+
+
+@pytest.mark.parametrize("returned,message", [
+    ([1e39], r"returned 1e\+39 for response 0, past float32's range"),
+    ([10 ** 400], r"returned 1000000000.* for response 0; rewards must be finite"),
+])
+def test_rewards_must_fit_float32(returned, message):
+    with pytest.raises(rewards.RewardFunctionError, match="reward function 'f' " + message):
+        rewards.call_reward_function(lambda p, r, a: returned, "f", ["a"], ["a"], [None])
+
+
+def test_a_weight_that_overflows_float32_names_the_source():
+    total = 1e3 * torch.tensor([1.0, 1e36])
+    with pytest.raises(rewards.RewardFunctionError, match=r"^reward function 'f' gave response 1 the reward inf after "
+                                                          r"weighting"):
+        rewards.check_weighted(total, "reward function 'f'")
+
+
+@pytest.mark.parametrize("raw,message", [
+    (b'{"rewards": [1e39]}', "returned 1e+39 for response 0, past float32's range"),
+    (b'{"rewards": [' + b"9" * 400 + b']}', "for response 0; rewards must be finite"),
+    (b'{"rewards": [' + b"9" * 5000 + b']}', "answered something that is not JSON"),
+    (b"[" * 50_000 + b"]" * 50_000, "answered JSON nested too deeply to read"),
+    (b"\xff\xfe", "answered bytes that are not UTF-8 text"),
+    (b'{"rewards": [' + b"0.5, " * 40_000 + b"]}", "more than the cap of 0.1 MB (reward.http_max_reply_mb)"),
+])
+def test_unusable_remote_replies_name_the_endpoint(raw, message):
+    with raw_reward_server(raw) as url:
+        with pytest.raises(rewards.RewardFunctionError) as caught:
+            rewards.remote_rewards(url, ["p"], ["r"], [None], timeout_s=5, max_reply_mb=0.1)
+    assert str(caught.value).startswith(f"reward endpoint {url} ") and message in str(caught.value), str(caught.value)
+
+
+def test_a_slow_remote_reward_ends_at_its_deadline_naming_the_url_and_the_key():
+    with raw_reward_server(b'{"rewards": [1.0]}', delay_s=2.0) as url:
+        with pytest.raises(rewards.RewardFunctionError, match=rf"^reward endpoint {url} failed 1 time; last: no "
+                                                              rf"complete answer within 0.2 s "
+                                                              rf"\(reward.http_timeout_s, a deadline per try\)"):
+            rewards.remote_rewards(url, ["p"], ["r"], [None], timeout_s=0.2, retries=1)
+
+
+def test_remote_urls_with_credentials_are_refused_without_showing_them():
+    with pytest.raises(rewards.RewardFunctionError) as caught:
+        rewards.remote_rewards("http://me:hunter2@127.0.0.1:1/score", ["p"], ["r"], [None])
+    assert "reward.http_url holds a user name or password" in str(caught.value)
+    assert "hunter2" not in str(caught.value)

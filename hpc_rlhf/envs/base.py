@@ -23,6 +23,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+# torch.finfo(torch.float32).max: rewards are summed and trained on in float32, where a larger one is inf.
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 class EnvError(ValueError):
     """An environment that cannot be loaded, failed, or returned something unusable (one line, naming it)."""
@@ -86,9 +89,16 @@ def check_step(value: Any) -> StepResult:
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) and not _is_number(reward):
         raise EnvError(f"step returned reward {one_line(repr(reward), 60)} ({type(reward).__name__}); rewards must "
                        f"be numbers")
-    reward = float(reward)
+    try:
+        reward = float(reward)
+    except OverflowError:  # an integer past float's range (a JSON reply may carry one)
+        raise EnvError(f"step returned reward {one_line(repr(reward), 40)}, too large for a float; rewards must "
+                       f"be finite") from None
     if not math.isfinite(reward):
         raise EnvError(f"step returned reward {reward}; rewards must be finite")
+    if abs(reward) > FLOAT32_MAX:
+        raise EnvError(f"step returned reward {reward}, past float32's range (|reward| <= {FLOAT32_MAX:.4g}) in "
+                       f"which rewards are trained")
     if not (isinstance(done, bool) or _is_bool(done)):
         raise EnvError(f"step returned done={one_line(repr(done), 60)} ({type(done).__name__}); done must be true "
                        f"or false")

@@ -25,15 +25,16 @@ same inputs, seed and environment give the same episodes bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
-from hpc_rlhf.envs.base import EnvError, StepResult, check_observation, check_step, describe_row, one_line
+from hpc_rlhf.envs.base import FLOAT32_MAX, EnvError, StepResult, check_observation, check_step, describe_row, one_line
 from hpc_rlhf.envs.calls import CallOutcome, run_calls
 from hpc_rlhf.envs.config import EnvSection
 from hpc_rlhf.envs.loading import EnvFactory
@@ -42,6 +43,7 @@ from hpc_rlhf.envs.transcript import Transcript
 log = logging.getLogger(__name__)
 
 GenerateFn = Callable[[list[list[int]], Any], Any]
+WaitingFn = Callable[[str], ContextManager]
 _TURN_SEED_STRIDE = 1_000_003  # turn t of a batch seeded with seed * stride + t: distinct streams per turn
 
 
@@ -215,11 +217,13 @@ def _as_lists(out: Any, count: int) -> tuple[list[list[int]], list[list[float]]]
 class _Player:
     """Plays one batch of episodes (run_episodes is its only user)."""
 
-    def __init__(self, env: EnvFactory, tokenizer, settings: EnvSection, transcript: Transcript):
+    def __init__(self, env: EnvFactory, tokenizer, settings: EnvSection, transcript: Transcript,
+                 waiting: WaitingFn | None = None):
         self.factory = env
         self.tokenizer = tokenizer
         self.settings = settings
         self.transcript = transcript
+        self.waiting = waiting or (lambda what: contextlib.nullcontext())
         self.env_s = 0.0
 
     def decode(self, ids: list[int]) -> str:
@@ -233,7 +237,8 @@ class _Player:
 
     def call_all(self, states: list[_State], calls: list[Callable[[], Any]]) -> list[CallOutcome]:
         begin = time.perf_counter()
-        outcomes = run_calls(calls, self.settings.max_concurrency, self.factory.call_timeout_s)
+        with self.waiting(f"environment {self.factory.name}"):  # named as the cause if the job dies meanwhile
+            outcomes = run_calls(calls, self.settings.max_concurrency, self.factory.call_timeout_s)
         self.env_s += time.perf_counter() - begin
         for state, outcome in zip(states, outcomes):
             state.env_time_s += outcome.seconds
@@ -312,6 +317,11 @@ class _Player:
                 self.fail(state, message)
                 continue
             state.turn_rewards.append(result.reward)
+            total = sum(state.turn_rewards) * self.settings.reward_weight
+            if not abs(total) <= FLOAT32_MAX:  # each turn fits float32, but the weighted sum must too
+                self.fail(state, f"{state.where}: the episode's reward so far times env.reward_weight is {total:.4g}, "
+                                 f"not finite in float32 (|x| <= {FLOAT32_MAX:.4g})")
+                continue
             state.tool_calls += result.tool_calls
             if result.done:
                 state.done = state.ended = True
@@ -323,8 +333,8 @@ class _Player:
 
 
 def run_episodes(rows: Sequence[dict], prompt_ids: Sequence[Sequence[int]], generate: GenerateFn, sampling: Any, *,
-                 env: EnvFactory, tokenizer, settings: EnvSection, chat: bool = False, lockstep: bool = False
-                 ) -> EpisodeBatch:
+                 env: EnvFactory, tokenizer, settings: EnvSection, chat: bool = False, lockstep: bool = False,
+                 waiting: WaitingFn | None = None) -> EpisodeBatch:
     """Play `sampling.n` episodes for each of `rows` (whose prompts are `prompt_ids`), prompt-major.
 
     `generate(prompt id lists, sampling)` is called once per turn with every live episode's context (prompt and
@@ -332,7 +342,8 @@ def run_episodes(rows: Sequence[dict], prompt_ids: Sequence[Sequence[int]], gene
     for the turn when `sampling.seed` is set. `chat` says the prompts were made by `Transcript.prompt_ids` from chat
     data (observations then go through the chat template). With `lockstep`, generate is called for all
     env.max_turns turns even when no episode is left (with no prompts): ranks whose forward passes are collectives
-    (a ZeRO-3 hybrid engine) must call it as often as each other.
+    (a ZeRO-3 hybrid engine) must call it as often as each other. `waiting(what)`: a context manager that each
+    turn's environment calls run in, told what they wait on (the RL recipe names it in the rank's watchdog phase).
     """
     if len(rows) != len(prompt_ids):
         raise ValueError(f"run_episodes: {len(rows)} rows but {len(prompt_ids)} prompts")
@@ -341,7 +352,7 @@ def run_episodes(rows: Sequence[dict], prompt_ids: Sequence[Sequence[int]], gene
                          f"environment is deterministic; use n=1 or a temperature > 0")
     begin = time.perf_counter()
     transcript = Transcript(tokenizer, chat=chat, observation_role=settings.observation_role)
-    player = _Player(env, tokenizer, settings, transcript)
+    player = _Player(env, tokenizer, settings, transcript, waiting)
     n = sampling.n
     states = [_State(i, j, row, list(ids), f"environment '{env.name}' on {describe_row(row, i)}"
                      + (f", sample {j}" if n > 1 else ""))

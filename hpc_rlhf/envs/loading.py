@@ -12,7 +12,13 @@ from typing import Any, Callable
 from hpc_rlhf.envs.base import EnvError
 from hpc_rlhf.envs.config import EnvSection
 from hpc_rlhf.envs.http import HttpEnvironment
+from hpc_rlhf.utils.http_post import headers_from_env, shown_url
 from hpc_rlhf.utils.imports import ModuleFileMissing, import_target
+
+# The HTTP client ends every call by itself within HttpEnvironment.longest_call_s; the driver's own bound on the
+# call (run_calls) comes this much later, so that the client's error, which says what the server did, is the one
+# reported.
+HTTP_CALL_MARGIN_S = 1.0
 
 # Built-in environments of the tiny task, by short name.
 BUILTIN = {
@@ -64,13 +70,30 @@ def _check_stop_strings(stops: Any, where: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def http_call_bound_s(section: EnvSection) -> float:
+    """How long the episode driver waits for one call of an HTTP environment before giving it up."""
+    return HttpEnvironment.longest_call_s(section.timeout_s, section.retries) + HTTP_CALL_MARGIN_S
+
+
+def episode_bound_s(section: EnvSection) -> float:
+    """The longest one episode's environment calls can take: reset and env.max_turns steps, each call at its
+    bound (over HTTP every try to its deadline, with the retries' pauses). Generation time is not included."""
+    per_call = http_call_bound_s(section) if section.http_url else section.timeout_s
+    return (section.max_turns + 1) * per_call
+
+
 def load_environment(section: EnvSection) -> EnvFactory:
     """The environment of `section` (env.name or env.http_url) as a factory of one environment per episode."""
     if section.http_url:
+        try:  # read here, on the rank that calls the server: the values stay in this process
+            headers = headers_from_env(section.headers_from_env, "env.headers_from_env")
+        except ValueError as exc:
+            raise EnvError(str(exc)) from None
         make = functools.partial(HttpEnvironment, section.http_url, timeout_s=section.timeout_s,
-                                 retries=section.retries)
-        return EnvFactory(name=section.http_url, make=make, stop_strings=tuple(section.stop),
-                          call_timeout_s=HttpEnvironment.longest_call_s(section.timeout_s, section.retries))
+                                 retries=section.retries, max_reply_mb=section.max_reply_mb, headers=headers)
+        make()  # a bad URL fails here, at start-up, rather than in every episode
+        return EnvFactory(name=shown_url(section.http_url), make=make, stop_strings=tuple(section.stop),
+                          call_timeout_s=http_call_bound_s(section))
     if not section.name:
         raise EnvError("no environment: set env.name (a class) or env.http_url")
     cls = load_environment_class(section.name)

@@ -16,7 +16,8 @@ from hpc_rlhf.envs.base import EnvError
 from hpc_rlhf.envs.config import EnvSection
 from hpc_rlhf.envs.episodes import run_episodes
 from hpc_rlhf.envs.http import HttpEnvError, HttpEnvironment
-from hpc_rlhf.envs.loading import load_environment
+from hpc_rlhf.config import ConfigError
+from hpc_rlhf.envs.loading import HTTP_CALL_MARGIN_S, episode_bound_s, load_environment
 from tests.envs.conftest import Scripted
 
 
@@ -30,6 +31,7 @@ class Server:
         self.failures_left = 0      # answer 503 to this many requests first
         self.delay_s = 0.0          # wait before answering
         self.reply: dict | None = None  # answer this instead
+        self.reply_step: dict | None = None  # answer this to /step instead
         self.status = 200
         server = self
 
@@ -39,6 +41,7 @@ class Server:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.path = self.path.split("?")[0]  # a query in env.http_url travels with each call
                 server.requests.append((self.path, body))
                 time.sleep(server.delay_s)
                 if server.failures_left:
@@ -48,6 +51,8 @@ class Server:
                     return self.answer(server.status, {"error": "no such episode"})
                 if server.reply is not None:
                     return self.answer(200, server.reply)
+                if server.reply_step is not None and self.path == "/step":
+                    return self.answer(200, server.reply_step)
                 if self.path == "/reset":
                     episode = f"e{len(server.episodes)}"
                     server.episodes[episode] = 0
@@ -72,7 +77,8 @@ class Server:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        # a short poll: shutdown() waits for the next one (0.5 s by default)
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
 
 @pytest.fixture()
@@ -94,8 +100,11 @@ def test_an_episode_over_http(server):
     assert env.reset({"n": 3}) == "count 3:"
     assert env.step("1") == (" 1 ", 1.0, False, {"tool_calls": 1})
     assert env.step("5") == (" 2 ", 0.0, True, {"tool_calls": 1})
-    assert server.requests == [("/reset", {"row": {"n": 3}}), ("/step", {"episode_id": "e0", "action": "1"}),
-                               ("/step", {"episode_id": "e0", "action": "5"})]
+    ids = [body.pop("request_id") for _, body in server.requests]
+    assert len(set(ids)) == 3 and all(isinstance(i, str) and len(i) >= 16 for i in ids)  # one per call
+    assert server.requests == [("/reset", {"row": {"n": 3}, "turn": 0}),
+                               ("/step", {"episode_id": "e0", "action": "1", "turn": 1}),
+                               ("/step", {"episode_id": "e0", "action": "5", "turn": 2})]
 
 
 def test_the_driver_plays_http_episodes_through_load_environment(server, tokenizer):
@@ -129,11 +138,12 @@ def test_a_server_that_is_down_fails_after_the_retries(tokenizer):
 def test_a_slow_server_times_out_each_try(server):
     server.delay_s = 0.6
     env = HttpEnvironment(server.url, timeout_s=0.2, retries=1, backoff_s=0.01)
-    started = time.perf_counter()
-    with pytest.raises(HttpEnvError, match=r"/reset failed 2 times; last: no answer within 0.2 s"):
+    with pytest.raises(HttpEnvError, match=r"/reset failed 2 times; last: no complete answer within 0.2 s "
+                                           r"\(env.timeout_s, a deadline per try\)"):
         env.reset({"n": 1})
-    assert 0.4 <= time.perf_counter() - started < 0.9
     assert len(server.requests) == 2
+    first, second = (body["request_id"] for _, body in server.requests)
+    assert first == second  # a retry repeats its call's request id
 
 
 def test_failures_are_retried_until_the_server_answers(server):
@@ -142,7 +152,7 @@ def test_failures_are_retried_until_the_server_answers(server):
     assert env.reset({"n": 1}) == "count 1:"
     assert len(server.requests) == 3
     server.failures_left = 3
-    with pytest.raises(HttpEnvError, match=r"/step failed 3 times; last: HTTP 503 Service Unavailable: "
+    with pytest.raises(HttpEnvError, match=r"/step failed 3 times; last: answered HTTP 503 Service Unavailable: "
                                            r"\{\"error\": \"busy\"\}"):
         env.step("1")
 
@@ -166,5 +176,68 @@ def test_client_errors_and_answers_outside_the_protocol_fail_at_once(server):
 def test_the_longest_call_bounds_every_try_and_pause():
     assert HttpEnvironment.longest_call_s(2.0, 0) == 2.0
     assert HttpEnvironment.longest_call_s(2.0, 2, backoff_s=0.5) == 6.0 + 0.5 + 1.0
-    section = EnvSection(http_url="http://x", timeout_s=3, retries=1)
-    assert load_environment(section).call_timeout_s == HttpEnvironment.longest_call_s(3, 1)
+    section = EnvSection(http_url="http://x", timeout_s=3, retries=1, max_turns=2)
+    # the driver gives the client's own deadline time to fire first (its error says what the server did)
+    assert load_environment(section).call_timeout_s == HttpEnvironment.longest_call_s(3, 1) + HTTP_CALL_MARGIN_S
+    assert episode_bound_s(section) == 3 * load_environment(section).call_timeout_s  # reset and 2 steps
+
+
+def test_urls_with_credentials_or_other_schemes_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"env.http_url must start with http:// or https://"):
+        EnvSection(http_url="ftp://host/env").validate()
+    with pytest.raises(ConfigError) as caught:
+        EnvSection(http_url="http://me:hunter2@host/env").validate()
+    assert "env.http_url holds a user name or password" in str(caught.value) and "hunter2" not in str(caught.value)
+    with pytest.raises(HttpEnvError, match="env.http_url must start with"):
+        HttpEnvironment("file:///etc/passwd")
+    for bad in ({"Bad Name": "X"}, {"X-Key": "not a variable"}):
+        with pytest.raises(ConfigError, match="env.headers_from_env"):
+            EnvSection(http_url="http://host", headers_from_env=bad).validate()
+    with pytest.raises(ConfigError, match=r"env.max_reply_mb must be > 0"):
+        EnvSection(http_url="http://host", max_reply_mb=0).validate()
+
+
+def test_headers_are_read_from_the_environment_and_their_values_appear_in_no_message(server, monkeypatch):
+    seen = []
+    server.reply = None
+    monkeypatch.setenv("HPC_RLHF_TEST_ENV_TOKEN", "Bearer s3cret")
+    section = EnvSection(http_url=server.url + "?key=alsosecret", timeout_s=5,
+                         headers_from_env={"Authorization": "HPC_RLHF_TEST_ENV_TOKEN"})
+    factory = load_environment(section)
+    assert factory.name == f"{server.url}?..."
+    env = factory.make()
+    original = server.httpd.RequestHandlerClass.do_POST
+
+    def recording(handler):
+        seen.append(handler.headers.get("Authorization"))
+        original(handler)
+    server.httpd.RequestHandlerClass.do_POST = recording
+    env.reset({"n": 1})
+    assert seen == ["Bearer s3cret"]
+    server.status = 404
+    with pytest.raises(HttpEnvError) as caught:
+        env.step("1")
+    assert "s3cret" not in str(caught.value) and "alsosecret" not in str(caught.value)
+    monkeypatch.delenv("HPC_RLHF_TEST_ENV_TOKEN")
+    with pytest.raises(EnvError, match=r"env.headers_from_env: header Authorization is read from the environment "
+                                       r"variable HPC_RLHF_TEST_ENV_TOKEN, which is not set"):
+        load_environment(section)
+
+
+def test_unusable_replies_are_episode_errors_that_skip_drops(server, tokenizer):
+    """A reward too large for a float or for float32, JSON nested too deep, bytes that are not text: each one
+    line naming the environment and the row, and with env.on_error=skip only that episode is dropped."""
+    section = EnvSection(http_url=server.url, timeout_s=5, retries=0, on_error="skip", max_turns=1)
+    cases = [({"observation": "x", "reward": 10 ** 400, "done": True}, "too large for a float"),
+             ({"observation": "x", "reward": 1e39, "done": True}, "past float32's range"),
+             ({"observation": "x", "reward": [[[[1]]]], "done": True}, "rewards must be numbers")]
+    for reply, message in cases:
+        server.reply = None
+        env_factory = load_environment(section)
+        server.reply_step = reply
+        batch = run_episodes([{"prompt": "a", "n": 1}], [[1, 40]], Scripted(tokenizer, ["1"]),
+                             SamplingParams(max_new_tokens=4), env=env_factory, tokenizer=tokenizer, settings=section)
+        episode = batch.episodes[0]
+        assert episode.failed and message in episode.error, episode.error
+        assert episode.error.startswith(f"environment '{server.url}' on row 0 ")
+        assert not episode.mask.any()
