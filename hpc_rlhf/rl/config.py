@@ -15,6 +15,9 @@ from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSe
 from hpc_rlhf.dist.placement import PlacementError, make_plan, world_size_of
 from hpc_rlhf.engines.rollout.vllm import VLLM_MAX_LORA_RANKS
 from hpc_rlhf.envs.config import EnvSection
+from hpc_rlhf.envs.loading import episode_bound_s
+from hpc_rlhf.rewards import longest_remote_call_s
+from hpc_rlhf.utils.http_post import header_mapping_problem, shown_url, url_problem
 
 ADVANTAGES = ESTIMATORS
 REF_MODES = ("auto", "adapter_disabled", "model")
@@ -60,9 +63,15 @@ class RewardSection:
                                        "model (a no-op for models without them); raw scores get exploited")
     functions: list[str] = field([], help="rule rewards: file.py:function, module:function or exact_match")
     function_weights: list[float] = field([], help="weight of each rule function (default 1 each)")
-    http_url: str | None = field(None, help="remote reward endpoint (JSON POST)")
+    http_url: str | None = field(None, help="remote reward endpoint (JSON POST); http:// or https://, no "
+                                            "user:password@ (use reward.http_headers_from_env)")
     http_weight: float = field(1.0)
-    http_timeout_s: float = field(60.0, min=1)
+    http_timeout_s: float = field(60.0, min=1, help="seconds one try of the remote reward call may take (a "
+                                                    "wall-clock deadline; 3 tries in all)")
+    http_max_reply_mb: float = field(16.0, help="the largest answer body of the reward endpoint, in MiB")
+    http_headers_from_env: dict[str, str] = field({}, help="headers sent to the reward endpoint, as header name -> "
+                                                           "the environment variable holding its value; values "
+                                                           "never reach logs or config.yaml")
     clip: float = field(0.0, min=0, help="clip the combined score to [-clip, clip] (0 = off)")
 
 
@@ -188,12 +197,23 @@ class Config:
             raise ConfigError(f"reward.function_weights has {len(self.reward.function_weights)} entries for "
                               f"{len(self.reward.functions)} reward.functions")
         self.env.validate()
+        self._check_reward_endpoint()
         if not (self.reward.models or self.reward.functions or self.reward.http_url or self.env.enabled):
             raise ConfigError("no reward: set reward.models, reward.functions, reward.http_url, or an environment "
                               "(env.name, env.http_url)")
         self._check_rl_options()
         self._check_lora()
         self._check_placement()
+
+    def _check_reward_endpoint(self) -> None:
+        reward = self.reward
+        if reward.http_url is not None and url_problem(reward.http_url) is not None:
+            raise ConfigError(f"reward.http_url {url_problem(reward.http_url)}")
+        if reward.http_max_reply_mb <= 0:
+            raise ConfigError(f"reward.http_max_reply_mb must be > 0, got {reward.http_max_reply_mb}")
+        problem = header_mapping_problem(reward.http_headers_from_env, "reward.http_headers_from_env")
+        if problem is not None:
+            raise ConfigError(problem)
 
     def _check_rl_options(self) -> None:
         """Bounds stricter than a field's inclusive min, and combinations that would train something else than
@@ -315,6 +335,34 @@ def reference_mode(cfg: Config) -> str:
     return "adapter_disabled" if lora_base else "model"
 
 
+
+
+def slow_endpoints(cfg: Config) -> list[str]:
+    """One line per endpoint whose worst case outlasts dist.timeout_s: an environment episode (reset and
+    env.max_turns steps, every try to its deadline, with retries and pauses) or a remote reward call. While a rank
+    waits that long on it, its peers wait in a collective and time out first, blaming the collective; these lines
+    (logged at start) give the figures and the keys that change them."""
+    lines = []
+    limit = cfg.dist.timeout_s
+    env = cfg.env
+    if env.enabled:
+        episode = episode_bound_s(env)
+        if episode > limit:
+            what = f"env.http_url {shown_url(env.http_url)}" if env.http_url else f"env.name {env.name}"
+            tries = (f"(env.retries + 1 = {env.retries + 1}) tries of env.timeout_s = {env.timeout_s:g} s with the "
+                     f"pauses between them" if env.http_url else f"env.timeout_s = {env.timeout_s:g} s")
+            lines.append(f"{what}: one episode may wait {episode:g} s on its environment (reset and env.max_turns = "
+                         f"{env.max_turns} steps, each up to {tries}), more than dist.timeout_s = {limit} s, after "
+                         f"which the other ranks give up waiting: lower env.timeout_s, env.retries or env.max_turns, "
+                         f"or raise dist.timeout_s")
+    if cfg.reward.http_url:
+        call = longest_remote_call_s(cfg.reward.http_timeout_s)
+        if call > limit:
+            lines.append(f"reward.http_url {shown_url(cfg.reward.http_url)}: one call may take {call:g} s (3 tries of "
+                         f"reward.http_timeout_s = {cfg.reward.http_timeout_s:g} s with the pauses between them), "
+                         f"more than dist.timeout_s = {limit} s, after which the other ranks give up waiting: lower "
+                         f"reward.http_timeout_s or raise dist.timeout_s")
+    return lines
 
 
 def reward_role_names(count: int) -> list[str]:

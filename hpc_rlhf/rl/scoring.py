@@ -25,6 +25,7 @@ from hpc_rlhf.rl import episodes, messages
 from hpc_rlhf.rl.batches import SampleBatch, make_batch, response_logprobs, shard_bounds, to_ragged
 from hpc_rlhf.rl.config import reward_role_names
 from hpc_rlhf.rl.routes import Routes
+from hpc_rlhf.utils.http_post import headers_from_env, shown_url
 
 
 def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int, int], SampleBatch],
@@ -59,10 +60,22 @@ def rule_scores(routes: Routes, cfg, rule_functions, tokenizer, prompts: list[st
     total = torch.zeros(len(texts))
     weights = cfg.reward.function_weights or [1.0] * len(rule_functions)
     for (spec, fn), w in zip(rule_functions, weights):
-        total += w * torch.tensor(reward_fns.call_reward_function(fn, spec, prompts, texts, answers))
+        what = f"reward function '{spec}'"
+        total += reward_fns.check_weighted(
+            w * torch.tensor(reward_fns.call_reward_function(fn, spec, prompts, texts, answers)), what)
+        total = reward_fns.check_weighted(total, f"the rule rewards up to {what}")
     if cfg.reward.http_url:
-        total += cfg.reward.http_weight * torch.tensor(reward_fns.remote_rewards(
-            cfg.reward.http_url, prompts, texts, answers, timeout_s=cfg.reward.http_timeout_s))
+        what = f"reward endpoint {shown_url(cfg.reward.http_url)}"
+        try:  # read here, on the one rank that calls the endpoint: the values stay in this process
+            headers = headers_from_env(cfg.reward.http_headers_from_env, "reward.http_headers_from_env")
+        except ValueError as exc:
+            raise reward_fns.RewardFunctionError(str(exc)) from None
+        with episodes.waiting_phase(what):  # named as the cause if the job dies meanwhile
+            remote = reward_fns.remote_rewards(cfg.reward.http_url, prompts, texts, answers,
+                                               timeout_s=cfg.reward.http_timeout_s,
+                                               max_reply_mb=cfg.reward.http_max_reply_mb, headers=headers)
+        total += reward_fns.check_weighted(cfg.reward.http_weight * torch.tensor(remote), what)
+        total = reward_fns.check_weighted(total, f"the rule rewards up to {what}")
     return [total]
 
 
@@ -149,5 +162,23 @@ class Scoring:
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection
             scored = messages.share_scores(self.routes, local, self.roles, rules, self.with_rules, batch)
         if generated is not None and generated.episodes is not None and "rules" in scored:
-            scored["rules"] = scored["rules"] + cfg.env.reward_weight * episodes.field(generated, "env_reward")
+            scored["rules"] = reward_fns.check_weighted(
+                scored["rules"] + cfg.env.reward_weight * episodes.field(generated, "env_reward"),
+                f"the environment '{cfg.env.name or shown_url(cfg.env.http_url)}' with the rule rewards")
+        check_model_scores(cfg, scored)
         return scored
+
+
+def check_model_scores(cfg, scored: dict[str, torch.Tensor]) -> None:
+    """Each reward model's weighted scores, and their sum with the other rewards, must be finite in float32: found
+    here, the error names the model; found in training, it would be a skipped step naming nothing."""
+    names = reward_role_names(len(cfg.reward.models))
+    weights = cfg.reward.model_weights or [1.0] * len(names)
+    total = scored["rules"].float() if "rules" in scored else None
+    for name, path, weight in zip(names, cfg.reward.models, weights):
+        if name in scored:
+            weighted = reward_fns.check_weighted(weight * scored[name].float(),
+                                                 f"reward model {path} (role {name}, weight {weight:g})")
+            total = weighted if total is None else total + weighted
+    if total is not None:
+        reward_fns.check_weighted(total, "the sum of the rewards (rule, remote, environment and reward models)")

@@ -59,7 +59,7 @@ from hpc_rlhf.models.dropout import disable_dropout
 from hpc_rlhf.models.value_model import build_value_model
 from hpc_rlhf.rl import episodes, messages, training
 from hpc_rlhf.rl.config import (Config, check_plan_against_config, is_correction, longest_response, reference_mode,
-                                response_limit, reward_role_names)
+                                response_limit, reward_role_names, slow_endpoints)
 from hpc_rlhf.rl.dynamic_sampling import fill_from_rounds, round_seed
 from hpc_rlhf.rl.evaluation import evaluate
 from hpc_rlhf.rl.experience import build_experience
@@ -94,6 +94,8 @@ class RLRecipe:
                                f"{plan.role('actor').leader}\n{plan.format_table()}")
         if run.is_main:
             log.info("placement:\n%s", plan.format_table())
+            for line in slow_endpoints(cfg):  # a collective timeout would otherwise be blamed for a slow endpoint
+                log.warning("%s", line)
         # LoRA with ref_mode=adapter_disabled: the actor's ranks compute the reference, its leader sends it
         ref_from_actor = reference_mode(cfg) == "adapter_disabled" and cfg.rl.kl_coef > 0
         self.routes = Routes(plan, ref_role="actor" if ref_from_actor else "ref")

@@ -244,6 +244,9 @@ def test_model_tokens_are_kept_as_sampled_never_re_encoded(tokenizer):
     (lambda: ("ok", 1.0, False, {"tool_calls": -1}), "step returned info['tool_calls']=-1; it must be a count"),
     (lambda: 1 / 0, "environment 'test-env' on row 0 {'prompt': '17+25=', 'answer': '42'}: step raised "
                     "ZeroDivisionError: division by zero"),
+    (lambda: ("ok", 10 ** 400, False), "step returned reward 1000000000000000000000000000000000000..., too large "
+                                       "for a float; rewards must be finite"),
+    (lambda: ("ok", 1e39, False), "step returned reward 1e+39, past float32's range (|reward| <= 3.403e+38)"),
 ])
 def test_bad_steps_stop_with_one_line_naming_environment_row_and_fault(tokenizer, bad, message):
     class Bad:
@@ -346,3 +349,35 @@ def test_environment_calls_of_a_turn_run_concurrently_up_to_the_bound(tokenizer)
     assert peak[0] == 3 and len(batch.episodes) == 8
     assert 0.45 <= elapsed < 1.2  # ceil(8 / 3) = 3 rounds of 0.15 s, not 8
     assert batch.env_s >= 0.45 and all(e.env_time_s >= 0.15 for e in batch.episodes)
+
+
+def test_a_weighted_episode_reward_past_float32_drops_the_episode_with_skip(tokenizer):
+    """Each turn's reward fits float32, their sum times env.reward_weight does not: named where it happens."""
+    class Big:
+        def reset(self, row):
+            return ""
+
+        def step(self, action):
+            return "", 3e38, False
+
+    batch = run_episodes([ROWS[0]], [[1, 5]], Scripted(tokenizer, ["1", "2"]), SamplingParams(max_new_tokens=4),
+                         env=factory(Big), tokenizer=tokenizer, settings=settings(on_error="skip", max_turns=2))
+    episode = batch.episodes[0]
+    assert episode.failed and not episode.mask.any()
+    assert episode.error.startswith("environment 'test-env' on row 0 {'prompt': '17+25=', 'answer': '42'}: the "
+                                    "episode's reward so far times env.reward_weight is 6e+38, not finite in float32")
+
+
+def test_environment_calls_run_inside_what_the_caller_names_them(tokenizer):
+    """`waiting` wraps each turn's calls (the RL recipe puts the environment in the rank's watchdog phase)."""
+    import contextlib
+    named = []
+
+    @contextlib.contextmanager
+    def waiting(what):
+        named.append(what)
+        yield
+
+    run_episodes([ROWS[0]], [[1, 5]], Scripted(tokenizer, ["1", "2"]), SamplingParams(max_new_tokens=4),
+                 env=factory(Echo), tokenizer=tokenizer, settings=settings(max_turns=2), waiting=waiting)
+    assert named == ["environment test-env"] * 3  # the resets, then each turn's steps

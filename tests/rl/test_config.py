@@ -1,14 +1,17 @@
 """The RL configuration's reference of a LoRA actor (issue 27): which reference `ref_mode=auto` chooses, the roles
 the placement must then hold, and the contradictions refused before any rank starts (the one-line messages are in
-tests/test_bad_inputs.py's table)."""
+tests/test_bad_inputs.py's table); and the settings of the HTTP endpoints (issue 35): URLs, caps, headers, and
+endpoints whose worst case outlasts dist.timeout_s."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.rl import grpo, ppo
-from hpc_rlhf.rl.config import reference_mode
+from hpc_rlhf.rl.config import reference_mode, slow_endpoints
 
 LORA = ["actor.lora.rank=8"]
 NO_REF = "placement=actor=1,rollout=1"
@@ -46,3 +49,35 @@ def test_contradictions_are_refused_at_configuration(overrides, message):
         load_config(grpo.Config, None, overrides)
     if "rank=600" in " ".join(overrides):  # the hf engine has no such limit
         load_config(grpo.Config, None, [o for o in overrides if o != "rollout.backend=vllm"])
+
+
+def test_endpoints_slower_than_the_collective_timeout_are_named_with_their_figures():
+    # the defaults: 3 tries of 60 s with pauses of 0.5 and 1 s, + 1 s margin = 182.5 s a call; reset and 4 steps
+    cfg = load_config(grpo.Config, None, ["env.http_url=http://env:8000?key=secret", "reward.functions=[]"])
+    [line] = slow_endpoints(cfg)
+    assert line.startswith("env.http_url http://env:8000?...: one episode may wait 912.5 s on its environment "
+                           "(reset and env.max_turns = 4 steps, each up to (env.retries + 1 = 3) tries of "
+                           "env.timeout_s = 60 s with the pauses between them), more than dist.timeout_s = 300 s")
+    assert slow_endpoints(load_config(grpo.Config, None, ["env.http_url=http://env:8000", "env.timeout_s=10",
+                                                          "env.retries=1", "reward.functions=[]"])) == []
+    cfg = load_config(grpo.Config, None, ["reward.http_url=http://judge/score", "reward.http_timeout_s=100",
+                                          "dist.timeout_s=120"])
+    assert slow_endpoints(cfg) == [
+        "reward.http_url http://judge/score: one call may take 303 s (3 tries of reward.http_timeout_s = 100 s with "
+        "the pauses between them), more than dist.timeout_s = 120 s, after which the other ranks give up waiting: "
+        "lower reward.http_timeout_s or raise dist.timeout_s"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["reward.http_url=ftp://judge/score"], "reward.http_url must start with http:// or https://"),
+    (["reward.http_url=http://me:pw@judge/score"], "reward.http_url holds a user name or password"),
+    (["reward.http_url=http://judge", "reward.http_max_reply_mb=0"], "reward.http_max_reply_mb must be > 0"),
+    (["reward.http_url=http://judge", "reward.http_headers_from_env={Authorization: not-a-variable}"],
+     "reward.http_headers_from_env: header Authorization must name an environment variable"),
+    (["env.http_url=http://env", "env.headers_from_env={'X Y': TOKEN}", "reward.functions=[]"],
+     "env.headers_from_env: 'X Y' is not an HTTP header name"),
+])
+def test_endpoint_settings_are_checked_before_any_rank_starts(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        load_config(grpo.Config, None, overrides)
+    assert ":pw@" not in str(caught.value)

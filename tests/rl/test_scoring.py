@@ -13,7 +13,8 @@ from hpc_rlhf.dist.placement import make_plan
 from hpc_rlhf.models.lora import apply_lora
 from hpc_rlhf.models.tiny import load_tokenizer
 from hpc_rlhf.models.value_model import set_reward_normalization
-from hpc_rlhf.rewards import exact_match
+from hpc_rlhf.dist import watchdog
+from hpc_rlhf.rewards import RewardFunctionError, exact_match
 from hpc_rlhf.rl import scoring
 from hpc_rlhf.rl.config import RewardSection
 from hpc_rlhf.rl.batches import make_batch
@@ -213,3 +214,45 @@ def test_rule_functions_weigh_one_each_unless_weighted(monkeypatch):
     responses = [torch.tensor([10]), torch.tensor([11])]
     [total] = scoring.rule_scores(routes, cfg, rules, load_tokenizer(), ["p", "q"], responses, [None, None])
     assert total.tolist() == [3.0, 3.0]
+
+
+def test_a_weight_that_takes_a_rule_reward_past_float32_names_the_function(monkeypatch):
+    routes = Routes(make_plan("actor=1,rollout=1", 2, 2))
+    monkeypatch.setattr(scoring, "dist", SimpleNamespace(get_rank=lambda: 0))
+    cfg = SimpleNamespace(reward=RewardSection(function_weights=[1e10]))
+    rules = [("big", lambda p, r, a: [1.0, 1e30])]
+    with pytest.raises(RewardFunctionError, match=r"^reward function 'big' gave response 1 the reward inf after "
+                                                  r"weighting"):
+        scoring.rule_scores(routes, cfg, rules, load_tokenizer(), ["p", "q"], [torch.tensor([10])] * 2, [None] * 2)
+
+
+def test_the_remote_call_runs_in_a_watchdog_phase_that_names_the_endpoint(monkeypatch):
+    """If the job dies while this rank waits on the endpoint, its heartbeat and failure line name the endpoint."""
+    routes = Routes(make_plan("actor=1,rollout=1", 2, 2))
+    monkeypatch.setattr(scoring, "dist", SimpleNamespace(get_rank=lambda: 0))
+    phases = []
+
+    def remote(url, prompts, texts, answers, **limits):
+        phases.append(watchdog.current_phase())
+        return [1.0] * len(texts)
+
+    monkeypatch.setattr(scoring.reward_fns, "remote_rewards", remote)
+    cfg = SimpleNamespace(reward=RewardSection(http_url="http://judge:8000/score?token=secret"))
+    with watchdog.phase("scoring"):
+        [total] = scoring.rule_scores(routes, cfg, [], load_tokenizer(), ["p"], [torch.tensor([10])], [None])
+        assert watchdog.current_phase() == "scoring"
+    assert total.tolist() == [1.0]
+    assert phases == ["scoring (waiting on reward endpoint http://judge:8000/score?...)"]
+
+
+def test_a_reward_models_weighted_score_past_float32_names_the_model():
+    cfg = SimpleNamespace(reward=RewardSection(models=["runs/rm/final", "runs/rm2"], model_weights=[1.0, 1e10]))
+    scored = {"rules": torch.zeros(2), "reward": torch.ones(2), "reward2": torch.tensor([0.5, 1e30])}
+    with pytest.raises(RewardFunctionError, match=r"^reward model runs/rm2 \(role reward2, weight 1e\+10\) gave "
+                                                  r"response 1 the reward inf after weighting"):
+        scoring.check_model_scores(cfg, scored)
+    scored["reward2"] = torch.tensor([0.5, 3e28])  # each finite after weighting, their sum is not
+    scored["reward"] = torch.tensor([0.0, 3e38])
+    with pytest.raises(RewardFunctionError, match=r"^the sum of the rewards .* gave response 1 the reward inf"):
+        scoring.check_model_scores(cfg, scored)
+    scoring.check_model_scores(cfg, {"rules": torch.zeros(2)})  # roles this rank does not hold: nothing to check
