@@ -11,6 +11,9 @@
 #                     unbuffered output (ranks' lines arrive whole and in time), no tokenizer thread pools, and
 #                     Hugging Face offline (compute nodes have no internet: a hub lookup would hang until its
 #                     timeout; the image sets the same; HF_HUB_OFFLINE=0 where a node may reach the hub)
+#   hpc_store_secret  HPC_RLHF_STORE_SECRET, the job's rendezvous-store secret (docs/failures.md, "Who can steer a
+#                     job"), unless set: from the kernel's random source, exported to the ranks this shell starts,
+#                     never on a command line (other users can read those) or in a file
 #   hpc_split_args    "LAUNCHER_OPTION ... -- MODE ARG ..." -> arrays HPC_LAUNCHER_ARGS and HPC_MODE_ARGS
 #                     (without `--`, every argument is the mode's)
 #   hpc_need_mode     exit 2 with the given usage line when no mode was given
@@ -39,6 +42,13 @@ hpc_rank_env() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
+}
+
+hpc_store_secret() {
+  if [ -z "${HPC_RLHF_STORE_SECRET:-}" ]; then
+    HPC_RLHF_STORE_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+  fi
+  export HPC_RLHF_STORE_SECRET
 }
 
 hpc_split_args() {

@@ -26,5 +26,6 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
 fi
 hpc_python || exit 2
 hpc_rank_env
+hpc_store_secret  # srun gives every task this environment: one secret for the job
 exec srun --kill-on-bad-exit=1 ${HPC_LAUNCHER_ARGS[@]+"${HPC_LAUNCHER_ARGS[@]}"} "${HPC_PYTHON[@]}" \
   -m hpc_rlhf.launch.slurm rank "${HPC_MODE_ARGS[@]}"

@@ -25,4 +25,7 @@ if [ "${#HPC_LAUNCHER_ARGS[@]}" -eq 0 ]; then
 fi
 hpc_python || exit 2
 hpc_rank_env
+# One node: the secret is made here. Several: each node's torchrun.sh must get the same one (export it, or run
+# under sbatch, whose script made it).
+if [[ " ${HPC_LAUNCHER_ARGS[*]} " == *" --standalone "* ]]; then hpc_store_secret; fi
 exec "${HPC_PYTHON[@]}" -m torch.distributed.run "${HPC_LAUNCHER_ARGS[@]}" -m hpc_rlhf "${HPC_MODE_ARGS[@]}"

@@ -66,6 +66,7 @@ hpc_setup() {
   # each rank of the step would get one CPU while OMP_NUM_THREADS says more.
   [ -z "${SLURM_CPUS_PER_TASK:-}" ] || export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
   hpc_rank_env
+  hpc_store_secret  # made once here, so that every step of the job (and each requeue) has its own
   # launch/srun.sh, a process of its own, reads them too.
   export PYTHON CONTAINER
   hpc_python || hpc_die "the ranks' python command cannot run here (see the line above)"

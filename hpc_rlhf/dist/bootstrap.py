@@ -15,11 +15,14 @@ whose value differs from rank 0's fails at once naming both values, and rank 0 n
 arrived when the timeout ends its wait. Who serves the store: torchrun's agent under torchrun; under every other
 launcher a small process that rank 0 forks first (hpc_rlhf.dist.store_host), so that the store, with the
 watchdog's heartbeats and failure records, outlives rank 0 (`store_host_rank` says which for the watchdog).
+Every rank sees the store through the job's secret (hpc_rlhf.dist.store_guard; `_store_secret` says where it
+comes from), torch's own rendezvous keys included: the store given to init_process_group is the guarded one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -27,7 +30,7 @@ import time
 from datetime import timedelta
 from typing import Mapping
 
-from hpc_rlhf.dist import store_host
+from hpc_rlhf.dist import store_guard, store_host
 from hpc_rlhf.dist.devices import rank_device
 from hpc_rlhf.dist.launch_env import (LOOPBACK, BootstrapError, LaunchInfo, detect_launch, layout_from_hostnames,
                                       uses_agent_store)
@@ -46,8 +49,9 @@ def free_port(host: str = LOOPBACK) -> int:
         return sock.getsockname()[1]
 
 
-def _complete_with_mpi(info: LaunchInfo, port_from_env: bool) -> LaunchInfo:
-    """Ask MPI for the true rank/size, every rank's host, and (unless given) rank 0's address and port."""
+def _complete_with_mpi(info: LaunchInfo, port_from_env: bool, secret: str | None) -> tuple[LaunchInfo, str | None]:
+    """Ask MPI for the true rank/size, every rank's host, (unless given) rank 0's address and port, and rank 0's
+    store secret (from the environment or made there): MPI is a channel of the job's own. Returns (info, secret)."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -63,8 +67,11 @@ def _complete_with_mpi(info: LaunchInfo, port_from_env: bool) -> LaunchInfo:
     # The store is served on rank 0's host, so only rank 0 knows a port that is free there (its store process's).
     port = info.master_port if port_from_env else comm.bcast(
         (info.master_port or free_port("")) if rank == 0 else None, root=0)
+    # Rank 0's, always: mpirun may hand the environment to the ranks of its own node only.
+    secret = comm.bcast(secret if rank == 0 else None, root=0)
     layout = layout_from_hostnames(hosts_by_rank, rank)
-    return dataclasses.replace(info, master_addr=info.master_addr or hosts_by_rank[0], master_port=port, **layout)
+    info = dataclasses.replace(info, master_addr=info.master_addr or hosts_by_rank[0], master_port=port, **layout)
+    return info, secret
 
 
 def _choose_backend(backend: str) -> str:
@@ -141,15 +148,17 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_wor
     _check_world_size(info, expected_world_size)
     chosen = _choose_backend(backend)
     port_from_env = info.master_port is not None
+    secret = _store_secret(info, env)
     if _store_served_apart(info, env) and info.rank == 0:
         # First of all: the fork must come before MPI, CUDA and process groups exist (see store_host).
+        host = store_host.listen_host(info.master_addr or socket.gethostname(), _one_node(info))
         try:
-            _STORE_HOST = store_host.start(info.master_port or 0, info.world_size, timeout_s)
+            _STORE_HOST = store_host.start(info.master_port or 0, info.world_size, timeout_s, secret or "", host)
         except store_host.StoreHostError as exc:
             raise _cannot_form(info, chosen, timeout_s, exc) from exc
         info = dataclasses.replace(info, master_port=_STORE_HOST.port)
     try:
-        info, store = _join(info, chosen, timeout_s, port_from_env, env)
+        info, store = _join(info, chosen, timeout_s, port_from_env, env, secret)
     except BaseException:
         # Whatever ended rank 0's setup before it had a store client (MPI, CUDA, the rendezvous): its store's
         # process leaves now, so that the other ranks fail at once instead of waiting for a world that will not
@@ -160,14 +169,16 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300, expected_wor
     return info
 
 
-def _join(info: LaunchInfo, chosen: str, timeout_s: float, port_from_env: bool, env: Mapping[str, str]):
+def _join(info: LaunchInfo, chosen: str, timeout_s: float, port_from_env: bool, env: Mapping[str, str],
+          secret: str | None):
     """The rest of init_distributed once rank 0's store process runs: MPI's answers, the CUDA device, the
     rendezvous store, the world size check and the default process group. Returns (info, store)."""
     import torch
     import torch.distributed as dist
 
     if info.launcher == "mpi":
-        info = _complete_with_mpi(info, port_from_env)
+        info, secret = _complete_with_mpi(info, port_from_env, secret)
+    secret = _published_secret(info, secret)
     pick_port = info.master_port is None  # a one-rank world (single, or torchrun with WORLD_SIZE=1)
     if info.master_addr is None:
         info = dataclasses.replace(info, master_addr=LOOPBACK)
@@ -182,7 +193,7 @@ def _join(info: LaunchInfo, chosen: str, timeout_s: float, port_from_env: bool, 
         _check_resolves(info)
         _export(info, env)
         try:
-            store = _rendezvous_store(info, timeout_s)
+            store = _rendezvous_store(info, timeout_s, secret)
             break
         except (RuntimeError, ValueError, OSError) as exc:  # torch's DistError is a RuntimeError
             if attempt + 1 < attempts:
@@ -214,15 +225,52 @@ def _store_served_apart(info: LaunchInfo, env: Mapping[str, str]) -> bool:
     return info.world_size > 1 and not (info.launcher == "torchrun" and uses_agent_store(env))
 
 
-def _rendezvous_store(info: LaunchInfo, timeout_s: float):
+def _store_secret(info: LaunchInfo, env: Mapping[str, str]) -> str | None:
+    """The job's store secret (hpc_rlhf.dist.store_guard) as far as this rank knows it before the rendezvous:
+    the launcher's; or made here where no other rank needs to be told (a one-rank world) or where MPI will tell
+    them (rank 0 under mpirun, `_complete_with_mpi`)."""
+    secret = store_guard.secret_from_env(env)
+    if secret is None and (info.world_size == 1 or (info.launcher == "mpi" and info.rank == 0)):
+        secret = store_guard.make_secret()
+    return secret
+
+
+def _published_secret(info: LaunchInfo, secret: str | None) -> str:
+    """The secret every part of this rank uses (the watchdog reads it from the environment). A job of several
+    ranks started without one (srun or torchrun by hand) still runs, with a warning: its store is open."""
+    if secret is None:
+        if info.rank == 0:
+            logging.getLogger("hpc_rlhf").warning(
+                "%s is not set: any process that reaches the rendezvous store at %s:%s can write to it and steer "
+                "this job (docs/failures.md, 'Who can steer a job'); the launchers of hpc_rlhf (sbatch/, "
+                "hpc-rlhf submit, scripts/torchrun.sh, the local launcher, mpirun) set it",
+                store_guard.SECRET_VAR, info.master_addr, info.master_port)
+        return ""
+    os.environ[store_guard.SECRET_VAR] = secret
+    return secret
+
+
+def _one_node(info: LaunchInfo) -> bool:
+    return info.num_nodes == 1 and info.launcher != "mpi"  # MPI tells the layout after the store is up
+
+
+def _rendezvous_store(info: LaunchInfo, timeout_s: float, secret: str):
     """A client of the TCPStore at MASTER_ADDR:MASTER_PORT, served by rank 0's store process or torchrun's agent
-    (or, in a one-rank world, by this process). No rank waits for the others here: `_check_same_world_size`
-    does, and says what is wrong."""
+    (or, in a one-rank world, by this process), seen through the job's secret (store_guard). No rank waits for
+    the others here: `_check_same_world_size` does, and says what is wrong."""
     import torch.distributed as dist
 
-    serve_here = info.world_size == 1
-    return dist.TCPStore(info.master_addr, info.master_port, is_master=serve_here, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if info.world_size == 1:
+        listening = store_host.listen_socket(store_host.listen_host(info.master_addr, True), info.master_port)
+        port = listening.getsockname()[1]
+        # detach(): the store owns the descriptor from now on (the socket object would close it when collected)
+        raw = dist.TCPStore(info.master_addr, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                            master_listen_fd=listening.detach())
+    else:
+        raw = dist.TCPStore(info.master_addr, info.master_port, is_master=False, wait_for_workers=False,
+                            timeout=timeout)
+    return store_guard.guarded(raw, secret)
 
 
 def _close_store_host(store) -> None:

@@ -19,6 +19,9 @@ says it is done: `StoreHost.close`), it
   store then closes at once, so that ranks still joining fail at once instead of waiting for their timeout.
 Slurm's end of the step (SIGKILL) ends it too.
 
+It listens on the address the ranks connect to only (`listen_host`), and reads the job's keys through the job's
+secret (hpc_rlhf.dist.store_guard): a close key or a record that another process wrote is not the job's.
+
 Forked, not started afresh: a new interpreter would import torch again (2-3 CPU seconds per job start); the
 fork happens before rank 0 joins any process group, touches CUDA or initialises MPI, so the child inherits no
 state it could break. It closes every inherited file descriptor, so that it holds no pipe of its launcher.
@@ -26,14 +29,17 @@ state it could break. It closes every inherited file descriptor, so that it hold
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
 import select
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-from hpc_rlhf.dist import liveness
+from hpc_rlhf.dist import liveness, store_guard
 
 LOOPBACK = "127.0.0.1"
 CLOSE_KEY = "hpc_rlhf/store_host/close"
@@ -70,8 +76,35 @@ class StoreHost:
             pass
 
 
-def start(port: int, world_size: int, timeout_s: float) -> StoreHost:
-    """Fork the store's process, serving at `port` (0: a free port the OS picks); return once it listens."""
+def listen_host(master_addr: str, one_node: bool) -> str:
+    """The address the store listens on: the one the ranks connect to (MASTER_ADDR, resolved here), so that it is
+    not reachable through the node's other interfaces. A name that resolves to loopback here (Debian's hosts file
+    maps the host's own name to 127.0.1.1) is loopback for the other nodes only by accident: in a job of several
+    nodes the store then listens everywhere (""), as torch's own does."""
+    try:
+        resolved = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, UnicodeError, IndexError):
+        return ""  # bootstrap names the address that does not resolve
+    if ipaddress.ip_address(resolved.split("%")[0]).is_loopback and not one_node:
+        return ""
+    return resolved
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket listening at host:port for a TCPStore to serve on (torch's own binds every interface). An address
+    that is not this host's (MASTER_ADDR names another interface or a NAT'd name) falls back to every interface."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=4096)
+    except OSError as exc:
+        if exc.errno != errno.EADDRNOTAVAIL or not host:
+            raise
+    return socket.create_server(("", port), backlog=4096)
+
+
+def start(port: int, world_size: int, timeout_s: float, secret: str, host: str = "") -> StoreHost:
+    """Fork the store's process, serving at host:port (port 0: a free port the OS picks) and reading the job's
+    keys with `secret` (hpc_rlhf.dist.store_guard); return once it listens."""
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     pid = os.fork()
@@ -79,7 +112,7 @@ def start(port: int, world_size: int, timeout_s: float) -> StoreHost:
         code = 0
         try:
             os.close(read_fd)
-            _serve(port, world_size, timeout_s, write_fd, parent)
+            _serve(host, port, world_size, timeout_s, secret, write_fd, parent)
         except BaseException:  # noqa: BLE001 - nothing to print to: stdout and stderr are closed
             code = 1
         finally:
@@ -129,24 +162,28 @@ def _detach(keep_fd: int) -> None:
     os.closerange(keep_fd + 1, max_fd)
 
 
-def _serve(port: int, world_size: int, timeout_s: float, ready_fd: int, parent: int) -> None:
+def _serve(host: str, port: int, world_size: int, timeout_s: float, secret: str, ready_fd: int,
+           parent: int) -> None:
     import torch.distributed as dist
 
     _detach(ready_fd)
     try:
-        store = dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout_s))
+        listening = listen_socket(host, port)
+        port = listening.getsockname()[1]
+        raw = dist.TCPStore(host or LOOPBACK, port, is_master=True, wait_for_workers=False,
+                            timeout=timedelta(seconds=timeout_s), master_listen_fd=listening.detach())
     except Exception as exc:  # noqa: BLE001 - said to the parent, which raises it with the address
         os.write(ready_fd, f"error {' '.join(str(exc).split())[:400]}".encode())
         os.close(ready_fd)
         return
-    os.write(ready_fd, f"ok {store.port}".encode())
+    os.write(ready_fd, f"ok {raw.port}".encode())
     os.close(ready_fd)
 
-    while os.getppid() == parent and not store.check([CLOSE_KEY]):
+    store = store_guard.guarded(raw, secret)
+    while os.getppid() == parent and store.get_if_sealed(CLOSE_KEY) is None:
         time.sleep(POLL_S)
     rank0_gone = os.getppid() != parent
-    records = dist.PrefixStore(liveness.key_prefix(), store)
+    records = store_guard.guarded(raw, secret, liveness.key_prefix())
     beat0 = _heartbeat_or_none(records, 0)
     if beat0 is None:
         return  # rank 0 never started its watchdog: no one reads records; close so that joiners fail now

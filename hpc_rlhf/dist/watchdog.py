@@ -61,7 +61,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from hpc_rlhf.dist import liveness, progress
+from hpc_rlhf.dist import liveness, progress, store_guard
 from hpc_rlhf.dist.failures import (_alive_a_moment_later, _pid_namespace, default_interval, describe_exception,
                                      exit_with_message, is_consequence, process_alive, watched_ranks)
 from hpc_rlhf.dist.liveness import (FAILED, RUNNING, STOPPED, TERMINATED, failure_record, format_failure,
@@ -522,9 +522,9 @@ def start(role_names: Sequence[str] | Callable[[], Sequence[str] | None] | None 
                     "timeouts only")
         return None
     host, port = address
-    client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                           timeout=timedelta(seconds=timeout_s))
-    _ACTIVE = Watchdog(dist.PrefixStore(key_prefix(), client), dist.get_rank(), dist.get_world_size(), timeout_s,
+    client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    records = store_guard.guarded(client, store_guard.secret_from_env() or "", key_prefix())  # bootstrap published it
+    _ACTIVE = Watchdog(records, dist.get_rank(), dist.get_world_size(), timeout_s,
                        progress=progress.current(), roles=role_names, interval_s=interval_s,
                        store_host_rank=store_host_rank, store_address=f"{host}:{port}")
     if not _ATEXIT_REGISTERED:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from hpc_rlhf.config import ConfigError
 from hpc_rlhf.data.loading import DataError
-from hpc_rlhf.dist import liveness, watchdog
+from hpc_rlhf.dist import liveness, store_guard, watchdog
 from hpc_rlhf.dist.bootstrap import free_port, init_distributed, shutdown
 from hpc_rlhf.dist.launch_env import LOOPBACK, BootstrapError, detect_launch
 from hpc_rlhf.dist.liveness import ERROR_FILE_VAR
@@ -295,6 +295,8 @@ def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = 
     base.setdefault("OMP_NUM_THREADS", "1")
     # Variables of an outer torchrun would make rank 0 wait for a store server that is not ours.
     base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    if store_guard.secret_from_env(base) is None:
+        base[store_guard.SECRET_VAR] = store_guard.make_secret()
     port = free_port(LOOPBACK)
     pre_exec = _parent_death_signal()
     procs: list[Any] = []  # subprocess.Popen or _ForkedRank

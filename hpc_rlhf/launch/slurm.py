@@ -38,6 +38,7 @@ from typing import Any, Mapping, MutableMapping, Sequence
 
 import submitit
 
+from hpc_rlhf.dist.store_guard import SECRET_VAR
 from hpc_rlhf.launch import modes
 
 PREEMPTED_EXIT_CODE = 75  # hpc_rlhf.runtime.checkpointing.Preempted.EXIT_CODE (not imported: that pulls in torch)
@@ -209,6 +210,9 @@ def slurm_parameters(*, nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: 
         # submitit would ask for its own USR2; our trainers checkpoint on USR1 (and SIGTERM). Inside the job,
         # submitit's handler uses the same signal until the trainer takes it over.
         "setup": [f"export SUBMITIT_PREEMPT_SIGNAL={STOP_SIGNAL}",
+                  # Made in the job, not here: the script is a file other users may read (store_guard).
+                  f"[ -n \"${{{SECRET_VAR}:-}}\" ] || export {SECRET_VAR}=$(od -An -N32 -tx1 /dev/urandom | "
+                  "tr -d ' \\n')",
                   f"bash -c {shlex.quote(REQUEUE_GUARD.read_text())} requeue_guard {requeue_margin_s} "
                   f"{max_restarts} $$ &"],
         "additional_parameters": {"signal": f"{STOP_SIGNAL}@{signal_delay_s}", "requeue": True},

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import pytest
 
-from hpc_rlhf.dist import failures, liveness, store_host, watchdog
+from hpc_rlhf.dist import failures, liveness, store_guard, store_host, watchdog
 from tests.distributed import REPO, worker_env
 
 
@@ -31,12 +31,19 @@ def _wait_for(condition, timeout_s: float, what: str):
     raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
-def _client(port: int):
+SECRET = "the job's secret"
+
+
+def _raw_client(port: int):
     import torch.distributed as dist
 
-    store = dist.TCPStore(store_host.LOOPBACK, port, is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=5))
-    return store, dist.PrefixStore(liveness.key_prefix(), store)
+    return dist.TCPStore(store_host.LOOPBACK, port, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=5))
+
+
+def _client(port: int, secret: str = SECRET):
+    raw = _raw_client(port)
+    return store_guard.guarded(raw, secret), store_guard.guarded(raw, secret, liveness.key_prefix())
 
 
 def _beat(rank: int, seq: int, state: str = liveness.RUNNING, **fields) -> str:
@@ -125,15 +132,23 @@ def test_a_port_in_use_is_said():
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(store_host.StoreHostError, match="(?i)address already in use"):
-            store_host.start(port, 2, timeout_s=5)
+            store_host.start(port, 2, timeout_s=5, secret=SECRET)
 
 
 def test_close_lets_it_leave_while_its_parent_lives():
-    host = store_host.start(0, 2, timeout_s=5)
+    host = store_host.start(0, 2, timeout_s=5, secret=SECRET, host=store_host.LOOPBACK)
     store, records = _client(host.port)
     records.set("hb/0", _beat(0, seq=1, state=liveness.STOPPED))
     store.set("kept", "yes")
     assert store.get("kept") == b"yes"
+    # Writers without the job's secret do not close it: the close key by its name, in the job's namespace (which
+    # list_keys shows), or sealed with another secret.
+    intruder = _raw_client(host.port)
+    intruder.set(store_host.CLOSE_KEY, "1")
+    intruder.set(f"{store_guard.namespace(SECRET)}/{store_host.CLOSE_KEY}", "1")
+    _client(host.port, secret="a guess")[0].set(store_host.CLOSE_KEY, "1")
+    time.sleep(10 * store_host.POLL_S)
+    assert os.waitpid(host.pid, os.WNOHANG) == (0, 0)
     host.close(store)
     _wait_for(lambda: os.waitpid(host.pid, os.WNOHANG)[0] == host.pid, 5, "the store's process to leave")
 
@@ -142,9 +157,8 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     world_size, heartbeat = int(sys.argv[1]), bool(int(sys.argv[2]))
-    host = store_host.start(0, world_size, timeout_s=30)
+    host = store_host.start(0, world_size, timeout_s=30, secret=SECRET)
     if heartbeat:
-        client = dist.TCPStore(store_host.LOOPBACK, host.port, is_master=False, timeout=timedelta(seconds=5))
-        dist.PrefixStore(liveness.key_prefix(), client).set("hb/0", _beat(0, seq=1))
+        _client(host.port)[1].set("hb/0", _beat(0, seq=1))
     print(f"serving {host.port} {host.pid}", flush=True)
     time.sleep(600)

@@ -249,6 +249,7 @@ def test_engine_kwargs_name_an_importable_worker_extension_and_our_transport():
 def test_worker_environment_hides_our_launcher_and_our_own_variables():
     ours = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
             "TORCHELASTIC_RUN_ID": "x", "HPC_RLHF_FAULT": "rank=3,kind=kill", "HPC_RLHF_LOCAL_LAUNCH": "1",
+            "HPC_RLHF_STORE_SECRET": "the job's secret",
             "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PATH": "/usr/bin", "SLURM_JOB_ID": "42",
             "HPC_RLHF_CPU_KERNELS": "native"}
     gpu = vr.worker_environment(ours, [2, 3], on_cpu=False)
