@@ -10,8 +10,8 @@ text included, so a function can require a proper ending), `answers` the data se
 (`data.answer_key`; None for rows without one). It returns one finite float per response (a list, tuple, or
 1-D tensor). Anything else stops the run with a message naming the function.
 
-An HTTP endpoint (`reward.http_url`) receives `{"prompts": [...], "responses": [...], "answers": [...]}` as a
-JSON POST and answers `{"rewards": [...]}`; each try has a wall-clock deadline (`reward.http_timeout_s`) and a cap
+An HTTP endpoint (`reward.http_url`) receives `{"prompts": [...], "responses": [...], "answers": [...],
+"request_id": "..."}` (the id repeated by the call's tries) as a JSON POST and answers `{"rewards": [...]}`; each try has a wall-clock deadline (`reward.http_timeout_s`) and a cap
 on the reply's size (`reward.http_max_reply_mb`), and a failed try is repeated (3 tries in all) when the endpoint
 could not be reached, was too slow or answered 5xx. Scoring the same batch twice must be harmless (a reward
 endpoint should have no side effects).
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -127,7 +128,9 @@ def remote_rewards(url: str, prompts: list[str], responses: list[str], answers: 
     problem = url_problem(url)
     if problem is not None:
         raise RewardFunctionError(f"reward.http_url {problem}")
-    body = json.dumps({"prompts": prompts, "responses": responses, "answers": answers}).encode()
+    # one request id for the call, repeated by its tries: an endpoint can tell a retry from a new batch
+    body = json.dumps({"prompts": prompts, "responses": responses, "answers": answers,
+                       "request_id": uuid.uuid4().hex}).encode()
     last = ""
     for attempt in range(retries):
         if attempt:

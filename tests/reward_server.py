@@ -37,14 +37,18 @@ def reward_server(score: Callable[[str], float]) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def raw_reward_server(raw: bytes, delay_s: float = 0.0) -> Iterator[str]:
-    """An endpoint that answers every POST with the bytes `raw` (200, their length declared), after `delay_s`."""
+def raw_reward_server(raw: bytes, delay_s: float = 0.0, busy_first: int = 0, bodies: list | None = None
+                      ) -> Iterator[str]:
+    """An endpoint that answers every POST with the bytes `raw` (200, their length declared), after `delay_s`; the
+    first `busy_first` requests get 503 instead. The request bodies are appended to `bodies`, if given."""
+    seen = [] if bodies is None else bodies
+
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
             time.sleep(delay_s)
             try:
-                self.send_response(200)
+                self.send_response(503 if len(seen) <= busy_first else 200)
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()
                 self.wfile.write(raw)

@@ -106,3 +106,17 @@ def test_remote_urls_with_credentials_are_refused_without_showing_them():
         rewards.remote_rewards("http://me:hunter2@127.0.0.1:1/score", ["p"], ["r"], [None])
     assert "reward.http_url holds a user name or password" in str(caught.value)
     assert "hunter2" not in str(caught.value)
+
+
+def test_a_busy_endpoint_is_tried_again_with_the_same_request_id(monkeypatch):
+    monkeypatch.setattr(rewards, "backoff_s", lambda attempt: 0.01)
+    bodies = []
+    with raw_reward_server(b'{"rewards": [0.5]}', busy_first=2, bodies=bodies) as url:
+        assert rewards.remote_rewards(url, ["p"], ["r"], [None]) == [0.5]
+        assert rewards.remote_rewards(url, ["p"], ["r"], [None]) == [0.5]
+    ids = [body["request_id"] for body in bodies]
+    assert len(ids) == 4 and ids[0] == ids[1] == ids[2] != ids[3]  # a call's tries share one id; a new call not
+
+
+def test_the_longest_remote_call_counts_every_try_and_pause():
+    assert rewards.longest_remote_call_s(10.0) == 3 * 10.0 + 1.0 + 2.0
