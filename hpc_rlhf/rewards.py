@@ -11,10 +11,10 @@ text included, so a function can require a proper ending), `answers` the data se
 1-D tensor). Anything else stops the run with a message naming the function.
 
 An HTTP endpoint (`reward.http_url`) receives `{"prompts": [...], "responses": [...], "answers": [...],
-"request_id": "..."}` (the id repeated by the call's tries) as a JSON POST and answers `{"rewards": [...]}`; each try has a wall-clock deadline (`reward.http_timeout_s`) and a cap
-on the reply's size (`reward.http_max_reply_mb`), and a failed try is repeated (3 tries in all) when the endpoint
-could not be reached, was too slow or answered 5xx. Scoring the same batch twice must be harmless (a reward
-endpoint should have no side effects).
+"request_id": "..."}` as a JSON POST and answers `{"rewards": [...]}`. Each try has a wall-clock deadline
+(`reward.http_timeout_s`) and a cap on the reply's size (`reward.http_max_reply_mb`); a failed try is repeated (3
+tries in all, with the same request id) when the endpoint could not be reached, was too slow or answered 5xx.
+Scoring the same batch twice must be harmless (a reward endpoint should have no side effects).
 """
 
 from __future__ import annotations

@@ -139,6 +139,8 @@ def post_json(url: str, body: bytes, *, timeout_s: float, max_bytes: int, header
                             retry=True) from None
     except OSError as exc:  # refused, reset, no route, DNS, TLS
         raise HttpCallError(f"cannot reach it ({_text(exc, 100)})", retry=True) from None
+    except ValueError as exc:  # http.client refusing a header (its message quotes the value: a secret, perhaps)
+        raise HttpCallError(f"the request could not be sent ({type(exc).__name__} in a header)", retry=False) from None
     finally:
         connection.close()
         if sock is not None:

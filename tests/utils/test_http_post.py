@@ -154,5 +154,9 @@ def test_headers_come_from_environment_variables_and_their_values_stay_out_of_er
     with pytest.raises(ValueError) as caught:
         headers_from_env({"X-Key": "BAD"}, "k", {"BAD": "s3cret\r\nHost: evil"})
     assert "s3cret" not in str(caught.value) and "line break" in str(caught.value)
+    with raw_server(answer_with(b"{}")) as url, pytest.raises(HttpCallError) as caught:
+        # a header given directly, past those checks
+        post_json(url, b"{}", timeout_s=5, max_bytes=10, headers={"X-Key": "s3cret\u2603"})
+    assert "s3cret" not in str(caught.value) and not caught.value.retry
     assert "is not an HTTP header name" in header_mapping_problem({"Bad Header": "X"}, "k")
     assert "must name an environment variable" in header_mapping_problem({"X-Key": "not a var"}, "k")
