@@ -43,7 +43,8 @@ from hpc_rlhf.rl.batches import Generated, shard_bounds
 
 log = logging.getLogger("hpc_rlhf")
 
-STATE_KEY = "rollout_in_flight"  # in the checkpoint's trainer state: {"max_staleness": K, "versions": {...}}
+# In the checkpoint's trainer state: {"max_staleness": K, "engines": E, "versions": {batch index: policy version}}.
+STATE_KEY = "rollout_in_flight"
 # Sampling seeds: batch b of a run at train.seed s samples with seed s * BATCH_SEED_STRIDE + b, and engine e draws
 # from (that seed) * ENGINE_SEED_STRIDE + e: distinct streams for every batch and engine of a run (below 7,919
 # engines).
@@ -57,12 +58,14 @@ def batch_seed(seed: int, index: int) -> int:
 
 
 class RolloutPipeline:
-    """`engine`: the index of the rollout engine whose first rank this is (`engine_led_here()`), else None."""
+    """`engine`: the index of the rollout engine whose first rank this is (`engine_led_here()`), else None;
+    `engines`: how many rollout engines the job has."""
 
-    def __init__(self, max_staleness: int, max_steps: int, engine: int | None):
+    def __init__(self, max_staleness: int, max_steps: int, engine: int | None, engines: int = 1):
         self.max_staleness = max_staleness
         self.max_steps = max_steps
         self.engine = engine
+        self.engines = engines
         self.versions: dict[int, int] = {}  # batch index -> the policy version that generated it (every rank)
         # on an engine's first rank: batch index -> its share of the batch
         self.shares: dict[int, Generated] = {}
@@ -104,7 +107,7 @@ class RolloutPipeline:
             folder.mkdir(exist_ok=True)
             torch.save({str(index): _packed(self.shares[index]) for index in sorted(self.versions)},
                        folder / f"engine{self.engine:03d}.pt")
-        return {STATE_KEY: {"max_staleness": self.max_staleness,
+        return {STATE_KEY: {"max_staleness": self.max_staleness, "engines": self.engines,
                             "versions": {str(index): v for index, v in sorted(self.versions.items())}}}
 
     def restore(self, checkpoint: Path | None, state: dict[str, Any]) -> None:
@@ -112,12 +115,23 @@ class RolloutPipeline:
         saved = state.get(STATE_KEY)
         if checkpoint is None or not saved or not saved["versions"]:
             return
+        count = len(saved["versions"])
         if saved["max_staleness"] != self.max_staleness:
             log.warning("%s holds %d batches generated ahead with rl.max_staleness=%d; this job runs with %d: "
-                        "they are dropped and generated again from the resumed weights", checkpoint,
-                        len(saved["versions"]), saved["max_staleness"], self.max_staleness)
+                        "they are dropped and generated again from the resumed weights", checkpoint, count,
+                        saved["max_staleness"], self.max_staleness)
+            return
+        # Each engine saved its own share of a batch; another number of engines would split the batch otherwise.
+        saved_engines = int(saved.get("engines", self.engines))  # checkpoints before the count was saved: same
+        if saved_engines != self.engines:
+            log.warning("%s holds %d batches generated ahead by %d rollout engines; this job has %d: they are "
+                        "dropped and generated again from the resumed weights", checkpoint, count, saved_engines,
+                        self.engines)
             return
         self.versions = {int(index): int(v) for index, v in saved["versions"].items()}
+        if self.engine == 0:  # one line for the job
+            log.info("%s: %d batches generated ahead carried over (%s)", checkpoint, count,
+                     ", ".join(f"batch {i} by policy {v}" for i, v in sorted(self.versions.items())))
         if self.engine is None:
             return
         path = checkpoint / "rollout" / f"engine{self.engine:03d}.pt"

@@ -154,7 +154,9 @@ class RLRecipe:
         state = checkpointing.resume_if_possible(run, self._my_engines())
         if run.start_step > 0 and not plan.is_hybrid:
             self.weights.sync()  # the engines start from the initial weights: give them the resumed ones
-        self.pipeline = RolloutPipeline(cfg.rl.max_staleness, cfg.train.max_steps, engine_led_here())
+        plan = groups.plan()
+        engines = len(plan.role("rollout").engines) if plan.has("rollout") else 0
+        self.pipeline = RolloutPipeline(cfg.rl.max_staleness, cfg.train.max_steps, engine_led_here(), engines)
         self.pipeline.restore(run.extra.get("resumed_from"), state)  # batches in flight at the checkpoint
         self.stop = checkpointing.StopSignal()
         self.bad_steps = checkpointing.NonFiniteGuard(cfg.train.max_bad_steps, self.mode)

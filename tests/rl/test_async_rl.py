@@ -5,6 +5,7 @@ the refusals, and (marked `learning`) PPO and GRPO with one step of staleness be
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -70,15 +71,16 @@ def test_a_batch_older_than_the_bound_is_refused():
 
 
 @pytest.mark.parametrize("episodes", [False, True], ids=["single-turn", "episodes"])
-def test_batches_in_flight_survive_a_checkpoint_and_another_k_drops_them(tmp_path, episodes):
-    pipeline = RolloutPipeline(2, 10, engine=1)
+def test_batches_in_flight_survive_a_checkpoint_and_another_k_or_engine_count_drops_them(tmp_path, episodes,
+                                                                                          caplog):
+    pipeline = RolloutPipeline(2, 10, engine=1, engines=3)
     generated(pipeline, 4, version=2, episodes=episodes)
     generated(pipeline, 5, version=3, episodes=episodes)
     state = pipeline.save(tmp_path)
-    assert state == {STATE_KEY: {"max_staleness": 2, "versions": {"4": 2, "5": 3}}}
+    assert state == {STATE_KEY: {"max_staleness": 2, "engines": 3, "versions": {"4": 2, "5": 3}}}
     assert (tmp_path / "rollout" / "engine001.pt").is_file()
 
-    back = RolloutPipeline(2, 10, engine=1)
+    back = RolloutPipeline(2, 10, engine=1, engines=3)
     back.restore(tmp_path, json.loads(json.dumps(state)))  # as read back from trainer_state.json
     assert back.versions == {4: 2, 5: 3} and back.to_prefill(4) == []
     for index in (4, 5):
@@ -88,15 +90,22 @@ def test_batches_in_flight_survive_a_checkpoint_and_another_k_drops_them(tmp_pat
                        for a, b in zip(getattr(mine, name), getattr(theirs, name), strict=True)), name
         assert (mine.masks is None) == (not episodes)
         assert not episodes or torch.equal(mine.episodes, theirs.episodes)
-    other_rank = RolloutPipeline(2, 10, engine=None)  # no engine of its own: the versions only
+    other_rank = RolloutPipeline(2, 10, engine=None, engines=3)  # no engine of its own: the versions only
     other_rank.restore(tmp_path, state)
     assert other_rank.versions == {4: 2, 5: 3} and not other_rank.shares
 
-    another_k = RolloutPipeline(1, 10, engine=1)
+    another_k = RolloutPipeline(1, 10, engine=1, engines=3)
     another_k.restore(tmp_path, state)
     assert not another_k.versions and another_k.to_prefill(4) == [4]  # generated again from the resumed weights
+    # Another number of engines: each saved its own share, so the batches are generated again, and said so.
+    for engines in (2, 4):
+        with caplog.at_level(logging.WARNING, logger="hpc_rlhf"):
+            other_layout = RolloutPipeline(2, 10, engine=1, engines=engines)
+            other_layout.restore(tmp_path, state)
+        assert not other_layout.versions and other_layout.to_prefill(4) == [4, 5]
+        assert f"generated ahead by 3 rollout engines; this job has {engines}: they are dropped" in caplog.text
     with pytest.raises(FileNotFoundError, match="engine002.pt is missing.*same placement"):
-        RolloutPipeline(2, 10, engine=2).restore(tmp_path, state)
+        RolloutPipeline(2, 10, engine=2, engines=3).restore(tmp_path, state)
 
 
 def test_importance_weight_figures():
@@ -154,7 +163,7 @@ def test_two_steps_of_staleness_follow_the_schedule_and_resume_exactly(tmp_path)
     hpc_rlhf_cli("grpo", *common, f"output_dir={full}")
     checkpoint = full / "checkpoints" / "step_000000002"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert state[STATE_KEY] == {"max_staleness": 2, "versions": {"2": 0, "3": 1}}
+    assert state[STATE_KEY] == {"max_staleness": 2, "engines": 2, "versions": {"2": 0, "3": 1}}
     assert (checkpoint / "rollout" / "engine000.pt").is_file() and (checkpoint / "rollout" / "engine001.pt").is_file()
     assert json.loads((checkpoint / "COMPLETE.json").read_text())["files"].get("rollout/engine001.pt", 0) > 0
 
