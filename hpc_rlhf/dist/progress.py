@@ -79,6 +79,17 @@ def phase(name: str) -> _Phase:
     return _Phase(_PROGRESS, name)
 
 
+WAITING_ON = " (waiting on "  # in a phase name: the rank waits on an endpoint (`waiting_on`)
+
+
+def waiting_on(what: str) -> _Phase:
+    """`with watchdog.waiting_on("reward endpoint http://..."): ...` - the phase while this rank waits on something
+    outside the job (an environment server, a remote reward): the current phase with what it waits on. Its peers
+    wait for it in a collective meanwhile; if theirs time out, the watchdog names this rank and the endpoint as
+    the cause (dist/watchdog.py), not the collective."""
+    return phase(f"{_PROGRESS.name}{WAITING_ON}{what})")
+
+
 def set_step(step: int) -> None:
     """The optimizer step in progress, counted from 1 (as in metrics.jsonl)."""
     _PROGRESS.step = int(step)

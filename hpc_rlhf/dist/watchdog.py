@@ -32,7 +32,9 @@ Causes and consequences. When a rank is killed, the ranks in a collective with i
 "Connection closed by peer"; those failures are effects. `report_failure` publishes such communication
 errors as secondary and waits a few beats for the cause (a rank seen dead, a primary failure); when one
 arrives, the rank exits with the line that names the cause instead of its own traceback. Other ranks act on a
-secondary record only if no cause appears within the same grace time.
+secondary record only if no cause appears within the same grace time. A rank that sees a timed-out collective while
+it waits on something outside the job (its phase made by `waiting_on`: an environment server, a remote reward
+endpoint) publishes itself as the cause, naming what it waits on: the others gave up waiting for it.
 
 The store connection is a client of its own: the default store's client is used by the main thread to create
 groups, which can block for minutes. Per step the recipes only call `phase()` and `set_step()`, which set two
@@ -66,7 +68,8 @@ from hpc_rlhf.dist.failures import (_alive_a_moment_later, _pid_namespace, defau
                                      exit_with_message, is_consequence, process_alive, watched_ranks)
 from hpc_rlhf.dist.liveness import (FAILED, RUNNING, STOPPED, TERMINATED, failure_record, format_failure,
                                     key_prefix, publish)
-from hpc_rlhf.dist.progress import Progress, current_phase, current_step, phase, set_step  # noqa: F401  (the API)
+from hpc_rlhf.dist.progress import (WAITING_ON, Progress, current_phase, current_step, phase,  # noqa: F401 (API)
+                                    set_step, waiting_on)
 from hpc_rlhf.utils import console, faults
 
 log = logging.getLogger("hpc_rlhf")
@@ -271,6 +274,17 @@ class Watchdog:
             return
         effects = [r for r in self.records if r["by"] != self.rank]
         if not effects or self._failing == "secondary":
+            return
+        timed_out = [r for r in effects if "timed out" in r["detail"].lower() or "timeout" in r["detail"].lower()]
+        if timed_out and WAITING_ON in self.progress.name:
+            # Others' collectives timed out while this rank waits on an endpoint: it held them up, so it is the
+            # cause to report, with what it waits on. (A lost connection is a dead rank's doing: not claimed.)
+            record = failure_record(self.rank, self.role(), self.progress.name, self.progress.step,
+                                    "held up the others", f"rank {timed_out[0]['rank']} gave up waiting for it "
+                                    f"({timed_out[0]['detail']})", primary=True, by=self.rank)
+            self._publish(record)
+            self.records.append(record)
+            self._fatal(format_failure(record, self.rank))
             return
         # Only effects so far: give the cause a few beats to show up before blaming an effect.
         self._effect_seen_at = self._effect_seen_at or now

@@ -36,19 +36,12 @@ class EpisodePlayer:
         lockstep = getattr(rollout, "sync_group", None) is not None  # ZeRO-3 hybrid: generate calls are collectives
         played = run_episodes([p["row"] for p in prompts], [p["input_ids"] for p in prompts], rollout.generate,
                               sampling, env=self.env, tokenizer=self.tokenizer, settings=self.settings,
-                              chat=self.chat, lockstep=lockstep, waiting=waiting_phase)
+                              chat=self.chat, lockstep=lockstep, waiting=watchdog.waiting_on)
         return as_generated(played)
 
     @staticmethod
     def nothing() -> Generated:
         return Generated([], [], [], torch.zeros(0, len(EPISODE_FIELDS)))
-
-
-def waiting_phase(what: str):
-    """The watchdog phase while this rank waits on an endpoint (an environment, a remote reward): the phase it is in,
-    with what it waits on. A rank that waits long keeps its peers waiting in a collective; if the job dies
-    meanwhile, the heartbeat and the failure line name the endpoint."""
-    return watchdog.phase(f"{watchdog.current_phase()} (waiting on {what})")
 
 
 def as_generated(played: EpisodeBatch) -> Generated:

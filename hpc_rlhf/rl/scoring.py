@@ -70,7 +70,7 @@ def rule_scores(routes: Routes, cfg, rule_functions, tokenizer, prompts: list[st
             headers = headers_from_env(cfg.reward.http_headers_from_env, "reward.http_headers_from_env")
         except ValueError as exc:
             raise reward_fns.RewardFunctionError(str(exc)) from None
-        with episodes.waiting_phase(what):  # named as the cause if the job dies meanwhile
+        with watchdog.waiting_on(what):  # named as the cause if the others time out meanwhile
             remote = reward_fns.remote_rewards(cfg.reward.http_url, prompts, texts, answers,
                                                timeout_s=cfg.reward.http_timeout_s,
                                                max_reply_mb=cfg.reward.http_max_reply_mb, headers=headers)

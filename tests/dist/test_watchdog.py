@@ -385,6 +385,35 @@ def test_an_effect_is_blamed_when_no_cause_shows_up(server):
                                      "Connection reset by peer")
 
 
+def test_a_rank_waiting_on_an_endpoint_is_named_when_the_others_time_out(server):
+    """The others' collectives time out (an effect) while a rank waits on an environment server: that rank and the
+    server are the cause every rank reports, not the collective."""
+    progress.reset()
+    with watchdog.phase("rollout"), watchdog.waiting_on("environment http://env:8000/?..."):
+        waiting = watchdog.current_phase()
+    assert waiting == "rollout (waiting on environment http://env:8000/?...)"
+    progress.reset()
+    world = Ranks(server, 3, ["actor", "ref", "rollout"])
+    world.dogs[2].progress.name = waiting
+    world.beat(0, 1, 2)
+    world.dogs[1].report_failure(RuntimeError("[gloo] Timed out waiting 300000ms for recv operation"))
+    world.beat(2)  # rank 2 reads the effect while it waits: it held the others up
+    world.beat(0)
+    cause = ("hpc_rlhf: rank 2 (role rollout) held up the others during rollout (waiting on environment "
+             "http://env:8000/?...): rank 1 gave up waiting for it (RuntimeError: [gloo] Timed out waiting 300000ms "
+             "for recv operation)")
+    assert world.fatal[2].startswith(cause) and world.fatal[0].startswith(cause)
+
+
+def test_a_rank_waiting_on_an_endpoint_does_not_claim_a_lost_connection(server):
+    world = Ranks(server, 3, ["actor", "ref", "rollout"])
+    world.dogs[2].progress.name = "rollout (waiting on environment http://env:8000)"
+    world.beat(0, 1, 2)
+    world.dogs[1].report_failure(RuntimeError("Connection reset by peer"))  # a dead rank's doing, not a wait
+    world.beat(2)
+    assert 2 not in world.fatal or "held up" not in world.fatal[2]
+
+
 def _store_host_process():
     """A process that hosts the store, standing in for rank 0."""
     code = ("import sys, time; from datetime import timedelta; from torch.distributed import TCPStore; "
