@@ -121,6 +121,11 @@ class RoleMpu:
     def get_model_parallel_src_rank(self) -> int:
         return dist.get_rank()
 
+    def get_tensor_model_parallel_world_size(self) -> int:
+        # Read by the universal-checkpoint load (base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir,
+        # which has no fallback) when a checkpoint is resharded onto another number of ranks (engines.reshard).
+        return 1
+
 
 # ------------------------------------------------------------------------------------------------- redirection
 def _redirect_groupless(original: Callable, position: int, group) -> Callable:

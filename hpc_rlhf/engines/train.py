@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config import ConfigError, TrainSection
-from hpc_rlhf.engines import deepspeed_compat
+from hpc_rlhf.engines import deepspeed_compat, reshard
 from hpc_rlhf.engines.schedule import warmup_cosine_scheduler
 from hpc_rlhf.models.lora import adapter_tensors, merged_tensors
 from hpc_rlhf.models.saving import save_pretrained_on_this_rank
@@ -378,25 +378,35 @@ class TrainEngine:
                                         save_latest=False)
             dist.barrier(group=self.group)
         if self.is_leader:
+            # role_size, zero_stage and dtype tell load_checkpoint whether and how to reshard (engines.reshard)
             marker = {"tag": CHECKPOINT_TAG, "global_step": self.global_step, "role_size": self.role_size,
-                      "zero_stage": self.zero_stage}
+                      "zero_stage": self.zero_stage, "dtype": str(self.dtype).removeprefix("torch.")}
             tmp = directory / (COMPLETE_MARKER + ".tmp")
             tmp.write_text(json.dumps(marker))
             tmp.replace(directory / COMPLETE_MARKER)
         dist.barrier(group=self.group)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> dict:
-        """Restore what `save_checkpoint` wrote; returns the client state. Every rank of the role calls it."""
+        """Restore what `save_checkpoint` wrote; returns the client state. Every rank of the role calls it.
+
+        A checkpoint written by a role of another size (its marker's role_size) is resharded onto this one, with
+        the optimizer state (fp32 master weights, Adam's moments) and the schedule and step counters kept: under
+        ZeRO 1-3 (and ZeRO-0 in bf16/fp16) through DeepSpeed's universal checkpoint, converted once by the role
+        leader into `<directory>/engine_universal_from_<N>` (engines.reshard); ZeRO-0 in fp32 loads as it is.
+        What cannot be resharded (another ZeRO stage or dtype, frozen parameters) raises ValueError naming both
+        sizes and why. On the same number of ranks nothing of this runs: the load is DeepSpeed's own, bit for bit.
+        """
         directory = Path(directory)
         marker_path = directory / COMPLETE_MARKER
         if not marker_path.is_file():
             raise FileNotFoundError(f"{directory} is not a complete engine checkpoint: {COMPLETE_MARKER} is missing")
         marker = json.loads(marker_path.read_text())
-        if marker["zero_stage"] != self.zero_stage or marker["role_size"] != self.role_size:
-            # deepspeed can only reshape ZeRO checkpoints offline (zero_to_fp32 / universal checkpoints)
-            raise ValueError(f"{directory}: saved with train.zero_stage={marker['zero_stage']} on "
-                             f"{marker['role_size']} ranks; this engine has zero_stage={self.zero_stage} on "
-                             f"{self.role_size} ranks")
+        frozen = [name for name, p in self.module.named_parameters() if not p.requires_grad]
+        refusal = reshard.reshard_refusal(marker, self.role_size, self.zero_stage, self.dtype, frozen)
+        if refusal is not None:
+            raise ValueError(f"{directory}: {refusal}")
+        if marker["role_size"] != self.role_size and reshard.needs_conversion(self.zero_stage, self.dtype):
+            return self._load_universal(directory, marker)
         with self._in_group():
             path, client_state = self.engine.load_checkpoint(str(directory), tag=marker["tag"],
                                                              load_optimizer_states=True,
@@ -404,6 +414,55 @@ class TrainEngine:
         if path is None:
             raise FileNotFoundError(f"deepspeed found no checkpoint under {directory / marker['tag']}")
         return client_state or {}
+
+    def _load_universal(self, directory: Path, marker: dict) -> dict:
+        """The checkpoint in `directory` (saved on another number of ranks) through a universal copy of it: the
+        role leader converts it (once: an existing copy is reused) while the others wait for its outcome."""
+        saved = marker["role_size"]
+        universal = reshard.universal_folder(directory, saved)
+        failure = None
+        if self.is_leader:
+            try:
+                reshard.convert_to_universal(directory / marker["tag"], universal)
+            except Exception as error:  # every rank must hear of it, not wait for a folder that will not come
+                failure = error
+        outcome = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+        dist.broadcast(outcome, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if failure is not None:
+            raise RuntimeError(f"{directory}: resharding from {saved} to {self.role_size} ranks failed") from failure
+        if int(outcome.item()) != 0:
+            raise RuntimeError(f"{directory}: resharding from {saved} to {self.role_size} ranks failed on the role "
+                               f"leader (rank {dist.get_global_rank(self.group, 0)}); its error says why")
+        # Two slips of DeepSpeed 0.19.8's ZeRO-3 universal load (stage3.py,
+        # load_hp_checkpoint_state_from_checkpoint_dir_stage3) are mended after it. It copies the FIRST parameter
+        # group's settings onto every group, which would give our undecayed group (biases, norm gains) the
+        # matrices' weight decay: what differs between groups is put back.
+        per_group = self._per_group_settings()
+        config = self.engine._config
+        config.load_universal_checkpoint = True  # read by DeepSpeed's load_checkpoint only; off again below
+        try:
+            with self._in_group():
+                path, client_state = self.engine.load_checkpoint(str(universal), tag=marker["tag"],
+                                                                 load_optimizer_states=True,
+                                                                 load_lr_scheduler_states=True)
+        finally:
+            config.load_universal_checkpoint = False
+        if path is None:
+            raise FileNotFoundError(f"deepspeed found no universal checkpoint under {universal / marker['tag']}")
+        for group, settings in zip(self._optimizer.param_groups, per_group):
+            group.update(settings)
+        # The same load gives every ZeRO-3 sub-group ONE shared `step` tensor, which torch's AdamW increments in
+        # place once per sub-group and step: the bias correction would run ahead (7 sub-groups: step 3 -> 10).
+        for state in self._optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return client_state or {}
+
+    def _per_group_settings(self) -> list[dict[str, Any]]:
+        """The settings in which our parameter groups differ (weight decay: matrices only; see _optimizer)."""
+        groups = self._optimizer.param_groups
+        keys = [key for key in groups[0] if key != "params" and any(g.get(key) != groups[0][key] for g in groups)]
+        return [{key: group[key] for key in keys} for group in groups]
 
     def save_hf(self, directory: str | os.PathLike, tokenizer=None) -> None:
         """The role leader writes a Hugging Face folder (safetensors, config, tokenizer) that

@@ -1,0 +1,122 @@
+"""Loading a training-engine checkpoint on another number of ranks (issue 36): DeepSpeed's universal checkpoint.
+
+A ZeRO checkpoint is per rank: under stages 1-3 each rank's file holds its partition of the fp32 master weights and
+of Adam's moments, so a role of M ranks cannot read what a role of N ranks wrote. DeepSpeed's own answer is the
+universal checkpoint: `deepspeed.checkpoint.ds_to_universal` rewrites the tag folder as one folder per parameter
+(`zero/<name>/fp32.pt, exp_avg.pt, exp_avg_sq.pt`, plus the step) and the model-state files, and an engine built
+with `checkpoint.load_universal` loads any slice of it. `TrainEngine.load_checkpoint` does this by itself when
+the checkpoint's marker names another role size:
+
+    <engine folder>/engine/                      what save_checkpoint wrote (N ranks), untouched
+    <engine folder>/ENGINE_COMPLETE.json         {"role_size": N, "zero_stage": ..., "dtype": ..., ...}
+    <engine folder>/engine_universal_from_N/     made once by the role leader on the first load on M != N ranks:
+        engine/...                               the universal checkpoint (same tag)
+        latest_universal                         written by ds_to_universal; we pass the tag instead
+
+The conversion writes into a hidden temporary folder next to it and renames it into place when it has finished,
+so a job killed while converting leaves only a temporary folder, which the next conversion deletes; the final
+folder exists only complete. It runs in a child process (`python -m deepspeed.checkpoint.ds_to_universal`): a
+fresh interpreter that holds no process group and whose memory (one rank's optimizer shard at a time with one
+worker) is returned when it exits.
+
+Stage 0 in fp32 needs no conversion: DeepSpeed saves the whole model and torch's AdamW state (replicated, not
+partitioned) in one file that any number of ranks loads as it is.
+
+What cannot be resharded this way is refused before anything is read (`reshard_refusal`): engines with frozen
+parameters (a LoRA actor's base), whose weights the universal load would not restore (it restores parameters from
+the optimizer's fp32 copies, and frozen ones have none), and checkpoints that do not say how they were saved.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+UNIVERSAL_PREFIX = "engine_universal_from_"
+_TMP_INFIX = ".tmp-"
+
+
+def universal_folder(directory: str | os.PathLike, saved_role_size: int) -> Path:
+    """Where the universal copy of the checkpoint in `directory` (saved on `saved_role_size` ranks) lives."""
+    return Path(directory) / f"{UNIVERSAL_PREFIX}{saved_role_size}"
+
+
+def needs_conversion(zero_stage: int, dtype: torch.dtype) -> bool:
+    """Whether a checkpoint of this stage and dtype must become universal to load on another rank count.
+
+    ZeRO-0 in fp32: DeepSpeed keeps torch's optimizer whole on every rank and saves it with the model, so no.
+    ZeRO-0 in bf16 runs DeepSpeed's BF16_Optimizer, which partitions the fp32 master weights over the ranks like
+    ZeRO-1 does: yes, as for stages 1-3."""
+    return zero_stage > 0 or dtype != torch.float32
+
+
+def reshard_refusal(marker: dict, role_size: int, zero_stage: int, dtype: torch.dtype,
+                    frozen_parameters: list[str]) -> str | None:
+    """Why a checkpoint with this marker cannot be loaded by an engine on `role_size` ranks (None: it can)."""
+    saved = marker.get("role_size")
+    head = f"saved on {saved} ranks, loading on {role_size}"
+    if marker.get("zero_stage") != zero_stage:
+        return (f"saved with train.zero_stage={marker.get('zero_stage')} on {saved} ranks; this engine has "
+                f"zero_stage={zero_stage} on {role_size} ranks (the stage must be the same)")
+    if saved == role_size:
+        return None
+    saved_dtype = marker.get("dtype")
+    if saved_dtype is not None and saved_dtype != str(dtype).removeprefix("torch."):
+        return f"{head}: saved in {saved_dtype}, this engine trains in {dtype} (resharding keeps the dtype)"
+    if frozen_parameters and needs_conversion(zero_stage, dtype):
+        return (f"{head}: this engine has {len(frozen_parameters)} frozen parameters (e.g. "
+                f"{frozen_parameters[0]}; a LoRA base), which DeepSpeed's universal checkpoint does not restore "
+                f"(it loads parameters from the optimizer's fp32 copies); resume on {saved} ranks")
+    return None
+
+
+def convert_to_universal(tag_folder: str | os.PathLike, output: str | os.PathLike, workers: int = 1,
+                         timeout_s: float | None = None) -> Path:
+    """Convert DeepSpeed's checkpoint in `tag_folder` into a universal checkpoint at `output/<tag>`, atomically:
+    written under a temporary sibling and renamed to `output` at the end. An existing `output` is trusted as it
+    is (it only ever appears complete). Leftover temporary folders of killed conversions are deleted first.
+    Returns `output`. Raises RuntimeError with the converter's output when it fails."""
+    tag_folder, output = Path(tag_folder), Path(output)
+    if output.is_dir():
+        return output
+    for stale in output.parent.glob(f".{output.name}{_TMP_INFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    temporary = output.parent / f".{output.name}{_TMP_INFIX}{os.getpid()}"
+    temporary.mkdir(parents=True)
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_folder),
+               "--output_folder", str(temporary / tag_folder.name), "--num_extract_workers", str(workers),
+               "--num_merge_workers", str(workers), "--inject_missing_state"]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"converting {tag_folder} into a universal checkpoint failed (exit "
+                               f"{proc.returncode}): {' '.join(command)}\n--- stdout\n{proc.stdout[-3000:]}\n"
+                               f"--- stderr\n{proc.stderr[-6000:]}")
+        _fsync_tree(temporary)
+        temporary.rename(output)
+    finally:
+        if temporary.exists():
+            shutil.rmtree(temporary, ignore_errors=True)
+    _fsync_dir(output.parent)
+    return output
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
