@@ -24,8 +24,14 @@ REF_MODES = ("auto", "adapter_disabled", "model")
 # The group estimators, under which a prompt whose samples all got the same reward has advantage 0: what dynamic
 # sampling filters for (algorithms/dynamic_sampling.py).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-# PPO's clip range, the default of the ppo and cispo policy losses (GSPO's is far narrower: algorithms/losses.py).
+# PPO's clip range, the default of the ppo policy loss (GSPO's is far narrower: algorithms/losses.py) and CISPO's
+# upper bound: MiniMax-M1 bounds CISPO's importance weight from above only (a lower clip_eps of 1 leaves r > 0).
 PPO_CLIP_EPS = 0.2
+CISPO_CLIP_EPS_LOW = 1.0
+# Each policy loss's paper weighs answers its own way when rl.loss_agg is unset: GSPO's objective is a mean over
+# answers (every answer weighs the same, whatever its length); PPO (as DAPO runs it) and CISPO a mean over tokens.
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+DEFAULT_LOSS_AGG = {"ppo": "token-mean", "gspo": "seq-mean-token-mean", "cispo": "token-mean"}
 
 
 @dataclass
@@ -88,10 +94,12 @@ class RLSection:
     policy_loss: str = field("ppo", choices=POLICY_LOSSES,
                              help="ppo: clipped token ratio; gspo: clipped sequence ratio (geometric mean of token "
                                   "ratios); cispo: clipped, detached importance weight on every token's log-prob")
-    clip_eps: float | None = field(None, min=0, help=f"ratio clip, > 0 (None = {PPO_CLIP_EPS} for ppo and cispo, "
-                                                      f"{GSPO_CLIP_EPS} for gspo)")
+    clip_eps: float | None = field(None, min=0, help=f"ratio clip, > 0 (None = {PPO_CLIP_EPS} for ppo, "
+                                                      f"{GSPO_CLIP_EPS} for gspo, {CISPO_CLIP_EPS_LOW:g} for cispo: "
+                                                      "no lower bound, as MiniMax-M1)")
     clip_eps_high: float | None = field(None, min=0, help=f"asymmetric upper clip (DAPO's clip-higher), > 0 (None = "
-                                                           f"clip_eps; {GSPO_CLIP_EPS_HIGH} for gspo)")
+                                                           f"clip_eps; {GSPO_CLIP_EPS_HIGH} for gspo; {PPO_CLIP_EPS} "
+                                                           "for cispo when clip_eps is unset too)")
     dual_clip: float | None = field(None, min=1, help="dual-clip constant c > 1 (None = off; ppo only)")
     value_clip_eps: float | None = field(0.2, min=0, help="critic value clip, > 0 (None = unclipped value loss)")
     is_correction: str = field("auto", choices=("auto",) + IS_CORRECTIONS,
@@ -112,7 +120,9 @@ class RLSection:
                                               "K >= 1 needs a disjoint placement)")
     ppo_epochs: int = field(1, min=1, help="passes over each step's experience")
     entropy_coef: float = field(0.0, min=0)
-    loss_agg: str = field("token-mean", choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+    loss_agg: str = field("auto", choices=["auto", *LOSS_AGGREGATIONS],
+                          help="how token losses add up to the step's loss (auto = the policy loss's paper: "
+                               "seq-mean-token-mean for gspo, token-mean for ppo and cispo)")
     whiten_advantages: bool = field(True, help="GAE/REINFORCE: whiten advantages over the batch")
     normalize_rewards: bool = field(False, help="normalise scores over the batch before advantages")
     dynamic_sampling: bool = field(False, help="DAPO: drop prompts whose samples all got the same reward and fill "
@@ -234,7 +244,7 @@ class Config:
                 raise ConfigError(f"rl.policy_loss=gspo weighs whole responses by their sequence ratio, but "
                                   f"rl.is_correction={rl.is_correction} corrects token by token: use tis_seq or "
                                   "mis_seq (or auto)")
-            if rl.loss_agg not in GSPO_LOSS_AGGREGATIONS:
+            if loss_aggregation(rl) not in GSPO_LOSS_AGGREGATIONS:
                 raise ConfigError(f"rl.policy_loss=gspo takes rl.loss_agg {' or '.join(GSPO_LOSS_AGGREGATIONS)}, not "
                                   f"{rl.loss_agg} (its loss is already length-normalised per response)")
         if rl.dual_clip is not None and rl.policy_loss != "ppo":
@@ -309,7 +319,14 @@ def clip_range(rl: RLSection) -> tuple[float, float | None]:
         return rl.clip_eps, rl.clip_eps_high  # clip_eps_high None: symmetric
     if rl.policy_loss == "gspo":
         return GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH if rl.clip_eps_high is None else rl.clip_eps_high
+    if rl.policy_loss == "cispo":
+        return CISPO_CLIP_EPS_LOW, PPO_CLIP_EPS if rl.clip_eps_high is None else rl.clip_eps_high
     return PPO_CLIP_EPS, rl.clip_eps_high
+
+
+def loss_aggregation(rl: RLSection) -> str:
+    """rl.loss_agg, or the policy loss's own default for auto (DEFAULT_LOSS_AGG)."""
+    return DEFAULT_LOSS_AGG[rl.policy_loss] if rl.loss_agg == "auto" else rl.loss_agg
 
 def response_limit(cfg: Config, evaluation: bool = False) -> tuple[str, int]:
     """The most tokens a response of this job holds after its prompt, and the key that sets it: an episode's limit

@@ -21,7 +21,7 @@ from hpc_rlhf.config import TrainSection
 from hpc_rlhf.dist import exchange, groups
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.value_model import token_values
-from hpc_rlhf.rl.config import Config, clip_range
+from hpc_rlhf.rl.config import Config, clip_range, loss_aggregation
 from hpc_rlhf.rl.batches import Experience, response_logprobs, shard_bounds
 from hpc_rlhf.utils import faults
 
@@ -53,7 +53,7 @@ def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, dev
         logits = actor(input_ids=micro.batch.input_ids, attention_mask=micro.batch.attention_mask,
                        use_cache=False).logits.float()
         logps = response_logprobs(logits, micro.batch, temperature)
-        common = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, loss_agg=rl.loss_agg,
+        common = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, loss_agg=loss_aggregation(rl),
                       normalizer=policy_normalizer, token_weights=micro.is_weights)
         if rl.policy_loss == "gspo":
             policy, clip_fraction, approx_kl = gspo_loss(logps, micro.old_logps, micro.advantages, mask, **common)
@@ -73,8 +73,8 @@ def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, dev
             figures["kl_loss"] = kl.detach()
         return loss, figures
 
-    return train_role("actor", actor, cfg.train, rl.ppo_epochs, rl.loss_agg, step, exp, exp.loss_mask, loss_of,
-                      ACTOR_SHUFFLE, device)
+    return train_role("actor", actor, cfg.train, rl.ppo_epochs, loss_aggregation(rl), step, exp, exp.loss_mask,
+                      loss_of, ACTOR_SHUFFLE, device)
 
 
 def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, device) -> dict[str, float]:
@@ -88,7 +88,7 @@ def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, d
                                          normalizer=tokens)
         return loss, {"value_loss": loss.detach(), "value_clip_fraction": clip_fraction * share}
 
-    return train_role("critic", critic, cfg.critic_train, cfg.rl.ppo_epochs, cfg.rl.loss_agg, step, exp,
+    return train_role("critic", critic, cfg.critic_train, cfg.rl.ppo_epochs, loss_aggregation(cfg.rl), step, exp,
                       exp.batch.action_mask, loss_of, CRITIC_SHUFFLE, device)
 
 

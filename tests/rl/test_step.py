@@ -67,6 +67,24 @@ def test_auto_correction_is_todays_token_tis_and_its_sequence_form_for_gspo():
     assert clip_range(rl("rl.clip_eps_high=0.28")) == (0.2, 0.28)
 
 
+def test_each_policy_loss_defaults_to_its_papers_clip_and_aggregation():
+    """GSPO averages over answers; CISPO's weight is bounded from above only (MiniMax-M1); set keys stay as set."""
+    from hpc_rlhf.rl.config import clip_range, loss_aggregation
+
+    def rl(*overrides):
+        return load_config(grpo.Config, None, list(overrides)).rl
+
+    assert [loss_aggregation(rl(f"rl.policy_loss={loss}")) for loss in ("ppo", "gspo", "cispo")] == [
+        "token-mean", "seq-mean-token-mean", "token-mean"]
+    assert loss_aggregation(rl("rl.policy_loss=gspo", "rl.loss_agg=token-mean")) == "token-mean"
+    assert loss_aggregation(rl("rl.loss_agg=seq-mean-token-sum")) == "seq-mean-token-sum"
+    assert clip_range(rl("rl.policy_loss=cispo")) == (1.0, 0.2)
+    assert clip_range(rl("rl.policy_loss=cispo", "rl.clip_eps_high=0.28")) == (1.0, 0.28)
+    assert clip_range(rl("rl.policy_loss=cispo", "rl.clip_eps=0.2")) == (0.2, None)  # as before: symmetric
+    with pytest.raises(ConfigError, match="rl.policy_loss=gspo takes rl.loss_agg"):
+        load_config(grpo.Config, None, ["rl.policy_loss=gspo", "rl.loss_agg=seq-mean-token-sum"])
+
+
 # Each RLVR option on a one-rank GRPO run (the actor generating: rollout@actor), three runs covering them all.
 RLVR_RUNS = {
     "dapo_gspo": ["rl.policy_loss=gspo", "rl.loss_agg=seq-mean-token-mean", "rl.dynamic_sampling=true",
