@@ -140,17 +140,24 @@ def resume_if_possible(run: Run, engines: dict) -> dict[str, Any]:
         return {}
     step, path = found
     state = json.loads((path / TRAINER_STATE).read_text())
-    if state.get("world_size") != run.world_size:
-        raise CheckpointError(f"checkpoint.resume=true: {path} was written by a job of {state.get('world_size')} "
-                              f"ranks; this job has {run.world_size} (the engines' ZeRO partitions are per rank). "
-                              f"Run on {state.get('world_size')} ranks, or start over with a new output_dir or "
-                              f"checkpoint.resume=false.")
+    written_by = state.get("world_size")
     for name, engine in engines.items():
-        engine.load_checkpoint(path / name)
+        try:
+            # On another number of ranks each engine reshards its own state (engines/train.py, engines/reshard.py)
+            engine.load_checkpoint(path / name)
+        except ValueError as exc:  # what the engine cannot reshard: one line, exit 2, nothing written
+            raise CheckpointError(f"checkpoint.resume=true: {path} was written by a job of {written_by} ranks; this "
+                                  f"job has {run.world_size}, and the {name} cannot follow: {exc}. Run on "
+                                  f"{written_by} ranks, or start over with a new output_dir or "
+                                  "checkpoint.resume=false.") from None
     restore_rng(run, path, step)
     run.start_step = step
     run.extra["resumed_from"] = path
-    log.info("resumed from %s (step %d)", path, step)
+    if written_by == run.world_size:
+        log.info("resumed from %s (step %d)", path, step)
+    else:  # the data order depends on the step and train.batch_size only (data/order.py): it carries over exactly
+        log.info("resumed from %s (step %d): resumed step %d written by %s ranks on %d", path, step, step, written_by,
+                 run.world_size)
     return state
 
 

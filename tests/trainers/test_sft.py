@@ -1,19 +1,16 @@
 """The SFT recipe on the built-in addition task: it learns, packing changes nothing, resume is exact, final/ loads.
 
-In-process tests share a one-rank gloo world; the two-rank ZeRO-2 run goes through torchrun (worker code at the
-bottom of this file).
+In-process tests share a one-rank gloo world; the two-rank ZeRO-3 run and its resumes on one and three ranks go
+through the command line (the local launcher).
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from hpc_rlhf.config import load_config
 from hpc_rlhf.data import order
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.recipes import QUIET, Curve, learning, record_figures, sft_config
@@ -123,25 +120,36 @@ def test_resume_from_a_checkpoint_repeats_the_uninterrupted_run(world, tmp_path)
     assert final_eval and final_eval == {k: v for k, v in read_metrics(resumed)[-1].items() if k.startswith("eval_")}
 
 
-def test_two_ranks_zero2(tmp_path):
-    from tests.distributed import run_ranks
+def test_a_two_rank_zero3_run_resumes_on_one_rank_and_on_three(tmp_path):
+    """Two ranks with ZeRO-3 write a checkpoint at step 2; the same output folder resumed on 1 and on 3 ranks
+    (issue 36) continues with the optimizer state resharded: steps 3-4 as the uninterrupted run's, up to the sums'
+    order (micro-batches and accumulation are re-derived for the new size), the same global batches (the data
+    order depends on the step and train.batch_size only), the metrics continuing from step 3."""
+    from tests.distributed import hpc_rlhf_cli
 
-    run_ranks(2, __file__, "zero2", str(tmp_path / "sft2"), timeout=240)
-    rows = read_metrics(tmp_path / "sft2")
+    common = ["sft", *QUIET, "train.zero_stage=3", "train.max_steps=4", "train.batch_size=12",
+              "train.micro_batch_size=2", "train.lr=3e-3", "train.warmup_steps=0", "log.every_steps=1",
+              "log.eval_every_steps=4", "checkpoint.every_steps=2", "checkpoint.keep=2", "data.max_train_rows=256",
+              "data.max_eval_rows=32", "eval.max_rows=16", "model.dtype=float32"]
+    whole = tmp_path / "whole"
+    hpc_rlhf_cli(*common, f"output_dir={whole}", "dist.nproc=2", timeout=300)
+    rows = read_metrics(whole)
     assert rows[-1]["step"] == 4 and rows[-1]["eval_loss"] < rows[0]["eval_loss"]
-    assert (tmp_path / "sft2" / "final" / "model.safetensors").is_file()
+    assert (whole / "final" / "model.safetensors").is_file()
 
-
-if __name__ == "__main__":
-    from hpc_rlhf.dist.bootstrap import init_distributed
-    from hpc_rlhf.trainers import sft
-
-    case, out = sys.argv[1], sys.argv[2]
-    assert case == "zero2"
-    init_distributed("gloo", 120, expected_world_size=2)
-    sft.run(load_config(sft.Config, None, [
-        f"output_dir={out}", *QUIET, "train.zero_stage=2", "train.max_steps=4", "train.batch_size=16",
-        "train.micro_batch_size=4", "train.lr=3e-3", "log.every_steps=2", "log.eval_every_steps=4",
-        "data.max_train_rows=256", "data.max_eval_rows=32", "eval.max_rows=16"]))
-    dist.barrier()
-    dist.destroy_process_group()
+    expected = {r["step"]: r for r in rows if r["step"] > 2}
+    for ranks in (1, 3):
+        resumed = tmp_path / f"on{ranks}"
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(whole / "checkpoints" / "step_000000002", resumed / "checkpoints" / "step_000000002")
+        proc = hpc_rlhf_cli(*common, f"output_dir={resumed}", f"dist.nproc={ranks}", timeout=300)
+        assert f"resumed step 2 written by 2 ranks on {ranks}" in proc.stdout + proc.stderr
+        got = {r["step"]: r for r in read_metrics(resumed)}
+        assert sorted(got) == [3, 4]
+        for step, want in expected.items():
+            assert got[step]["lr"] == want["lr"]
+            # Step 3's figures come before any update of the resumed run; step 4's after one. With Adam's moments
+            # reset on resume (tried, 2026-11-27), step 4's loss was 3.311 against 3.252 (1.8% apart) and its
+            # grad_norm 3.64 against 3.29; resharded, both within 1e-7 of the uninterrupted run's.
+            assert got[step]["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-5), (ranks, step)
+            assert got[step]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3), (ranks, step)
