@@ -19,8 +19,9 @@ folder exists only complete. It runs in a child process (`python -m deepspeed.ch
 fresh interpreter that holds no process group and whose memory (one rank's optimizer shard at a time with one
 worker) is returned when it exits.
 
-Stage 0 in fp32 needs no conversion: DeepSpeed saves the whole model and torch's AdamW state (replicated, not
-partitioned) in one file that any number of ranks loads as it is.
+Stage 0 needs no conversion: DeepSpeed saves the whole model and the optimizer (replicated, not partitioned: torch's
+AdamW in fp32, its FP16_Optimizer wrapper with fp32 master weights in bf16/fp16) in one file that any number of
+ranks loads as it is.
 
 What cannot be resharded this way is refused before anything is read (`reshard_refusal`): engines with frozen
 parameters (a LoRA actor's base), whose weights the universal load would not restore (it restores parameters from
@@ -46,13 +47,14 @@ def universal_folder(directory: str | os.PathLike, saved_role_size: int) -> Path
     return Path(directory) / f"{UNIVERSAL_PREFIX}{saved_role_size}"
 
 
-def needs_conversion(zero_stage: int, dtype: torch.dtype) -> bool:
-    """Whether a checkpoint of this stage and dtype must become universal to load on another rank count.
+def needs_conversion(zero_stage: int) -> bool:
+    """Whether a checkpoint of this ZeRO stage must become universal to load on another number of ranks.
 
-    ZeRO-0 in fp32: DeepSpeed keeps torch's optimizer whole on every rank and saves it with the model, so no.
-    ZeRO-0 in bf16 runs DeepSpeed's BF16_Optimizer, which partitions the fp32 master weights over the ranks like
-    ZeRO-1 does: yes, as for stages 1-3."""
-    return zero_stage > 0 or dtype != torch.float32
+    ZeRO-0 keeps the optimizer whole on every rank and DeepSpeed saves it with the model in one file: in fp32
+    torch's AdamW as it is, in bf16/fp16 DeepSpeed's FP16_Optimizer wrapper (fp32 master weights and AdamW,
+    replicated, not partitioned), so any number of ranks loads it as it is. ZeRO 1-3 partition the master weights
+    and moments per rank: yes."""
+    return zero_stage > 0
 
 
 def reshard_refusal(marker: dict, role_size: int, zero_stage: int, dtype: torch.dtype,
@@ -68,7 +70,7 @@ def reshard_refusal(marker: dict, role_size: int, zero_stage: int, dtype: torch.
     saved_dtype = marker.get("dtype")
     if saved_dtype is not None and saved_dtype != str(dtype).removeprefix("torch."):
         return f"{head}: saved in {saved_dtype}, this engine trains in {dtype} (resharding keeps the dtype)"
-    if frozen_parameters and needs_conversion(zero_stage, dtype):
+    if frozen_parameters and needs_conversion(zero_stage):
         return (f"{head}: this engine has {len(frozen_parameters)} frozen parameters (e.g. "
                 f"{frozen_parameters[0]}; a LoRA base), which DeepSpeed's universal checkpoint does not restore "
                 f"(it loads parameters from the optimizer's fp32 copies); resume on {saved} ranks")

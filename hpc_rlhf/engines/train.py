@@ -391,8 +391,8 @@ class TrainEngine:
 
         A checkpoint written by a role of another size (its marker's role_size) is resharded onto this one, with
         the optimizer state (fp32 master weights, Adam's moments) and the schedule and step counters kept: under
-        ZeRO 1-3 (and ZeRO-0 in bf16/fp16) through DeepSpeed's universal checkpoint, converted once by the role
-        leader into `<directory>/engine_universal_from_<N>` (engines.reshard); ZeRO-0 in fp32 loads as it is.
+        ZeRO 1-3 through DeepSpeed's universal checkpoint, converted once by the role leader into
+        `<directory>/engine_universal_from_<N>` (engines.reshard); ZeRO-0 (nothing partitioned) loads as it is.
         What cannot be resharded (another ZeRO stage or dtype, frozen parameters) raises ValueError naming both
         sizes and why. On the same number of ranks nothing of this runs: the load is DeepSpeed's own, bit for bit.
         """
@@ -405,7 +405,7 @@ class TrainEngine:
         refusal = reshard.reshard_refusal(marker, self.role_size, self.zero_stage, self.dtype, frozen)
         if refusal is not None:
             raise ValueError(f"{directory}: {refusal}")
-        if marker["role_size"] != self.role_size and reshard.needs_conversion(self.zero_stage, self.dtype):
+        if marker["role_size"] != self.role_size and reshard.needs_conversion(self.zero_stage):
             return self._load_universal(directory, marker)
         with self._in_group():
             path, client_state = self.engine.load_checkpoint(str(directory), tag=marker["tag"],
