@@ -13,6 +13,10 @@ the checkpoint's marker names another role size:
         engine/...                               the universal checkpoint (same tag)
         latest_universal                         written by ds_to_universal; we pass the tag instead
 
+The other ranks of the role wait for the folder (or for the leader's note that it failed) on the file system, not in
+a collective: a conversion reads and writes the whole optimizer state twice (~12 bytes per parameter each way:
+minutes for a 7B model), longer than the collectives' timeout (dist.timeout_s, 300 s by default).
+
 The conversion writes into a hidden temporary folder next to it and renames it into place when it has finished,
 so a job killed while converting leaves only a temporary folder, which the next conversion deletes; the final
 folder exists only complete. It runs in a child process (`python -m deepspeed.checkpoint.ds_to_universal`): a
@@ -34,12 +38,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 UNIVERSAL_PREFIX = "engine_universal_from_"
 _TMP_INFIX = ".tmp-"
+_FAILED_INFIX = ".failed-"
 
 
 def universal_folder(directory: str | os.PathLike, saved_role_size: int) -> Path:
@@ -106,6 +112,54 @@ def convert_to_universal(tag_folder: str | os.PathLike, output: str | os.PathLik
             shutil.rmtree(temporary, ignore_errors=True)
     _fsync_dir(output.parent)
     return output
+
+
+def failure_note(output: str | os.PathLike, attempt: int) -> Path:
+    """The file in which the role leader says that attempt `attempt` to make `output` failed, and why."""
+    output = Path(output)
+    return output.parent / f".{output.name}{_FAILED_INFIX}{attempt}"
+
+
+def convert_or_note_failure(tag_folder: str | os.PathLike, output: str | os.PathLike, attempt: int,
+                            workers: int = 1) -> Path:
+    """The role leader's side: `convert_to_universal`, and on failure a note for the waiting ranks (then raise)."""
+    output = Path(output)
+    for old in output.parent.glob(f".{output.name}{_FAILED_INFIX}*"):
+        if old != failure_note(output, attempt):
+            old.unlink(missing_ok=True)
+    try:
+        return convert_to_universal(tag_folder, output, workers=workers)
+    except BaseException as error:
+        note = failure_note(output, attempt)
+        note.write_text(f"{type(error).__name__}: {error}"[-4000:])
+        raise
+
+
+def wait_for_conversion(output: str | os.PathLike, attempt: int, timeout_s: float | None = None,
+                        poll_s: float = 0.5) -> Path:
+    """The other ranks' side: wait until `output` exists (the leader renamed it into place) or the leader's failure
+    note of this attempt does (RuntimeError with its text). `timeout_s` None: as long as it takes (a leader that
+    dies takes the job down with it: the launchers stop every rank when one fails)."""
+    output = Path(output)
+    note = failure_note(output, attempt)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if output.is_dir():
+            return output
+        if note.is_file():
+            raise RuntimeError(f"the role leader failed to convert the checkpoint into {output}: {note.read_text()}")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for the role leader to convert the checkpoint into {output}")
+        time.sleep(poll_s)
+        _refresh(output.parent)
+
+
+def _refresh(folder: Path) -> None:
+    # Listing the folder makes network file systems (NFS attribute caches) look again rather than answer from cache.
+    try:
+        os.listdir(folder)
+    except OSError:
+        pass
 
 
 def _fsync_tree(root: Path) -> None:

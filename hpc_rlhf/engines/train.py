@@ -386,7 +386,7 @@ class TrainEngine:
             tmp.replace(directory / COMPLETE_MARKER)
         dist.barrier(group=self.group)
 
-    def load_checkpoint(self, directory: str | os.PathLike) -> dict:
+    def load_checkpoint(self, directory: str | os.PathLike, reshard_workers: int = 1) -> dict:
         """Restore what `save_checkpoint` wrote; returns the client state. Every rank of the role calls it.
 
         A checkpoint written by a role of another size (its marker's role_size) is resharded onto this one, with
@@ -395,6 +395,7 @@ class TrainEngine:
         `<directory>/engine_universal_from_<N>` (engines.reshard); ZeRO-0 (nothing partitioned) loads as it is.
         What cannot be resharded (another ZeRO stage or dtype, frozen parameters) raises ValueError naming both
         sizes and why. On the same number of ranks nothing of this runs: the load is DeepSpeed's own, bit for bit.
+        `reshard_workers`: the converter's worker processes (each holds one rank's optimizer shard in memory).
         """
         directory = Path(directory)
         marker_path = directory / COMPLETE_MARKER
@@ -406,7 +407,7 @@ class TrainEngine:
         if refusal is not None:
             raise ValueError(f"{directory}: {refusal}")
         if marker["role_size"] != self.role_size and reshard.needs_conversion(self.zero_stage):
-            return self._load_universal(directory, marker)
+            return self._load_universal(directory, marker, reshard_workers)
         with self._in_group():
             path, client_state = self.engine.load_checkpoint(str(directory), tag=marker["tag"],
                                                              load_optimizer_states=True,
@@ -415,24 +416,24 @@ class TrainEngine:
             raise FileNotFoundError(f"deepspeed found no checkpoint under {directory / marker['tag']}")
         return client_state or {}
 
-    def _load_universal(self, directory: Path, marker: dict) -> dict:
+    def _load_universal(self, directory: Path, marker: dict, workers: int) -> dict:
         """The checkpoint in `directory` (saved on another number of ranks) through a universal copy of it: the
-        role leader converts it (once: an existing copy is reused) while the others wait for its outcome."""
+        role leader converts it (once: an existing copy is reused) while the others wait for the folder on the
+        file system (engines.reshard says why not in a collective)."""
         saved = marker["role_size"]
         universal = reshard.universal_folder(directory, saved)
-        failure = None
-        if self.is_leader:
-            try:
-                reshard.convert_to_universal(directory / marker["tag"], universal)
-            except Exception as error:  # every rank must hear of it, not wait for a folder that will not come
-                failure = error
-        outcome = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-        dist.broadcast(outcome, src=dist.get_global_rank(self.group, 0), group=self.group)
-        if failure is not None:
-            raise RuntimeError(f"{directory}: resharding from {saved} to {self.role_size} ranks failed") from failure
-        if int(outcome.item()) != 0:
-            raise RuntimeError(f"{directory}: resharding from {saved} to {self.role_size} ranks failed on the role "
-                               f"leader (rank {dist.get_global_rank(self.group, 0)}); its error says why")
+        # An attempt number from the leader names its failure note, so that no rank reads a note left by an
+        # earlier failed attempt as this one's outcome.
+        attempt = torch.tensor([int.from_bytes(os.urandom(6), "little") if self.is_leader else 0], dtype=torch.int64)
+        dist.broadcast(attempt, src=dist.get_global_rank(self.group, 0), group=self.group)
+        try:
+            if self.is_leader:
+                reshard.convert_or_note_failure(directory / marker["tag"], universal, int(attempt.item()), workers)
+            else:
+                reshard.wait_for_conversion(universal, int(attempt.item()))
+        except Exception as error:
+            raise RuntimeError(f"{directory}: resharding from {saved} to {self.role_size} ranks failed: "
+                               f"{error}") from error
         # Two slips of DeepSpeed 0.19.8's ZeRO-3 universal load (stage3.py,
         # load_hp_checkpoint_state_from_checkpoint_dir_stage3) are mended after it. It copies the FIRST parameter
         # group's settings onto every group, which would give our undecayed group (biases, norm gains) the
