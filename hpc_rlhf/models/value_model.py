@@ -158,14 +158,16 @@ def gather_last(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Ten
 
 # ----------------------------------------------------------------------------------------------- forward
 def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 position_ids: torch.Tensor | None = None, head: torch.nn.Module | None = None) -> torch.Tensor:
     """(B, T) float32 value of every token (the critic); 0 at padding.
 
     `model` may be a value model, its peft wrapper or its DeepSpeed engine; the full forward of the outermost
     wrapper runs (engines and adapters need that), and the head's per-token output is caught on its way out,
-    before any pooling a sequence-classification model would do.
+    before any pooling a sequence-classification model would do. `head`: the value head, where `model` is a
+    wrapper this function does not know (a TrainEngine, whose forward must run when the values are trained on:
+    under ZeRO-3 a forward of the bare module left DeepSpeed's gradient handling wrong).
     """
-    head = getattr(unwrap_model(model), value_head_name(model))
+    head = head if head is not None else getattr(unwrap_model(model), value_head_name(model))
     caught = []
     handle = head.register_forward_hook(lambda module, args, output: caught.append(output))
     try:

@@ -20,6 +20,7 @@ from hpc_rlhf.algorithms.losses import cispo_loss, gspo_loss, loss_normalizer, p
 from hpc_rlhf.config import TrainSection
 from hpc_rlhf.dist import exchange, groups
 from hpc_rlhf.engines.train import TrainEngine
+from hpc_rlhf.models.lora import unwrap_model, value_head_name
 from hpc_rlhf.models.value_model import token_values
 from hpc_rlhf.rl.config import Config, clip_range, loss_aggregation
 from hpc_rlhf.rl.batches import Experience, response_logprobs, shard_bounds
@@ -80,10 +81,13 @@ def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, dev
 def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, device) -> dict[str, float]:
     """One clipped value-loss update of the critic on the step's experience (its figures, the same on its ranks)."""
     clip = cfg.rl.value_clip_eps
+    head = getattr(unwrap_model(critic.module), value_head_name(critic.module))
 
     def loss_of(micro: Experience, tokens: float, policy_normalizer: float, share: float):
         mask = micro.batch.action_mask
-        values = token_values(critic.module, micro.batch.input_ids, micro.batch.attention_mask)[:, :-1]
+        # Through the engine's forward, as the actor's: the bare module's trained wrongly under ZeRO-3 (the
+        # gradient norm 0.86 where ZeRO-0 and ZeRO-2 give 30.7, and no clipping).
+        values = token_values(critic, micro.batch.input_ids, micro.batch.attention_mask, head=head)[:, :-1]
         loss, clip_fraction = value_loss(values.float(), micro.values, micro.returns, mask, clip_eps=clip,
                                          normalizer=tokens)
         return loss, {"value_loss": loss.detach(), "value_clip_fraction": clip_fraction * share}
