@@ -92,6 +92,8 @@ def convert_to_universal(tag_folder: str | os.PathLike, output: str | os.PathLik
     tag_folder, output = Path(tag_folder), Path(output)
     if output.is_dir():
         return output
+    if not any(tag_folder.glob("*_optim_states.pt")):  # ZeRO 1-3 write one per rank (ZeRO-0 needs no conversion)
+        raise FileNotFoundError(f"{tag_folder} holds no ZeRO optimizer shards (*_optim_states.pt) to convert")
     for stale in output.parent.glob(f".{output.name}{_TMP_INFIX}*"):
         shutil.rmtree(stale, ignore_errors=True)
     temporary = output.parent / f".{output.name}{_TMP_INFIX}{os.getpid()}"

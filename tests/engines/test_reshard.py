@@ -39,6 +39,7 @@ STAGES = (0, 2, 3)
 SAVED_STEPS = 3
 MORE_STEPS = 2
 BATCH = 6  # divisible by 1, 2 and 3 ranks
+STALE = ".engine_universal_from_2.tmp-999"  # what a conversion killed half-way leaves
 RESHARD_RTOL = 1e-5  # 400x the measured loss gap (module docstring); weights: ATOL is 8x the measured gap
 RESHARD_ATOL = 1e-6
 
@@ -56,12 +57,8 @@ def test_checkpoint_of_two_ranks_loads_on_one_and_three(tmp_path):
     from hpc_rlhf.engines.train import COMPLETE_MARKER
     from tests.distributed import run_ranks
 
-    run_ranks(2, __file__, "save", str(tmp_path), timeout=240)
-    stale = universal_folder(tmp_path / "z3", 2).parent / ".engine_universal_from_2.tmp-999"
-    (stale / "engine").mkdir(parents=True)
-    (stale / "engine" / "half_written.pt").write_bytes(b"\0")
-    run_ranks(2, __file__, "load-singletons", str(tmp_path), timeout=240)
-    assert not stale.exists()
+    run_ranks(2, __file__, "save-then-load-singletons", str(tmp_path), timeout=240)
+    assert (tmp_path / "stale_made").is_file() and not (tmp_path / "z3" / STALE).exists()
     assert not universal_folder(tmp_path / "z0", 2).exists()  # ZeRO-0 fp32 loads as it is
     made = {stage: universal_folder(tmp_path / f"z{stage}", 2).stat().st_ino for stage in STAGES[1:]}
     broken = tmp_path / "broken"  # complete by its marker, but DeepSpeed's files are missing: conversion fails
@@ -72,7 +69,8 @@ def test_checkpoint_of_two_ranks_loads_on_one_and_three(tmp_path):
     assert {stage: universal_folder(tmp_path / f"z{stage}", 2).stat().st_ino for stage in STAGES[1:]} == made
     for rank in range(3):  # every rank of the role names the leader's failure; none waits for ever
         message = (tmp_path / f"broken_rank{rank}.txt").read_text()
-        assert "resharding from 2 to 3 ranks failed" in message and "_optim_states.pt" in message, (rank, message)
+        assert "resharding from 2 to 3 ranks failed" in message and "no ZeRO optimizer shards" in message, \
+            (rank, message)
     assert not universal_folder(broken, 2).exists() and not list(broken.glob("*.tmp-*"))  # nothing half-made
 
     for stage in STAGES:
@@ -184,13 +182,19 @@ def load_and_continue(out: Path, stage: int, group, ranks: int) -> None:
         (out / f"z{stage}_on{ranks}.json").write_text(json.dumps(report))
 
 
-def load_singletons_worker(out_dir: str) -> None:
-    """2 ranks, each its own role of 1 rank, loading different stages side by side."""
+def save_then_load_singletons_worker(out_dir: str) -> None:
+    """2 ranks save (one role of 2); then each rank is its own role of 1 rank, loading other stages side by side."""
     import torch.distributed as dist
 
     from hpc_rlhf.engines.deepspeed_compat import forbid_world_collectives
 
+    save_worker(out_dir)
     rank = dist.get_rank()
+    if rank == 0:
+        (Path(out_dir) / "z3" / STALE / "engine").mkdir(parents=True)
+        (Path(out_dir) / "z3" / STALE / "engine" / "half_written.pt").write_bytes(b"\0")
+        (Path(out_dir) / "stale_made").touch()
+    dist.barrier()
     groups = [dist.new_group([0]), dist.new_group([1])]
     mine = STAGES[:2] if rank == 0 else STAGES[2:]
     with forbid_world_collectives():
@@ -217,7 +221,7 @@ def load_worker(out_dir: str, ranks: str) -> None:
 if __name__ == "__main__":
     from tests.distributed import run_worker
 
-    run_worker({"save": save_worker, "load-singletons": load_singletons_worker, "load": load_worker})
+    run_worker({"save-then-load-singletons": save_then_load_singletons_worker, "load": load_worker})
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # as tests/engines/test_train.py: skip the interpreter's teardown of live DeepSpeed engines
