@@ -189,6 +189,18 @@ def test_two_steps_of_staleness_follow_the_schedule_and_resume_exactly(tmp_path)
     assert figures(full) == figures(resumed)
     assert figures(full)[2] != figures(full)[3]  # the steps differ: equality is not trivial
 
+    # The same checkpoint resumed with one rollout engine instead of two (issue 36): the batches in flight were
+    # generated as two shares, so they are generated again from the resumed weights, and the run says so.
+    one_engine = tmp_path / "one_engine"
+    (one_engine / "checkpoints").mkdir(parents=True)
+    shutil.copytree(checkpoint, one_engine / "checkpoints" / checkpoint.name)
+    proc = hpc_rlhf_cli("grpo", *common, f"output_dir={one_engine}", "placement=actor=1,ref=1,rollout=1")
+    said = proc.stdout + proc.stderr
+    assert "resumed step 2 written by 4 ranks on 3" in said
+    assert "holds 2 batches generated ahead by 2 rollout engines; this job has 1: they are dropped" in said
+    rows = read_metrics(one_engine)
+    assert [r["step"] for r in rows] == [3, 4, 5] and [r["staleness"] for r in rows] == [0, 1, 2]
+
 
 # ------------------------------------------------------------------------------------------------ learning
 def check_learning(test: str, out, gain: float) -> None:
