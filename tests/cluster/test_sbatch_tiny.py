@@ -50,3 +50,29 @@ def test_default_tiny_job_runs_ppo_with_roles_on_both_nodes(cluster, tiny_jobs):
     assert (job.output_dir / "final_critic" / "model.safetensors").is_file()
     state = json.loads((job.output_dir / "checkpoints" / "step_000000003" / "trainer_state.json").read_text())
     assert state["world_size"] == 4 and state["mode"] == "ppo"
+
+
+def test_a_job_resubmitted_on_one_node_resumes_the_checkpoint_of_two(cluster, tiny_jobs, tmp_path):
+    """The path users take when the allocation changes (issue 36): the two-node job's output folder (copied, so
+    that the other tests read the reference run as it ended) given to the same script on one node with more steps:
+    it resumes the two ranks' last checkpoint on one rank and goes on from the next step."""
+    import shutil
+
+    from tests.cluster.conftest import Submitted
+
+    reference = tiny_jobs.reference
+    assert cluster.wait(reference.job_id)["JobState"] == "COMPLETED"
+    out = tmp_path / "resubmitted"
+    (out / "checkpoints").mkdir(parents=True)
+    last = f"step_{STEPS:09d}"
+    shutil.copytree(reference.output_dir / "checkpoints" / last, out / "checkpoints" / last)
+    job_id = cluster.sbatch("--nodes=1", "--ntasks-per-node=1", f"--output={tmp_path}/resubmitted-%j.out",
+                            "sbatch/tiny_cpu.sbatch", f"output_dir={out}", f"train.max_steps={STEPS + 2}",
+                            env={"MODE": "sft", "CONFIG": str(tiny_jobs.config)})
+    job = Submitted(job_id, out, tmp_path / f"resubmitted-{job_id}.out")
+    record = cluster.wait(job_id)
+    log = job.log.read_text()
+    assert record["JobState"] == "COMPLETED" and record["NumNodes"] == "1", f"{record}\n{log[-4000:]}"
+    assert f"resumed step {STEPS} written by 2 ranks on 1" in log, log[-4000:]
+    assert [r["step"] for r in job.metrics()] == [STEPS + 1, STEPS + 2]
+    assert (out / "final" / "model.safetensors").is_file()
