@@ -26,14 +26,8 @@ def reward_server(score: Callable[[str], float]) -> Iterator[str]:
         def log_message(self, *args):
             pass
 
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    # A short poll: shutdown() waits for the next one (0.5 s by default).
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}/score"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(HTTPServer(("127.0.0.1", 0), Handler)) as url:
+        yield url
 
 
 @contextlib.contextmanager
@@ -60,6 +54,14 @@ def raw_reward_server(raw: bytes, delay_s: float = 0.0, busy_first: int = 0, bod
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
+    with _serving(server) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _serving(server: HTTPServer) -> Iterator[str]:
+    """`server` in a thread while the block runs; yields its endpoint's URL."""
+    # A short poll: shutdown() waits for the next one (0.5 s by default).
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_port}/score"
