@@ -24,6 +24,9 @@ REF_MODES = ("auto", "adapter_disabled", "model")
 # The group estimators, under which a prompt whose samples all got the same reward has advantage 0: what dynamic
 # sampling filters for (algorithms/dynamic_sampling.py).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+# Where the old log-probs come from (rl.old_logprobs): the actor's own scoring pass, the engines' sampling log-probs,
+# or the first training forward (no pass of its own).
+OLD_LOGPROB_SOURCES = ("recompute", "rollout", "first_forward")
 # PPO's clip range, the default of the ppo policy loss (GSPO's is far narrower: algorithms/losses.py) and CISPO's
 # upper bound: MiniMax-M1 bounds CISPO's importance weight from above only (a lower clip_eps of 1 leaves r > 0).
 PPO_CLIP_EPS = 0.2
@@ -119,6 +122,13 @@ class RLSection:
                                               "RL steps newer than those that generated it (0 = synchronous; "
                                               "K >= 1 needs a disjoint placement)")
     ppo_epochs: int = field(1, min=1, help="passes over each step's experience")
+    old_logprobs: str = field("recompute", choices=list(OLD_LOGPROB_SOURCES),
+                              help="where the policy loss's old log-probs come from: recompute = the actor scores "
+                                   "the samples before training (a forward pass of its own); rollout = the engines' "
+                                   "sampling log-probs (the loss's ratio is then pi / pi_rollout, which corrects for "
+                                   "the engine itself); first_forward = the first training forward's, detached (one "
+                                   "optimizer step per batch, rl.ppo_epochs=1, and nothing before training that "
+                                   "reads them)")
     entropy_coef: float = field(0.0, min=0)
     loss_agg: str = field("auto", choices=["auto", *LOSS_AGGREGATIONS],
                           help="how token losses add up to the step's loss (auto = the policy loss's paper: "
@@ -250,6 +260,7 @@ class Config:
         if rl.dual_clip is not None and rl.policy_loss != "ppo":
             raise ConfigError(f"rl.dual_clip bounds PPO's token loss; rl.policy_loss={rl.policy_loss} has none: "
                               "unset rl.dual_clip")
+        self._check_old_logprobs(mode)
         if rl.dynamic_sampling and rl.advantage not in GROUP_ESTIMATORS:
             raise ConfigError(f"rl.dynamic_sampling drops prompts whose samples share a reward, which carry no signal "
                               f"only for group estimators ({', '.join(GROUP_ESTIMATORS)}), not "
@@ -262,6 +273,35 @@ class Config:
                               "it adds noise, not a pull towards the reference. Use rl.kl_estimator=k2 (gradient of "
                               "KL(pi||ref)) or k3 (gradient of KL(ref||pi)), or keep k1 in the reward "
                               "(rl.kl_in_reward=true)")
+
+    def _check_old_logprobs(self, correction: str) -> None:
+        """rl.old_logprobs other than recompute, where what it leaves out would be needed."""
+        rl = self.rl
+        if rl.old_logprobs == "recompute":
+            return
+        if correction != "none":
+            raise ConfigError(f"rl.old_logprobs={rl.old_logprobs} leaves no old log-probs of the trainer's own to "
+                              f"compare with the engines' before training, which rl.is_correction={rl.is_correction}"
+                              f"{' (with rl.tis_cap)' if rl.tis_cap is not None else ''} does: use "
+                              "rl.old_logprobs=recompute, or no correction")
+        if rl.old_logprobs != "first_forward":
+            return
+        samples = self.rollout.prompts_per_step * self.rollout.n_samples
+        why = None
+        if rl.ppo_epochs != 1:
+            why = f"rl.ppo_epochs={rl.ppo_epochs} passes over the batch after the weights have moved"
+        elif samples != self.train.batch_size:
+            why = (f"a step's {samples} samples (rollout.prompts_per_step x rollout.n_samples) are trained in "
+                   f"{samples / self.train.batch_size:g} optimizer steps of train.batch_size={self.train.batch_size}: "
+                   "the later ones would see moved weights")
+        elif rl.kl_coef > 0 and rl.kl_in_reward:
+            why = "rl.kl_in_reward=true needs the actor's log-probs in the rewards, before training"
+        elif rl.max_staleness > 0:
+            why = (f"rl.max_staleness={rl.max_staleness} trains on batches of older weights, which only the "
+                   "importance correction (reading the old log-probs before training) accounts for")
+        if why is not None:
+            raise ConfigError(f"rl.old_logprobs=first_forward takes the old log-probs from the first training forward, "
+                              f"but {why}: use rl.old_logprobs=recompute (or rollout)")
 
     def _check_lora(self) -> None:
         """The reference of a LoRA actor and the adapter the engines take (issue 27: adapter-only sync)."""
@@ -307,6 +347,8 @@ def is_correction(rl: RLSection) -> tuple[str, dict[str, float]]:
     `algorithms.importance.off_policy_correction` (ValueError naming the keys for a combination that says nothing).
     `auto` is token TIS where batches may come from older weights or rl.tis_cap is set, and its sequence-level
     form for GSPO, whose ratio is a sequence's."""
+    if rl.is_correction == "auto" and rl.old_logprobs != "recompute" and rl.tis_cap is None:
+        return "none", {}  # nothing to correct: no old log-probs of the trainer's own before training (see below)
     mode, params = resolve_is_correction(rl.is_correction, rl.tis_cap, rl.max_staleness, rl.is_low, rl.is_high)
     if rl.is_correction == "auto" and rl.policy_loss == "gspo" and mode == "tis_token":
         mode = "tis_seq"

@@ -34,7 +34,9 @@ def build_experience(cfg, batch: SampleBatch, scored: dict[str, torch.Tensor], r
        the importance weights of the tokens (rl.is_correction).
     """
     rl = cfg.rl
-    old_logps, mask = scored["actor"], batch.action_mask
+    # rl.old_logprobs: the actor's scoring pass (recompute), else the engines' sampling log-probs stand in until
+    # training (rollout: for good; first_forward: training takes its first forward's, rl/training.py)
+    old_logps, mask = scored.get("actor", rollout_logps), batch.action_mask
     lengths = torch.tensor(batch.response_lens)
     _, limit = response_limit(cfg)
     rules = scored["rules"]

@@ -10,14 +10,17 @@ from hpc_rlhf.algorithms.kl import kl_estimate
 from hpc_rlhf.rl.batches import Experience
 
 
-def sample_figures(exp: Experience, kl_estimator: str, has_ref: bool, tis_cap: float | None) -> dict[str, float]:
+def sample_figures(exp: Experience, kl_estimator: str, has_ref: bool, tis_cap: float | None,
+                   recomputed: bool = True) -> dict[str, float]:
     """What is logged about a step's samples, from its Experience (on the logging rank, the actor's leader): rewards
     (the combined scores), KL of the actor to the reference per sequence (k1 and the configured estimator, by name),
     response length, how far the engines' sampling log-probs are from the actor's (`rollout_logprob_abs_diff`:
     mean over response tokens; `_max`: the largest), and with truncated importance sampling the weights
     pi_old / pi_rollout of the tokens: `tis_weight` the mean of the truncated weights the loss uses,
     `tis_weight_max` the largest weight before truncation, `tis_clipped` the share of tokens truncated (the same as
-    `is_truncated_share`, which the Experience's assembly logs for every correction)."""
+    `is_truncated_share`, which the Experience's assembly logs for every correction). Not `recomputed` (rl.old_logprobs
+    other than recompute): the actor did not score the samples, so there is no gap to log, and the KL figures are
+    the engines' log-probs' to the reference."""
     mask = exp.batch.action_mask
     scores = exp.scores
     figures = {"reward": scores.mean().item(), "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
@@ -26,6 +29,8 @@ def sample_figures(exp: Experience, kl_estimator: str, has_ref: bool, tis_cap: f
         for kind in dict.fromkeys(("k1", kl_estimator)):
             kl = exp.kl if kind == kl_estimator else kl_estimate(exp.old_logps, exp.ref_logps, kind=kind) * mask
             figures[f"kl_{kind}"] = kl.sum(1).mean().item()
+    if not recomputed:
+        return figures
     tokens = mask.sum().clamp(min=1)
     gap = (exp.rollout_logps - exp.old_logps).abs() * mask
     figures["rollout_logprob_abs_diff"] = (gap.sum() / tokens).item()

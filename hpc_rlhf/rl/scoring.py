@@ -131,8 +131,11 @@ class Scoring:
                  ref=None, reward_models: dict | None = None, rule_functions=(), ref_from_actor: bool = False):
         self.cfg, self.routes, self.tokenizer, self.device = cfg, routes, tokenizer, device
         self.scorers = {}  # in role order: a rank holding colocated roles scores them in the same order as its peers
+        # The actor scores its old log-probs unless rl.old_logprobs takes them from elsewhere (experience.py).
+        self.actor_scores = cfg.rl.old_logprobs == "recompute"
         if actor is not None:
-            self.scorers["actor"] = logprobs_of(actor.module, temperature)
+            if self.actor_scores:
+                self.scorers["actor"] = logprobs_of(actor.module, temperature)
             if ref_from_actor:  # the same module, its adapter off
                 self.scorers["ref"] = logprobs_of(actor.module, temperature, adapter_off=True)
         if critic is not None:
@@ -146,7 +149,7 @@ class Scoring:
         self.with_rules = bool(self.rule_functions or cfg.reward.http_url)
         plan = routes.plan
         self.roles = [r for r in ["actor", "critic", "ref", *reward_role_names(len(cfg.reward.models))]
-                      if plan.has(r) or (r == "ref" and ref_from_actor)]
+                      if (plan.has(r) or (r == "ref" and ref_from_actor)) and (r != "actor" or self.actor_scores)]
 
     def __call__(self, batch: SampleBatch | None, prompt_ids: Sequence[Sequence[int]], texts: list[str],
                  answers: list[str | None], generated) -> dict[str, torch.Tensor]:

@@ -232,7 +232,7 @@ class RLRecipe:
             if dist.get_rank() == LOGGING_RANK:  # the actor's leader (checked in setup): it holds `exp`
                 mode, params = is_correction(cfg.rl)
                 metrics.update(sample_figures(exp, cfg.rl.kl_estimator, "ref" in scored,
-                                              params["cap"] if mode == "tis_token" else None))
+                                              params["cap"] if mode == "tis_token" else None, "actor" in scored))
                 metrics.update(assembly_figures)
                 metrics.update(round_figures)
                 metrics.update(episode_figures)

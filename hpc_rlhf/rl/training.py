@@ -48,20 +48,23 @@ def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, dev
     rl.policy_loss on the tokens of the loss mask, each weighted by its importance weight (rl.is_correction)."""
     rl = cfg.rl
     clip_eps, clip_eps_high = clip_range(rl)
+    first_forward = rl.old_logprobs == "first_forward"
 
     def loss_of(micro: Experience, tokens: float, policy_normalizer: float, share: float):
         mask = micro.loss_mask
         logits = actor(input_ids=micro.batch.input_ids, attention_mask=micro.batch.attention_mask,
                        use_cache=False).logits.float()
         logps = response_logprobs(logits, micro.batch, temperature)
+        # One optimizer step per batch (rl/config.py checks it): these weights are still the old policy's.
+        old_logps = logps.detach() if first_forward else micro.old_logps
         common = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, loss_agg=loss_aggregation(rl),
                       normalizer=policy_normalizer, token_weights=micro.is_weights)
         if rl.policy_loss == "gspo":
-            policy, clip_fraction, approx_kl = gspo_loss(logps, micro.old_logps, micro.advantages, mask, **common)
+            policy, clip_fraction, approx_kl = gspo_loss(logps, old_logps, micro.advantages, mask, **common)
         elif rl.policy_loss == "cispo":
-            policy, clip_fraction, approx_kl = cispo_loss(logps, micro.old_logps, micro.advantages, mask, **common)
+            policy, clip_fraction, approx_kl = cispo_loss(logps, old_logps, micro.advantages, mask, **common)
         else:
-            policy, clip_fraction, approx_kl = policy_loss(logps, micro.old_logps, micro.advantages, mask,
+            policy, clip_fraction, approx_kl = policy_loss(logps, old_logps, micro.advantages, mask,
                                                            dual_clip=rl.dual_clip, **common)
         with torch.set_grad_enabled(rl.entropy_coef > 0):
             entropy = masked_sum(entropy_from_logits(logits[:, :-1] / temperature), mask)

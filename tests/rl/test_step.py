@@ -4,6 +4,8 @@ temperature (so its log-probs equal the engine's), and the figures are logged ap
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, load_config
@@ -158,3 +160,45 @@ def test_a_batch_draws_its_prompts_once():
     for _ in range(3):
         assert batch_rows(1000, 16, 7, 3) == tuple(step_indices(1000, 16, 7, 3))
     assert batch_rows.cache_info().misses == 1 and batch_rows.cache_info().hits == 2
+
+
+def test_old_logprobs_from_the_engine_or_the_first_forward_train_as_a_scoring_pass_does(tmp_path):
+    """rl.old_logprobs (issue 37): on one rank whose hf engine is the actor, the engines' sampling log-probs and the
+    first training forward's are the actor's scoring pass's up to the order of the sums, so a step's figures agree
+    across the three sources; without the pass, no gap between engine and actor is logged."""
+    rule = tmp_path / "digits.py"  # a reward the random model earns unevenly, so that the policy gets a gradient
+    rule.write_text("def share(prompts, responses, answers):\n"
+                    "    return [sum(c.isdigit() for c in r) / max(1, len(r)) for r in responses]\n")
+    common = ["--config", "examples/tiny/grpo.yaml", f"actor.path={TINY_ASSETS}/models/llama-tiny",
+              f"reward.functions=[{rule}:share]",
+              "placement=actor+ref=1,rollout@actor", "rollout.prompts_per_step=8", "rollout.n_samples=4",
+              "train.batch_size=32", "train.micro_batch_size=16", "train.lr=1e-3", "train.max_steps=1",
+              "log.eval_every_steps=0", "checkpoint.every_steps=0", *QUIET]
+    figures = {}
+    for source in ("recompute", "rollout", "first_forward"):
+        out = tmp_path / source
+        hpc_rlhf_cli("grpo", *common, f"output_dir={out}", f"rl.old_logprobs={source}")
+        [figures[source]] = read_metrics(out)
+    assert "rollout_logprob_abs_diff" in figures["recompute"]
+    assert figures["recompute"]["rollout_logprob_abs_diff"] < 1e-4
+    assert figures["recompute"]["actor_grad_norm"] > 0.1 and figures["recompute"]["reward_std"] > 0
+    for source in ("rollout", "first_forward"):
+        assert "rollout_logprob_abs_diff" not in figures[source]
+        for key in ("reward", "policy_loss", "actor_grad_norm", "clip_fraction", "entropy", "kl_k3"):
+            want = figures["recompute"][key]
+            assert figures[source][key] == pytest.approx(want, rel=1e-3, abs=1e-6), (source, key)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rl.old_logprobs=rollout", "rl.is_correction=tis_token"], "leaves no old log-probs of the trainer's own"),
+    (["rl.old_logprobs=first_forward"], "trained in 2 optimizer steps of train.batch_size=64"),
+    (["rl.old_logprobs=first_forward", "train.batch_size=128", "rl.ppo_epochs=2"], "rl.ppo_epochs=2 passes"),
+    (["rl.old_logprobs=first_forward", "train.batch_size=128", "rl.kl_in_reward=true"], "rl.kl_in_reward=true"),
+])
+def test_old_logprobs_sources_are_refused_where_they_would_train_something_else(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(grpo.Config, "examples/tiny/grpo.yaml", overrides)
+    from hpc_rlhf.rl.config import is_correction
+
+    rl = load_config(grpo.Config, "examples/tiny/grpo.yaml", ["rl.old_logprobs=rollout", "rl.max_staleness=1"]).rl
+    assert is_correction(rl) == ("none", {})  # auto: nothing to correct with the engines' log-probs as the old ones
