@@ -108,9 +108,9 @@ def run_once(tmp: Path, actor: Path, value: Path, k: int, args, name: str) -> di
                 f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", f"data.max_train_rows={args.rows}",
                 "data.eval_files=[]", "log.every_steps=1", "log.eval_every_steps=0", "log.tensorboard=false",
                 "log.progress=false", "checkpoint.resume=false"]
-    cmd = benchlib.ranks_command(6, Path(__file__).resolve(), ["--worker", str(out), *ppo_args],
-                                 "local" if args.smoke else "torchrun")
-    benchlib.run_command(cmd, what=f"6-rank PPO, rl.max_staleness={k}", timeout=1800)
+    benchlib.run_ranks(6, Path(__file__).resolve(), ["--worker", str(out), *ppo_args],
+                       "local" if args.smoke else "torchrun", main, what=f"6-rank PPO, rl.max_staleness={k}",
+                       timeout=1800)
     metrics = benchlib.read_jsonl(out / "metrics.jsonl")
     ranks = [json.loads((out / RANK_FILE.format(rank=r)).read_text()) for r in range(6)]
     return {"metrics": metrics, "ranks": ranks}
@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="rollout.max_new_tokens (6 as examples/tiny/ppo.yaml; the random models rarely stop "
                              "early, so this sets the generation's share of the step)")
     parser.add_argument("--smoke", action="store_true",
-                        help=f"that it runs, not a measurement: {' '.join(SMOKE)}, ranks forked by the local launcher")
+                        help=f"that it runs, not a measurement: {' '.join(SMOKE)}, every rank forked from this "
+                             "process (benchlib.run_ranks)")
     args = parser.parse_args(argv)
     if args.smoke:
         args = parser.parse_args([*argv, *SMOKE])

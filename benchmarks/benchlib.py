@@ -398,14 +398,59 @@ def no_recomputation(config_class) -> dict[str, bool]:
     return {key: False}
 
 
-def ranks_command(nproc: int, script: str | Path, args: Sequence[str], launcher: str = "torchrun") -> list[str]:
-    """The command that runs `script args` as every rank of a local `nproc`-rank world. `torchrun`: a fresh
-    interpreter per rank (what the figures are measured with); `local`: hpc_rlhf's local launcher, which forks the
-    ranks from one interpreter that imported everything once (what the smoke runs use: a third of the CPU time).
-    The script's worker installs its instrumentation before it calls the CLI, so forked ranks inherit it."""
+def ranks_command(nproc: int, script: str | Path, args: Sequence[str]) -> list[str]:
+    """The torchrun command that runs `script args` as every rank of a local `nproc`-rank world, each rank a fresh
+    interpreter (what the figures are measured with)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "--max_restarts=0", str(script), *args]
+
+
+# What a rank of these benchmarks imports: torch, transformers, deepspeed, datasets (import_what_ranks_use), the CLI
+# and the RL modes. A fresh interpreter spends ~7 CPU-seconds on them, most of a smoke run's rank.
+RANK_IMPORTS = ("hpc_rlhf.cli", "hpc_rlhf.rl.grpo", "hpc_rlhf.rl.ppo", "hpc_rlhf.dist.weight_sync",
+                "hpc_rlhf.engines.rollout.hf", "hpc_rlhf.models.lora")
+
+
+def run_ranks(nproc: int, script: str | Path, args: Sequence[str], launcher: str, main, *,
+              env: dict[str, str] | None = None, what: str = "", timeout: float = 1800) -> None:
+    """Run `script args` as every rank of a local `nproc`-rank world (torchrun's variables) and wait; on failure
+    show the ranks' output tail and stop, as `run_command`.
+
+    `torchrun`: a fresh interpreter per rank (what the figures are measured with). `local` (the smoke runs):
+    every rank is a fork of THIS process, which imports what the ranks use once (`RANK_IMPORTS`) before it forks
+    them (hpc_rlhf's own local launcher, `spawn_local`); each rank calls `main(args)` (the script's entry point,
+    which dispatches to its worker) with its output in a file of its own. No interpreter starts at all: a
+    quarter of the CPU time of the same smoke run through `python script` and the CLI's local launcher. Nothing
+    measured survives it (a forked rank's memory starts as the driver's; `env`'s malloc settings take effect at
+    an interpreter's start only): smoke runs only. The worker installs its instrumentation in the rank, as under
+    torchrun. `timeout` bounds the torchrun command; forked ranks die with this process (spawn_local's parent-death
+    signal), which the smoke test's own timeout bounds."""
+    env = child_env() if env is None else env
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                "--max_restarts=0", str(script), *args]
-    if launcher == "local":
-        return [sys.executable, str(script), *args]
-    raise ValueError(f"launcher must be torchrun or local, not {launcher!r}")
+        run_command(ranks_command(nproc, script, args), env=env, what=what, timeout=timeout)
+        return
+    if launcher != "local":
+        raise ValueError(f"launcher must be torchrun or local, not {launcher!r}")
+    import importlib
+    import tempfile
+
+    from hpc_rlhf.launch.local import import_what_ranks_use, spawn_local
+
+    import_what_ranks_use()
+    for name in RANK_IMPORTS:
+        importlib.import_module(name)
+    set_torch_threads()
+    with tempfile.TemporaryDirectory(prefix="bench_ranks_") as logs:
+        def rank_main() -> int:
+            fd = os.open(Path(logs) / f"rank{os.environ['RANK']}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            return int(main(list(args)) or 0)
+
+        code = spawn_local(nproc, [sys.executable, str(script), *args], env=env, target=rank_main)
+        if code != 0:
+            tails = "".join(f"--- rank {r}\n{(Path(logs) / f'rank{r}.log').read_text()[-3000:]}\n"
+                            for r in range(nproc) if (Path(logs) / f"rank{r}.log").exists())
+            sys.stderr.write(f"{what or script} failed (exit {code}), {nproc} forked ranks: {script} "
+                             f"{' '.join(map(str, args))}\n{tails}")
+            raise SystemExit(1)

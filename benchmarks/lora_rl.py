@@ -130,11 +130,10 @@ def sync_worker(model: str, out: Path, repeats: int) -> int:
     return 0
 
 
-def one_sync(model: Path, tmp: Path, repeats: int) -> dict:
+def one_sync(model: Path, tmp: Path, repeats: int, launcher: str = "torchrun") -> dict:
     out = tmp / "sync.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=0",
-           str(Path(__file__).resolve()), "--sync-worker", str(model), str(out), str(repeats)]
-    benchlib.run_command(cmd, what="weight sync, full and LoRA", timeout=1200)
+    benchlib.run_ranks(2, Path(__file__).resolve(), ["--sync-worker", str(model), str(out), str(repeats)], launcher,
+                       main, what="weight sync, full and LoRA", timeout=1200)
     return json.loads(out.read_text())
 
 
@@ -206,9 +205,9 @@ def grpo_run(name: str, model: Path, tmp: Path, steps: int, rule: Path, launcher
             f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", "data.max_train_rows=256",
             "data.eval_files=[]", "log.eval_every_steps=0", "log.tensorboard=false", "log.progress=false",
             "checkpoint.every_steps=0", "checkpoint.resume=false", *overrides]
-    cmd = benchlib.ranks_command(ranks, Path(__file__).resolve(), ["--grpo-worker", str(out), *args], launcher)
     started = time.perf_counter()
-    benchlib.run_command(cmd, env=benchlib.child_env(MALLOC), what=f"GRPO {name}", timeout=1800)
+    benchlib.run_ranks(ranks, Path(__file__).resolve(), ["--grpo-worker", str(out), *args], launcher, main,
+                       env=benchlib.child_env(MALLOC), what=f"GRPO {name}", timeout=1800)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
     rows = benchlib.read_jsonl(out / "run" / "metrics.jsonl")[1:]  # the first step pays one-time costs
 
@@ -258,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--smoke", action="store_true",
                         help="that it runs, not a measurement: a 2-layer model of hidden size 64, 1 repeat, 2 steps, "
-                             "1 round, the GRPO ranks forked by the local launcher")
+                             "1 round, every rank forked from this process (benchlib.run_ranks)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.repeats, args.steps, args.rounds = 1, 2, 1
@@ -271,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         rule = tmp / "rule.py"
         rule.write_text("def length(prompts, responses, answers):\n    return [float(len(r)) for r in responses]\n")
         print(f"   model: {params / 1e6:.1f}M parameters, {params * 4 / MB:.0f} MB in fp32\n")
-        sync = one_sync(model, tmp, args.repeats)
+        sync = one_sync(model, tmp, args.repeats, "local" if args.smoke else "torchrun")
         rounds = []
         for index in range(args.rounds):
             order = list(RUNS) if index % 2 == 0 else list(reversed(RUNS))

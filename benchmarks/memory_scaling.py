@@ -169,8 +169,8 @@ def run_config(ranks: int, model: Path, tmp: Path, launcher: str = "torchrun") -
             f"rollout.weight_sync_bucket_mb={BUCKET_MB}", "data.eval_files=[]", "log.eval_every_steps=0",
             "log.tensorboard=false", "log.progress=false",
             "checkpoint.every_steps=0", "checkpoint.resume=false"]
-    cmd = benchlib.ranks_command(ranks + 2, Path(__file__).resolve(), ["--worker", str(out), *args], launcher)
-    benchlib.run_command(cmd, env=benchlib.child_env(MALLOC), what=f"{ranks}-rank actor PPO step", timeout=1200)
+    benchlib.run_ranks(ranks + 2, Path(__file__).resolve(), ["--worker", str(out), *args], launcher, main,
+                       env=benchlib.child_env(MALLOC), what=f"{ranks}-rank actor PPO step", timeout=1200)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks + 2)]
 
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--smoke", action="store_true",
                         help="that it runs, not a measurement: one actor rank, a 2-layer model of hidden size 64, "
-                             "ranks forked by the local launcher")
+                             "every rank forked from this process (benchlib.run_ranks)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.ranks = [1]

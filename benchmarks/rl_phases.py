@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", action="store_true",
                         help="a barrier of the call's ranks before every exchange call (the older instrumentation)")
     parser.add_argument("--smoke", action="store_true",
-                        help=f"that it runs, not a measurement: {' '.join(SMOKE)}, ranks forked by the local launcher")
+                        help=f"that it runs, not a measurement: {' '.join(SMOKE)}, every rank forked from this "
+                             "process (benchlib.run_ranks)")
     args = parser.parse_args(argv)
     if args.smoke:
         args = parser.parse_args([*argv, *SMOKE])
@@ -181,11 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", f"data.max_train_rows={args.rows}",
                     "data.eval_files=[]", "log.every_steps=1", "log.eval_every_steps=0", "log.tensorboard=false",
                     "log.progress=false", "checkpoint.resume=false", *args.set]
-        cmd = benchlib.ranks_command(nproc, Path(__file__).resolve(),
-                                     ["--worker", str(out), "settle" if args.settle else "clock", *ppo_args],
-                                     "local" if args.smoke else "torchrun")
         started = time.perf_counter()
-        benchlib.run_command(cmd, what=f"{nproc}-rank PPO", timeout=1200)
+        benchlib.run_ranks(nproc, Path(__file__).resolve(),
+                           ["--worker", str(out), "settle" if args.settle else "clock", *ppo_args],
+                           "local" if args.smoke else "torchrun", main, what=f"{nproc}-rank PPO", timeout=1200)
         wall = time.perf_counter() - started
         metrics = sorted((r for r in benchlib.read_jsonl(out / "metrics.jsonl") if "time_step" in r),
                          key=lambda r: r["step"])

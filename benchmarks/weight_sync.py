@@ -26,6 +26,7 @@ of every method.
 
     .venv/bin/python benchmarks/weight_sync.py
     .venv/bin/python benchmarks/weight_sync.py --buckets 0.5 2 8 32 128 --repeats 9
+    .venv/bin/python benchmarks/weight_sync.py --smoke     # does it run (the suite's smoke run): no figures to keep
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
+
+SMOKE = ["--buckets", "1", "--copied", "1", "--repeats", "1", "--ranks", "2"]
 
 benchlib.single_thread_env()
 
@@ -158,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ranks", type=int, default=3, help="1 sender + (ranks - 1) receivers")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"that it runs, not a measurement: {' '.join(SMOKE)}, every rank forked from this "
+                             "process (benchlib.run_ranks)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args = parser.parse_args([*argv, *SMOKE])
     if args.worker:
         return worker(Path(args.worker), args.buckets, args.copied, args.repeats)
     if args.ranks < 2:
@@ -168,11 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"1 thread each")
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-               "--max_restarts=0", str(Path(__file__).resolve()), "--worker", str(result_file),
-               "--repeats", str(args.repeats), "--buckets", *map(str, args.buckets),
-               "--copied", *map(str, args.copied)]
-        benchlib.run_command(cmd, what="weight-sync ranks", timeout=900)
+        benchlib.run_ranks(args.ranks, Path(__file__).resolve(),
+                           ["--worker", str(result_file), "--repeats", str(args.repeats),
+                            "--buckets", *map(str, args.buckets), "--copied", *map(str, args.copied)],
+                           "local" if args.smoke else "torchrun", main, what="weight-sync ranks", timeout=900)
         result = json.loads(result_file.read_text())
     size = result["bytes"]
     print(f"   payload: {result['tensors']} fp32 tensors, {size / 1e6:.1f} MB; {args.repeats} repeats, median; "
