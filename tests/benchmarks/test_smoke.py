@@ -3,10 +3,12 @@
 rotted (an internal API it instruments moved, a library renamed a keyword) fails here instead of in front of a
 reader of benchmarks/README.md.
 
-- Each runs as a command, in a fresh interpreter. The four whose driver only starts worker processes once ran in
-  the pytest process (its imports already done), but their local launcher forks the ranks from the process it runs
+- Each runs as its command would, but not in the pytest process: the four whose driver only starts worker processes
+  once ran there (its imports already done), but their local launcher forks the ranks from the process it runs
   in, and forks of a pytest process that has run a thousand tests were slow: 100-165 s each in the full suite
-  against 10-33 s alone (2026-11-26, AMD EPYC 2 cores).
+  against 10-33 s alone (2026-11-26, AMD EPYC 2 cores). The CPU ones (COMMANDS) are forks, one after the other, of
+  one fresh interpreter that imported torch, transformers, deepspeed and the RL modes once
+  (tests/benchmarks/smoke_runner.py, fixture `smoke_runs`); the vLLM and TRL ones are fresh interpreters.
 - The five multi-rank ones (`--smoke`: rl_phases, async_rl, memory_scaling, lora_rl, weight_sync) fork every rank
   from the benchmark's own interpreter, which imported torch, transformers, deepspeed and the RL modes once
   (benchlib.run_ranks): no interpreter per run or rank. Alone, one thread (2026-11-27, AMD EPYC 2 cores), CPU
@@ -23,8 +25,10 @@ reader of benchmarks/README.md.
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +38,7 @@ from tests.distributed import REPO, worker_env
 
 pytestmark = pytest.mark.benchmarks
 BENCHMARKS = REPO / "benchmarks"
+RUNNER = Path(__file__).resolve().parent / "smoke_runner.py"
 COMMANDS = {
     "rl_phases": ["--smoke"],
     "async_rl": ["--smoke"],
@@ -78,9 +83,27 @@ def test_every_benchmark_has_a_smoke_run():
         "run_all.sh leaves out a CPU benchmark"
 
 
+@pytest.fixture(scope="module")
+def smoke_runs(request, tmp_path_factory):
+    """The selected test_smoke_run benchmarks, run one after the other by tests/benchmarks/smoke_runner.py: each
+    as a fork of one interpreter that imported the heavy libraries once (saves ~7 CPU-seconds per benchmark)."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if getattr(item, "originalname", None) == "test_smoke_run" and item.path == Path(__file__)]
+    out = tmp_path_factory.mktemp("smoke_runs")
+    proc = subprocess.run([sys.executable, str(RUNNER), str(out), "900", json.dumps({n: COMMANDS[n] for n in names})],
+                          cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=900 * len(names) + 60)
+    return out, proc
+
+
 @pytest.mark.parametrize("name", list(COMMANDS))
-def test_smoke_run(name):
-    assert "---" in run(name, COMMANDS[name]).stdout
+def test_smoke_run(name, smoke_runs):
+    out, runner = smoke_runs
+    rc = out / f"{name}.rc"
+    assert rc.exists(), f"smoke_runner.py exited {runner.returncode}:\n{runner.stdout[-3000:]}\n{runner.stderr[-6000:]}"
+    stdout, stderr = ((out / f"{name}.{kind}").read_text() for kind in ("out", "err"))
+    assert rc.read_text() == "0", \
+        f"{name} {' '.join(COMMANDS[name])}: exit {rc.read_text()}\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    assert "---" in stdout
 
 
 @pytest.mark.parametrize("name", list(ANALYSES))
