@@ -8,7 +8,8 @@ reader of benchmarks/README.md.
   in, and forks of a pytest process that has run a thousand tests were slow: 100-165 s each in the full suite
   against 10-33 s alone (2026-11-26, AMD EPYC 2 cores). The CPU ones (COMMANDS) are forks, one after the other, of
   one fresh interpreter that imported torch, transformers, deepspeed and the RL modes once
-  (tests/benchmarks/smoke_runner.py, fixture `smoke_runs`); the vLLM and TRL ones are fresh interpreters.
+  (tests/benchmarks/smoke_runner.py, fixture `smoke_runs`), and so is the vLLM one (vLLM starts its engine's
+  processes itself); the TRL ones are fresh interpreters.
 - The five multi-rank ones (`--smoke`: rl_phases, async_rl, memory_scaling, lora_rl, weight_sync) fork every rank
   from the benchmark's own interpreter, which imported torch, transformers, deepspeed and the RL modes once
   (benchlib.run_ranks): no interpreter per run or rank. Alone, one thread (2026-11-27, AMD EPYC 2 cores), CPU
@@ -87,23 +88,30 @@ def test_every_benchmark_has_a_smoke_run():
 def smoke_runs(request, tmp_path_factory):
     """The selected test_smoke_run benchmarks, run one after the other by tests/benchmarks/smoke_runner.py: each
     as a fork of one interpreter that imported the heavy libraries once (saves ~7 CPU-seconds per benchmark)."""
-    names = [item.callspec.params["name"] for item in request.session.items
-             if getattr(item, "originalname", None) == "test_smoke_run" and item.path == Path(__file__)]
+    here = [item for item in request.session.items if item.path == Path(__file__)]
+    names = [item.callspec.params["name"] for item in here if getattr(item, "originalname", None) == "test_smoke_run"]
+    if any(item.name == "test_rollout_engines_smoke_run" for item in here) and importlib.util.find_spec("vllm"):
+        names.append("rollout_engines")
     out = tmp_path_factory.mktemp("smoke_runs")
-    proc = subprocess.run([sys.executable, str(RUNNER), str(out), "900", json.dumps({n: COMMANDS[n] for n in names})],
+    commands = {**COMMANDS, **VLLM}
+    proc = subprocess.run([sys.executable, str(RUNNER), str(out), "900", json.dumps({n: commands[n] for n in names})],
                           cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=900 * len(names) + 60)
     return out, proc
 
 
-@pytest.mark.parametrize("name", list(COMMANDS))
-def test_smoke_run(name, smoke_runs):
+def smoke_output(name: str, smoke_runs) -> str:
+    """The stdout of benchmarks/<name>.py's smoke run, which exited 0."""
     out, runner = smoke_runs
     rc = out / f"{name}.rc"
     assert rc.exists(), f"smoke_runner.py exited {runner.returncode}:\n{runner.stdout[-3000:]}\n{runner.stderr[-6000:]}"
     stdout, stderr = ((out / f"{name}.{kind}").read_text() for kind in ("out", "err"))
-    assert rc.read_text() == "0", \
-        f"{name} {' '.join(COMMANDS[name])}: exit {rc.read_text()}\n{stdout[-3000:]}\n{stderr[-6000:]}"
-    assert "---" in stdout
+    assert rc.read_text() == "0", f"{name}: exit {rc.read_text()}\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return stdout
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_smoke_run(name, smoke_runs):
+    assert "---" in smoke_output(name, smoke_runs)
 
 
 @pytest.mark.parametrize("name", list(ANALYSES))
@@ -113,10 +121,10 @@ def test_analysis_runs(name, capsys):
 
 
 @pytest.mark.vllm
-def test_rollout_engines_smoke_run():
+def test_rollout_engines_smoke_run(smoke_runs):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM's CPU build is not installed (make venv installs it)")
-    out = run("rollout_engines", VLLM["rollout_engines"]).stdout
+    out = smoke_output("rollout_engines", smoke_runs)
     assert "2. weight sync" in out and "bit for bit: True" in out
 
 
