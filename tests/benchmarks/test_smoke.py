@@ -17,8 +17,8 @@ reader of benchmarks/README.md.
   weight_sync 13.6 -> 9.4. Every code path of each script still runs (lora_rl: the sync, all three GRPO runs).
 - rollout_engines runs vLLM's CPU build (marker `vllm`: installed by `make venv`, so a skip fails CI); its smoke
   run is the weight-sync section only (each section starts vLLM engines at ~15 CPU-seconds each).
-- Every test here is marked `benchmarks` (the smoke runs take about two minutes together on 2 cores): `-m "not
-  benchmarks"` leaves them out of a quick run.
+- Every test here is marked `benchmarks` (the smoke runs take ~42 CPU-seconds together, about a minute alone on 2
+  cores; 2026-11-27): `-m "not benchmarks"` leaves them out of a quick run.
 - The TRL comparisons run where TRL is installed (TRL 1.16; ppo_vs_trl: the .venv-trl112 overlay with TRL 1.12);
   the suite's set-up does not install TRL, so in CI they are skipped and `make bench` runs them (benchmarks/README.md).
 """
