@@ -64,17 +64,20 @@ def _pipe(name: str, stream, log: Path, lock: threading.Lock) -> None:
                 sys.stdout.flush()
 
 
-def read_timeline(path: Path) -> list[tuple[float, float, str]]:
-    """(start, end, what) of every test and background job of a lane's timeline (tests/background.py `mark`)."""
+def read_timeline(path: Path) -> list[tuple[float, float, str, float]]:
+    """(start, end, what, CPU-seconds) of every test and background job of a lane's timeline (tests/background.py
+    `mark`; a background job's CPU there is that of everything its lane did meanwhile, so it is given as 0)."""
     began, spans = {}, []
     if not path.is_file():
         return spans
     for line in path.read_text().splitlines():
+        line, _, cpu = line.partition("\t")
         stamp, event, what = line.split(" ", 2)
         if event == "start":
-            began[what] = float(stamp)
+            began[what] = (float(stamp), float(cpu or 0))
         elif event == "end" and what in began:
-            spans.append((began.pop(what), float(stamp), what))
+            (begin, cpu_begin), background = began.pop(what), what.startswith("background ")
+            spans.append((begin, float(stamp), what, 0.0 if background else float(cpu or 0) - cpu_begin))
     return spans
 
 
@@ -82,16 +85,16 @@ def print_timeline(root: Path, start_wall: float, slowest: int = 12) -> None:
     """The slowest tests and background jobs of both lanes, each with when it ran (minutes into the suite) and
     what the other lane was running then: where two heavy things met, the suite lost time."""
     spans = {name: read_timeline(root / f"{name}.timeline") for name in LANES}
-    rows = sorted(((end - begin, name, begin, end, what) for name, lane in spans.items()
-                   for begin, end, what in lane), reverse=True)[:slowest]
+    rows = sorted(((end - begin, name, begin, end, what, cpu) for name, lane in spans.items()
+                   for begin, end, what, cpu in lane), reverse=True)[:slowest]
     if not rows:
         return
-    print(f"slowest of both lanes (timelines in {root}):")
-    for took, name, begin, end, what in rows:
-        beside = [w for other, lane in spans.items() if other != name for b, e, w in lane
+    print(f"slowest of both lanes, wall and CPU seconds (timelines in {root}):")
+    for took, name, begin, end, what, cpu in rows:
+        beside = [w for other, lane in spans.items() if other != name for b, e, w, _ in lane
                   if b < end and e > begin and e - b > 20]
-        print(f"  {took:6.0f} s  {(begin - start_wall) / 60:5.1f}-{(end - start_wall) / 60:5.1f} min  [{name}] {what}"
-              + (f"\n{'':30}beside: {', '.join(sorted(beside, key=len)[:4])}" if beside else ""))
+        print(f"  {took:6.0f} s {cpu:6.0f} cpu  {(begin - start_wall) / 60:5.1f}-{(end - start_wall) / 60:5.1f} min  "
+              f"[{name}] {what}" + (f"\n{'':41}beside: {', '.join(sorted(beside, key=len)[:4])}" if beside else ""))
 
 
 def lane_report(name: str, code: int, log: str) -> list[str]:

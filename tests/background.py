@@ -26,6 +26,7 @@ base is trained.
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from concurrent.futures import Future
@@ -61,11 +62,16 @@ def start(name: str, work: Callable[[], Any]) -> None:
 
 
 def mark(event: str, what: str) -> None:
-    """A line in the lane's timeline (HPC_RLHF_TEST_TIMELINE, set by scripts/run_suite.py; tests/conftest.py)."""
+    """A line in the lane's timeline (HPC_RLHF_TEST_TIMELINE, set by scripts/run_suite.py; tests/conftest.py):
+    the time, the event, what, and after a tab the CPU-seconds this pytest process and its reaped children have
+    used so far. A test's difference is its own CPU (its ranks are children reaped within it) plus that of any
+    background job whose process ended during it; the local Slurm's jobs are not children and are not counted."""
     path = os.environ.get("HPC_RLHF_TEST_TIMELINE")
     if path:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
         with open(path, "a") as f:
-            f.write(f"{time.time():.1f} {event} {what}\n")
+            f.write(f"{time.time():.1f} {event} {what}\t{cpu:.1f}\n")
 
 
 def started(name: str) -> bool:
