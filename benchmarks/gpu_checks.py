@@ -7,8 +7,10 @@ node of a new cluster), each a command of its own with a time limit; prints one 
                ZeRO-2): tokens/s and MFU; needs DeepSpeed
 3. generation  benchmarks/hf_generation.py on the 1.1B model in bf16: the hf engine's lean decode loop against
                transformers' generate
-4. vllm        vLLM's CUDA build: its compiled ops load (`vllm._C`); needs vLLM
-5. weight sync `benchmarks/weight_sync.py` on two ranks needs two GPUs for NCCL (one GPU cannot host two NCCL
+4. packed rl   benchmarks/rl_packing.py: the actor's log-probs on packed rows (flash-attention's varlen kernel
+               where flash-attn is installed) against padded ones (sdpa): the difference and the speed-up
+5. vllm        vLLM's CUDA build: its compiled ops load (`vllm._C`); needs vLLM
+6. weight sync `benchmarks/weight_sync.py` on two ranks needs two GPUs for NCCL (one GPU cannot host two NCCL
                ranks): listed, not run, on a one-GPU machine
 
 A check whose library is missing is reported as skipped with the reason, not failed. Nothing is asserted: the
@@ -44,6 +46,9 @@ def checks(python: str, gpus: int) -> dict[str, dict]:
                                "--dtype", "bfloat16", "--prompts", "16", "--n", "8", "--new-tokens", "64",
                                "--repeats", "2"],
                        "timeout": 240, "headline": r"^.*lean / generate.*$"},
+        "packed rl": {"cmd": [python, str(HERE / "rl_packing.py"), "--device", "cuda", "--dtype", "bfloat16",
+                              "--samples", "64"],
+                      "timeout": 180, "headline": r"^\| packed, longest-sample rows .*$"},
         "vllm": {"cmd": [python, "-c", "import vllm, vllm._C; print('vLLM', vllm.__version__, 'compiled ops load')"],
                  "timeout": 120, "headline": r"^vLLM .*$", "needs": "vllm"},
         "weight sync": {"cmd": [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -30,7 +30,8 @@ from hpc_rlhf.data.examples import IGNORE_INDEX
 STRATEGIES = ("first_fit_decreasing", "sequential")
 
 
-def _bins_first_fit_decreasing(lengths: Sequence[int], max_len: int) -> list[list[int]]:
+def bins_first_fit_decreasing(lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """Item indices grouped into bins of at most `max_len` in total, longest first into the first bin with room."""
     # Longest first, ties by position: the result depends only on the lengths, so every rank agrees on it.
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
@@ -74,7 +75,7 @@ def pack_examples(examples: Sequence[Mapping[str, Any]], max_len: int,
         if n == 0 or n > max_len:
             raise ValueError(f"example {i} has {n} tokens; packing needs 1..max_len={max_len} "
                              f"(truncate examples before packing)")
-    bins = (_bins_first_fit_decreasing if strategy == "first_fit_decreasing" else _bins_sequential)(lengths,
+    bins = (bins_first_fit_decreasing if strategy == "first_fit_decreasing" else _bins_sequential)(lengths,
                                                                                                    max_len)
     rows = []
     for members in bins:

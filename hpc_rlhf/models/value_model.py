@@ -157,9 +157,13 @@ def gather_last(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------- forward
-def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 position_ids: torch.Tensor | None = None, head: torch.nn.Module | None = None) -> torch.Tensor:
+def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None = None, head: torch.nn.Module | None = None,
+                 **forward_kwargs) -> torch.Tensor:
     """(B, T) float32 value of every token (the critic); 0 at padding.
+
+    Packed rows (hpc_rlhf.rl.packed): no `attention_mask`, the restarting `position_ids` and any further keyword
+    arguments of a packed forward (`forward_kwargs`); every position's value is returned, padding blocks included.
 
     `model` may be a value model, its peft wrapper or its DeepSpeed engine; the full forward of the outermost
     wrapper runs (engines and adapters need that), and the head's per-token output is caught on its way out,
@@ -172,13 +176,18 @@ def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     handle = head.register_forward_hook(lambda module, args, output: caught.append(output))
     try:
         if position_ids is None:
+            if attention_mask is None:
+                raise ValueError("token_values: packed rows (no attention_mask) need their position_ids")
             position_ids = position_ids_from_mask(attention_mask)
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+              **forward_kwargs)
     finally:
         handle.remove()
     if len(caught) != 1:
         raise RuntimeError(f"the value head ran {len(caught)} times in one forward pass, expected once")
     values = caught[0].squeeze(-1).float()
+    if attention_mask is None:
+        return values
     # Pad positions can hold garbage (even NaN from fully masked attention rows); 0 keeps masked sums finite.
     return torch.where(attention_mask.bool().to(values.device), values, torch.zeros_like(values))
 
@@ -251,7 +260,12 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
     With `normalize`, (score - reward_mean) / reward_std from the model config.
     """
-    scores = gather_last(token_values(model, input_ids, attention_mask), attention_mask)
+    return normalized_scores(model, gather_last(token_values(model, input_ids, attention_mask), attention_mask),
+                             normalize)
+
+
+def normalized_scores(model, scores: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """With `normalize`, (score - reward_mean) / reward_std from the model config; else the scores as they are."""
     if normalize:
         mean, std = reward_normalization(model)
         scores = (scores - mean) / std

@@ -129,6 +129,13 @@ class RLSection:
                                    "the engine itself); first_forward = the first training forward's, detached (one "
                                    "optimizer step per batch, rl.ppo_epochs=1, and nothing before training that "
                                    "reads them)")
+    padding_free: bool = field(False, help="every role scores and trains on packed rows of real tokens (position ids "
+                                           "restarting per sample, attention kept within a sample) instead of "
+                                           "right-padded ones; the same numbers within float rounding "
+                                           "(docs/recipes.md)")
+    padding_free_row_tokens: int = field(0, min=0, help="rl.padding_free: tokens per packed row at most (0 = the "
+                                                        "longest sample of the micro-batch: each row costs attention "
+                                                        "no more than a padded row)")
     entropy_coef: float = field(0.0, min=0)
     loss_agg: str = field("auto", choices=["auto", *LOSS_AGGREGATIONS],
                           help="how token losses add up to the step's loss (auto = the policy loss's paper: "

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from hpc_rlhf.algorithms.kl import kl_estimate
-from hpc_rlhf.rl.batches import Experience
+from hpc_rlhf.rl.batches import Experience, SampleBatch
+from hpc_rlhf.rl.packed import Layout, processed_tokens, sample_lengths
 
 
 def sample_figures(exp: Experience, kl_estimator: str, has_ref: bool, tis_cap: float | None,
@@ -50,3 +51,10 @@ def step_timing(t0: float, t_generate: float, t_score: float, t_train: float, t_
     elapsed = t_sync - t0
     return {"time_generate": t_generate - t0, "time_score": t_score - t_generate, "time_train": t_train - t_score,
             "time_sync": t_sync - t_train, "time_step": elapsed, "samples_per_s": samples / max(elapsed, 1e-9)}
+
+
+def pad_share(batch: SampleBatch, micro: int, layout: Layout) -> float:
+    """The share of pad tokens in a forward over the step's samples in order, `micro` at a time, in the layout the
+    roles use (padded rows, or packed ones with rl.padding_free): what the scoring and training forwards waste."""
+    lengths = sample_lengths(batch)
+    return 1.0 - sum(lengths) / processed_tokens(lengths, micro, layout.padding_free, layout.row_tokens)

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from hpc_rlhf import rewards as reward_fns
 from hpc_rlhf.dist import exchange, groups, watchdog
 from hpc_rlhf.models.lora import adapter_disabled
-from hpc_rlhf.models.value_model import sequence_scores, token_values
 from hpc_rlhf.rl import episodes, messages
-from hpc_rlhf.rl.batches import SampleBatch, make_batch, response_logprobs, shard_bounds, to_ragged
+from hpc_rlhf.rl.batches import SampleBatch, make_batch, shard_bounds, to_ragged
 from hpc_rlhf.rl.config import reward_role_names
+from hpc_rlhf.rl.packed import PADDED, Layout, policy_forward, score_forward, value_forward
 from hpc_rlhf.rl.routes import Routes
 from hpc_rlhf.utils.http_post import headers_from_env, shown_url
 
@@ -80,28 +80,29 @@ def rule_scores(routes: Routes, cfg, rule_functions, tokenizer, prompts: list[st
 
 
 # ------------------------------------------------------------------------------------------ what each role computes
-def logprobs_of(model, temperature: float, adapter_off: bool = False) -> Callable[[SampleBatch], list[torch.Tensor]]:
+def logprobs_of(model, temperature: float, adapter_off: bool = False, layout: Layout = PADDED
+                ) -> Callable[[SampleBatch], list[torch.Tensor]]:
     """Per-token log-probs of the responses under `model` (actor, ref), as the engines report theirs: of the
     sampling distribution softmax(logits / T). `adapter_off`: under a LoRA actor's base model, its adapter
-    disabled (the reference of ref_mode=adapter_disabled)."""
+    disabled (the reference of ref_mode=adapter_disabled). `layout`: padded or packed rows (rl.padding_free)."""
     def one(sub: SampleBatch) -> list[torch.Tensor]:
         with adapter_disabled(model) if adapter_off else contextlib.nullcontext():
-            logits = model(input_ids=sub.input_ids, attention_mask=sub.attention_mask, use_cache=False).logits
-        return to_ragged(response_logprobs(logits.float(), sub, temperature), sub)
+            logps, _ = policy_forward(model, sub, temperature, layout)
+        return to_ragged(logps, sub)
     return one
 
 
-def values_of(model) -> Callable[[SampleBatch], list[torch.Tensor]]:
+def values_of(model, layout: Layout = PADDED) -> Callable[[SampleBatch], list[torch.Tensor]]:
     """Per-token values of the responses under a value model (the critic)."""
     def one(sub: SampleBatch) -> list[torch.Tensor]:
-        return to_ragged(token_values(model, sub.input_ids, sub.attention_mask)[:, :-1].float(), sub)
+        return to_ragged(value_forward(model, sub, layout)[:, :-1].float(), sub)
     return one
 
 
-def scores_of(model, normalize: bool) -> Callable[[SampleBatch], list[torch.Tensor]]:
+def scores_of(model, normalize: bool, layout: Layout = PADDED) -> Callable[[SampleBatch], list[torch.Tensor]]:
     """One score per sample from a reward model."""
     def one(sub: SampleBatch) -> list[torch.Tensor]:
-        scores = sequence_scores(model, sub.input_ids, sub.attention_mask, normalize=normalize)
+        scores = score_forward(model, sub, normalize, layout)
         return [v.reshape(1).float().cpu() for v in scores]
     return one
 
@@ -128,22 +129,23 @@ class Scoring:
     (messages.share_scores). Built once in the recipe's set-up from the roles this rank holds."""
 
     def __init__(self, cfg, routes: Routes, tokenizer, device, temperature: float, *, actor=None, critic=None,
-                 ref=None, reward_models: dict | None = None, rule_functions=(), ref_from_actor: bool = False):
+                 ref=None, reward_models: dict | None = None, rule_functions=(), ref_from_actor: bool = False,
+                 layout: Layout = PADDED):
         self.cfg, self.routes, self.tokenizer, self.device = cfg, routes, tokenizer, device
         self.scorers = {}  # in role order: a rank holding colocated roles scores them in the same order as its peers
         # The actor scores its old log-probs unless rl.old_logprobs takes them from elsewhere (experience.py).
         self.actor_scores = cfg.rl.old_logprobs == "recompute"
         if actor is not None:
             if self.actor_scores:
-                self.scorers["actor"] = logprobs_of(actor.module, temperature)
+                self.scorers["actor"] = logprobs_of(actor.module, temperature, layout=layout)
             if ref_from_actor:  # the same module, its adapter off
-                self.scorers["ref"] = logprobs_of(actor.module, temperature, adapter_off=True)
+                self.scorers["ref"] = logprobs_of(actor.module, temperature, adapter_off=True, layout=layout)
         if critic is not None:
-            self.scorers["critic"] = values_of(critic.module)
+            self.scorers["critic"] = values_of(critic.module, layout)
         if ref is not None:
-            self.scorers["ref"] = logprobs_of(ref.model, temperature)
+            self.scorers["ref"] = logprobs_of(ref.model, temperature, layout=layout)
         for name, frozen in (reward_models or {}).items():
-            self.scorers[name] = scores_of(frozen.model, cfg.reward.normalize)
+            self.scorers[name] = scores_of(frozen.model, cfg.reward.normalize, layout)
         self.computed_by = {"ref": "actor"} if ref_from_actor else None
         self.rule_functions = list(rule_functions)
         self.with_rules = bool(self.rule_functions or cfg.reward.http_url)

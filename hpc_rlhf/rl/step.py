@@ -63,7 +63,8 @@ from hpc_rlhf.rl.config import (Config, check_plan_against_config, is_correction
 from hpc_rlhf.rl.dynamic_sampling import fill_from_rounds, round_seed
 from hpc_rlhf.rl.evaluation import evaluate
 from hpc_rlhf.rl.experience import build_experience
-from hpc_rlhf.rl.metrics import sample_figures, step_timing
+from hpc_rlhf.rl.metrics import pad_share, sample_figures, step_timing
+from hpc_rlhf.rl.packed import Layout
 from hpc_rlhf.rl.prompts import Prompts, load_prompts
 from hpc_rlhf.rl.roles import build_rollout_engine, ranks_per_node
 from hpc_rlhf.rl.rollout import Generation, RolloutPipeline, batch_seed, engine_led_here
@@ -137,11 +138,12 @@ class RLRecipe:
             if groups.has_role(name):
                 reward_models[name] = FrozenModel(ModelSection(path=path, dtype=cfg.actor.dtype), cfg.train,
                                                   run.device, group=groups.role_group(name), build=build_value_model)
+        self.layout = Layout.of(cfg.rl, self.tokenizer.pad_token_id)  # padded or packed rows (rl.padding_free)
         self.score = Scoring(cfg, self.routes, self.tokenizer, run.device, self.sampling.logprob_temperature,
                              actor=self.actor, critic=self.critic, ref=ref, reward_models=reward_models,
                              rule_functions=[(spec, reward_fns.load_reward_function(spec))
                                              for spec in cfg.reward.functions],
-                             ref_from_actor=ref_from_actor)
+                             ref_from_actor=ref_from_actor, layout=self.layout)
         if groups.has_role("rollout"):
             rollout = build_rollout_engine(cfg, plan, self.tokenizer, run.device, actor=self.actor)
         self.weights = WeightSync(plan, self.actor, rollout, cfg.rollout.backend,
@@ -214,7 +216,7 @@ class RLRecipe:
                                          if self._trains() else (None, {}))
                 # 7. training, actor and critic at the same time on their own ranks
                 metrics, critic_figures = training.train(self.actor, self.critic, cfg, step, exp, run.device,
-                                                         self.sampling.logprob_temperature)
+                                                         self.sampling.logprob_temperature, self.layout)
             t_train = time.perf_counter()
             # 8. weight sync
             with watchdog.phase("weight_sync"):
@@ -234,6 +236,7 @@ class RLRecipe:
                 metrics.update(sample_figures(exp, cfg.rl.kl_estimator, "ref" in scored,
                                               params["cap"] if mode == "tis_token" else None, "actor" in scored))
                 metrics.update(assembly_figures)
+                metrics["pad_share"] = pad_share(exp.batch, cfg.train.micro_batch_size, self.layout)
                 metrics.update(round_figures)
                 metrics.update(episode_figures)
                 metrics.update(step_timing(t0, t_generate, t_score, t_train, t_sync, len(generated)))

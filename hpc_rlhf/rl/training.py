@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.algorithms.kl import kl_estimate
-from hpc_rlhf.algorithms.logprobs import entropy_from_logits, masked_sum
+from hpc_rlhf.algorithms.logprobs import masked_sum
 from hpc_rlhf.algorithms.losses import cispo_loss, gspo_loss, loss_normalizer, policy_loss, value_loss
 from hpc_rlhf.config import TrainSection
 from hpc_rlhf.dist import exchange, groups
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.lora import unwrap_model, value_head_name
-from hpc_rlhf.models.value_model import token_values
 from hpc_rlhf.rl.config import Config, clip_range, loss_aggregation
-from hpc_rlhf.rl.batches import Experience, response_logprobs, shard_bounds
+from hpc_rlhf.rl.batches import Experience, shard_bounds
+from hpc_rlhf.rl.packed import PADDED, Layout, policy_forward, value_forward
 from hpc_rlhf.utils import faults
 
 
@@ -42,19 +42,18 @@ ACTOR_SHUFFLE = Shuffle(seed_stride=31, step_stride=7)
 CRITIC_SHUFFLE = Shuffle(seed_stride=37, step_stride=11)
 
 
-def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, device, temperature: float
-                ) -> dict[str, float]:
+def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, device, temperature: float,
+                layout: Layout = PADDED) -> dict[str, float]:
     """One policy update of the actor on the step's experience (its figures, the same on its ranks): the loss of
-    rl.policy_loss on the tokens of the loss mask, each weighted by its importance weight (rl.is_correction)."""
+    rl.policy_loss on the tokens of the loss mask, each weighted by its importance weight (rl.is_correction).
+    `layout`: its forwards on padded or packed rows (rl.padding_free)."""
     rl = cfg.rl
     clip_eps, clip_eps_high = clip_range(rl)
     first_forward = rl.old_logprobs == "first_forward"
 
     def loss_of(micro: Experience, tokens: float, policy_normalizer: float, share: float):
         mask = micro.loss_mask
-        logits = actor(input_ids=micro.batch.input_ids, attention_mask=micro.batch.attention_mask,
-                       use_cache=False).logits.float()
-        logps = response_logprobs(logits, micro.batch, temperature)
+        logps, entropies = policy_forward(actor, micro.batch, temperature, layout)
         # One optimizer step per batch (rl/config.py checks it): these weights are still the old policy's.
         old_logps = logps.detach() if first_forward else micro.old_logps
         common = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, loss_agg=loss_aggregation(rl),
@@ -67,7 +66,7 @@ def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, dev
             policy, clip_fraction, approx_kl = policy_loss(logps, old_logps, micro.advantages, mask,
                                                            dual_clip=rl.dual_clip, **common)
         with torch.set_grad_enabled(rl.entropy_coef > 0):
-            entropy = masked_sum(entropy_from_logits(logits[:, :-1] / temperature), mask)
+            entropy = masked_sum(entropies(), mask)
         loss = policy - rl.entropy_coef * entropy / tokens
         figures = {"policy_loss": policy.detach(), "entropy": entropy.detach() / tokens,
                    "clip_fraction": clip_fraction * share, "approx_kl": approx_kl * share}
@@ -81,7 +80,8 @@ def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, dev
                       loss_of, ACTOR_SHUFFLE, device)
 
 
-def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, device) -> dict[str, float]:
+def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, device, layout: Layout = PADDED
+                 ) -> dict[str, float]:
     """One clipped value-loss update of the critic on the step's experience (its figures, the same on its ranks)."""
     clip = cfg.rl.value_clip_eps
     head = getattr(unwrap_model(critic.module), value_head_name(critic.module))
@@ -90,7 +90,7 @@ def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, d
         mask = micro.batch.action_mask
         # Through the engine's forward, as the actor's: the bare module's trained wrongly under ZeRO-3 (the
         # gradient norm 0.86 where ZeRO-0 and ZeRO-2 give 30.7, and no clipping).
-        values = token_values(critic, micro.batch.input_ids, micro.batch.attention_mask, head=head)[:, :-1]
+        values = value_forward(critic, micro.batch, layout, head=head)[:, :-1]
         loss, clip_fraction = value_loss(values.float(), micro.values, micro.returns, mask, clip_eps=clip,
                                          normalizer=tokens)
         return loss, {"value_loss": loss.detach(), "value_clip_fraction": clip_fraction * share}
@@ -100,11 +100,11 @@ def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, d
 
 
 def train(actor: TrainEngine | None, critic: TrainEngine | None, cfg: Config, step: int, exp: Experience | None,
-          device, temperature: float) -> tuple[dict[str, float], dict[str, float]]:
+          device, temperature: float, layout: Layout = PADDED) -> tuple[dict[str, float], dict[str, float]]:
     """Phase 7 on this rank: the actor and the critic it holds train on the step's Experience, each on its own
     group (ranks holding neither pass through). The actor's figures and the critic's."""
-    actor_figures = train_actor(actor, cfg, step, exp, device, temperature) if actor is not None else {}
-    critic_figures = train_critic(critic, cfg, step, exp, device) if critic is not None else {}
+    actor_figures = train_actor(actor, cfg, step, exp, device, temperature, layout) if actor is not None else {}
+    critic_figures = train_critic(critic, cfg, step, exp, device, layout) if critic is not None else {}
     return actor_figures, critic_figures
 
 

@@ -4,6 +4,7 @@ temperature (so its log-probs equal the engine's), and the figures are logged ap
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -202,3 +203,30 @@ def test_old_logprobs_sources_are_refused_where_they_would_train_something_else(
 
     rl = load_config(grpo.Config, "examples/tiny/grpo.yaml", ["rl.old_logprobs=rollout", "rl.max_staleness=1"]).rl
     assert is_correction(rl) == ("none", {})  # auto: nothing to correct with the engines' log-probs as the old ones
+
+
+def test_padding_free_steps_train_as_padded_ones_on_fewer_tokens(tmp_path):
+    """rl.padding_free (issue 37): a PPO run with every scoring role (actor, critic, ref and a reward model) on one
+    rank trains on packed rows as on padded ones, up to float rounding (attention sums over rows of another width),
+    and logs its pad share. Prompts of 2 to 31 characters, so that padded rows are far from full; rows of up to
+    1024 tokens, so that each micro-batch is one row without a pad."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "+".join(["1"] * k) + "=", "answer": str(k)}) + "\n"
+                               for k in range(1, 17)))
+    common = ["--config", "examples/tiny/ppo.yaml", f"actor.path={TINY_MODEL}", f"critic.path={TINY_MODEL}",
+              f"data.train_files=[{prompts}]",
+              f"reward.models=[{TINY_MODEL}]", "placement=actor+critic+ref+reward=1,rollout@actor",
+              "rollout.prompts_per_step=16", "rollout.n_samples=2", "rollout.max_new_tokens=8", "train.batch_size=32",
+              "train.micro_batch_size=16", "critic_train.batch_size=32", "critic_train.micro_batch_size=16",
+              "train.lr=1e-3", "train.max_steps=2", "log.eval_every_steps=0", "checkpoint.every_steps=0", *QUIET]
+    figures = {}
+    for name, padding_free in (("padded", "false"), ("packed", "true")):
+        out = tmp_path / name
+        hpc_rlhf_cli("ppo", *common, f"output_dir={out}", f"rl.padding_free={padding_free}",
+                     "rl.padding_free_row_tokens=1024")
+        figures[name] = read_metrics(out)
+    for padded, packed in zip(figures["padded"], figures["packed"], strict=True):
+        assert padded["pad_share"] > 0.1 and packed["pad_share"] == 0, (padded["pad_share"], packed["pad_share"])
+        for key in ("reward", "policy_loss", "value_loss", "actor_grad_norm", "critic_grad_norm", "entropy", "kl_k1",
+                    "rollout_logprob_abs_diff"):
+            assert packed[key] == pytest.approx(padded[key], rel=1e-3, abs=1e-5), (key, padded, packed)
