@@ -97,6 +97,56 @@ def print_timeline(root: Path, start_wall: float, slowest: int = 12) -> None:
               f"[{name}] {what}" + (f"\n{'':41}beside: {', '.join(sorted(beside, key=len)[:4])}" if beside else ""))
 
 
+class BusySampler:
+    """The machine's CPU use while the suite runs (/proc/stat every SAMPLE_S seconds): where it fell well below
+    all cores, a core waited (a test sleeping on a timeout, a lane waiting at a gate) and the lanes could be
+    scheduled tighter."""
+    SAMPLE_S = 5.0
+
+    def __init__(self):
+        self.samples: list[tuple[float, float]] = []  # (seconds into the suite, busy cores)
+        self.stop = threading.Event()
+        self.start = time.monotonic()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _cpu_times() -> tuple[float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    def _run(self) -> None:
+        last = self._cpu_times()
+        while not self.stop.wait(self.SAMPLE_S):
+            now = self._cpu_times()
+            if last is not None and now is not None and now[1] > last[1]:
+                share = (now[0] - last[0]) / (now[1] - last[1])
+                self.samples.append((time.monotonic() - self.start, share * (os.cpu_count() or 1)))
+            last = now
+
+    def report(self) -> str:
+        self.stop.set()
+        self.thread.join(self.SAMPLE_S + 1)
+        if not self.samples:
+            return "machine CPU use: not sampled (no /proc/stat)"
+        cores = os.cpu_count() or 1
+        mean = sum(busy for _, busy in self.samples) / len(self.samples)
+        low = [at for at, busy in self.samples if busy < 0.75 * cores]
+        spans, begin = [], None
+        for i, at in enumerate(low):  # consecutive low samples as spans of minutes
+            begin = at if begin is None else begin
+            if i + 1 == len(low) or low[i + 1] - at > 1.5 * self.SAMPLE_S:
+                spans.append(f"{(begin - self.SAMPLE_S) / 60:.1f}-{at / 60:.1f}")
+                begin = None
+        return (f"machine CPU use: {mean:.2f} of {cores} cores on average; under {0.75 * cores:.1f} for "
+                f"{len(low) * self.SAMPLE_S / 60:.1f} min" + (f" (minutes {', '.join(spans[:12])})" if spans else ""))
+
+
 def lane_report(name: str, code: int, log: str) -> list[str]:
     """A lane's last lines: its failed tests (pytest's FAILED and ERROR lines, cut to MAX_FAILURE_LINE characters),
     repeated at the end where a reader of only the output's tail (CI's) finds them, then its pytest summary."""
@@ -109,6 +159,7 @@ def main(argv: list[str]) -> int:
     # The built-in assets, once, before two processes would each find them missing and write them.
     subprocess.run([sys.executable, "-m", "hpc_rlhf", "assets"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     start, start_wall = time.monotonic(), time.time()
+    busy = BusySampler()
     lock = threading.Lock()
     root = Path(tempfile.mkdtemp(prefix="hpc_rlhf_suite_"))
     (root / "gates").mkdir()
@@ -131,6 +182,7 @@ def main(argv: list[str]) -> int:
                   f"by a test; not waited for):", *left, sep="\n  ")
     elapsed = time.monotonic() - start
     print_timeline(root, start_wall)
+    print(busy.report())
     for name, code in codes.items():
         print(*lane_report(name, code, (root / f"{name}.log").read_text()), sep="\n")
     minutes, seconds = divmod(round(elapsed), 60)
