@@ -23,16 +23,19 @@ import json
 import math
 import time
 import uuid
-from typing import Callable, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from hpc_rlhf.data.synthetic import exact_match as _exact_match
 from hpc_rlhf.utils.http_post import HttpCallError, decode_json_object, post_json, shown_url, url_problem
 from hpc_rlhf.utils.imports import ModuleFileMissing, import_target
 
+if TYPE_CHECKING:
+    import torch
+
 RewardFn = Callable[[list, list, list], Sequence[float]]
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # rewards are combined and trained on in float32
+# float32's largest value (torch.finfo(torch.float32).max): rewards are combined and trained on in float32. Written
+# out, so that the command line (`hpc-rlhf plan` on a login node) imports no torch through this module.
+FLOAT32_MAX = 3.4028234663852886e38
 HTTP_TRIES = 3          # tries of a remote reward call in all
 MAX_BACKOFF_S = 10.0    # the longest pause between two of them
 
@@ -101,7 +104,7 @@ def check_rewards(values, count: int, what: str) -> list[float]:
 def check_weighted(total: torch.Tensor, what: str) -> torch.Tensor:
     """`total` (float32 rewards after weighting) unchanged when every value is finite, else an error naming `what`
     and the first sample that is not: a weight can push a finite reward past float32's range."""
-    bad = (~torch.isfinite(total)).nonzero()
+    bad = (~total.isfinite()).nonzero()
     if len(bad):
         i = int(bad[0])
         raise RewardFunctionError(f"{what} gave response {i} the reward {float(total[i])} after weighting; rewards "

@@ -26,7 +26,7 @@ SHARED_MODELS = ("sft_base", "ppo_reward_model", "tool_sft_base")
 # 8 minutes longer, alone on the machine with a core idle (fresh-clone suite of 2026-11-27, AMD EPYC: learning lane
 # 24m03s, rest lane 32m10s; these files took about 4.5 minutes of the rest lane). Self-contained runs of their own.
 LEARNING_LANE_TAIL = ("tests/trainers/test_failures.py", "tests/launch/test_sbatch_scripts.py",
-                      "tests/launch/test_local.py")
+                      "tests/launch/test_local.py", "tests/dist/test_watchdog.py", "tests/dist/test_store_host.py")
 
 
 def _in_the_learning_lanes_tail(item) -> bool:

@@ -95,3 +95,14 @@ def test_a_lanes_failed_tests_are_repeated_with_its_summary_at_the_end():
     assert report[1:] == ["lane rest: ERROR tests/b.py::test_z - boom",
                           "lane rest: exit 1: 1 failed, 2 passed, 1 error in 3.00s"]
     assert load_run_suite().lane_report("learning", 0, "") == ["lane learning: exit 0: (no output)"]
+
+
+def test_every_test_folder_is_collected(pytestconfig):
+    """No folder of tests/ matches a pattern pytest skips when it walks `tests` (its default `norecursedirs` had
+    "dist", and tests/dist went unrun until pyproject.toml listed the patterns without it)."""
+    import fnmatch
+
+    skipped = pytestconfig.getini("norecursedirs")
+    folders = [p for p in Path(__file__).parent.rglob("*") if p.is_dir() and "__pycache__" not in p.parts]
+    hidden = [str(f) for f in folders if any(fnmatch.fnmatch(f.name, pattern) for pattern in skipped)]
+    assert not hidden, f"pytest would not collect {hidden} (norecursedirs {skipped})"
