@@ -246,7 +246,8 @@ CLI_CASES = [
     ("reward weights of the wrong length", [*GRPO, "reward.function_weights=[1.0,2.0]"],
      "reward.function_weights has 2 entries for 1 reward.functions"),
     ("no reward at all", [*GRPO, "reward.functions=[]"],
-     "no reward: set reward.models, reward.functions, reward.http_url, or an environment (env.name, env.http_url)"),
+     "no reward: set reward.models, reward.functions, reward.http_url, an environment (env.name, env.http_url), or a "
+     "teacher to distill from (distill.teacher)"),
     ("world smaller than the placement (torchrun)", GRPO,
      "placement needs 4 ranks but the job has 2 (launched by torchrun)",
      {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}),

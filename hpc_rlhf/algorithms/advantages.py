@@ -234,32 +234,43 @@ def combine_scores(rule_scores: torch.Tensor, model_scores: list[torch.Tensor],
 class Assembled(NamedTuple):
     """What `assemble_advantages` makes of one step's scores: the combined score per sample (batch,), the per-token
     KL estimate to the reference (batch, seq; 0 outside the responses), the advantages (batch, seq) and the critic's
-    returns (batch, seq; None without a critic)."""
+    returns (batch, seq; None without a critic), and with a teacher the per-token reverse KL to it (batch, seq: log
+    pi_old - log pi_teacher at each sampled token, 0 outside the responses; None without one)."""
     scores: torch.Tensor
     kl: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor | None
+    teacher_kl: torch.Tensor | None = None
 
 
 def assemble_advantages(rule_scores: torch.Tensor, model_scores: list[torch.Tensor], model_weights: list[float],
                         logps: torch.Tensor, ref_logps: torch.Tensor | None, mask: torch.Tensor, *,
                         kl_estimator: str, estimator: str, n: int, kl_coef: float = 0.0, kl_in_reward: bool = True,
                         gamma: float = 1.0, lam: float = 0.95, values: torch.Tensor | None = None,
-                        whiten: bool = True, normalize_scores: bool = False, score_clip: float = 0.0) -> Assembled:
+                        whiten: bool = True, normalize_scores: bool = False, score_clip: float = 0.0,
+                        teacher_logps: torch.Tensor | None = None, teacher_coef: float = 0.0) -> Assembled:
     """Advantage assembly of one RL step, from what the roles computed to what the actor and critic train on:
 
       1. score per sample = rule_scores (the rule and remote rewards, already weighted) + sum_m w_m * model_scores[m]
          (`combine_scores`);
       2. per-token KL of the actor (before the update, `logps`) to the reference (`ref_logps`; None without one:
          the KL is then 0) with `kl_estimator` (k1, k2, k3), 0 outside the responses;
-      3. advantages and returns from them with `estimator` (`rl_advantages`, which documents the options).
+      3. advantages and returns from them with `estimator` (`rl_advantages`, which documents the options);
+      4. on-policy distillation (`teacher_logps` given): each sampled token's advantage gains
+         teacher_coef * (log pi_teacher(y_t) - log pi_old(y_t)), the negative of the per-token reverse KL to the
+         teacher, undiscounted and after any whitening (each token is judged by the teacher on its own; the critic's
+         returns stay the rewards').
 
-    rule_scores (batch,); model_scores one (batch,) tensor per reward model; logps, ref_logps, mask and values
-    (batch, seq) in the layout of `mask`. Pure: tensors in, tensors out.
+    rule_scores (batch,); model_scores one (batch,) tensor per reward model; logps, ref_logps, teacher_logps, mask
+    and values (batch, seq) in the layout of `mask`. Pure: tensors in, tensors out.
     """
     scores = combine_scores(rule_scores, model_scores, model_weights)
     kl = kl_estimate(logps, logps if ref_logps is None else ref_logps, kind=kl_estimator) * mask
     advantages, returns = rl_advantages(scores, kl, mask, estimator=estimator, n=n, kl_coef=kl_coef,
                                         kl_in_reward=kl_in_reward, gamma=gamma, lam=lam, values=values, whiten=whiten,
                                         normalize_scores=normalize_scores, score_clip=score_clip)
-    return Assembled(scores, kl, advantages, returns)
+    teacher_kl = None
+    if teacher_logps is not None:
+        teacher_kl = (logps - teacher_logps) * mask
+        advantages = advantages - teacher_coef * teacher_kl
+    return Assembled(scores, kl, advantages, returns, teacher_kl)

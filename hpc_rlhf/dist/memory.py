@@ -78,7 +78,7 @@ TRAINING_KINDS = ("actor", "critic")
 ZERO3_WINDOW_SHARE = 1 / 8  # engines/train.py: DeepSpeed's gathering window and gradient bucket, share of the model
 ZERO3_WINDOW_MAX = 10**9  # parameters (stage3_max_live_parameters, stage3_max_reuse_distance)
 ZERO3_GRADIENT_BUCKET_MAX = 5 * 10**8  # elements (reduce_bucket_size)
-KINDS = ("actor", "critic", "ref", "reward", "rollout")
+KINDS = ("actor", "critic", "ref", "teacher", "reward", "rollout")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # config.LoraSection's default
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # engines/rollout/vllm.py (no torch here)
@@ -359,9 +359,9 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
             # the leader's two weight-sync buffers, filled at most with what a sync moves (model or adapter)
             activations += min(2 * weight_sync_bucket_mb * 2**20, d * trained)
         out["activations"] = activations / GB
-    elif role_kind in ("ref", "reward"):
+    elif role_kind in ("ref", "teacher", "reward"):  # frozen: per-token log-probs (ref, teacher) or scores
         out["weights"] = d * (params / (ranks if zero_stage >= 3 else 1) + gathered) / GB
-        activations = layer_working_set + (4 * tokens * shape.vocab if role_kind == "ref" else 0)
+        activations = layer_working_set + (4 * tokens * shape.vocab if role_kind != "reward" else 0)
         out["activations"] = activations / GB
     else:  # rollout
         slot = shape.lora_params(vllm_lora_rank(lora_rank), PROJECTIONS) if lora_rank > 0 else 0

@@ -9,7 +9,8 @@ As a string, entries separated by commas or spaces::
 
     actor=4,critic=2,ref=1,reward=1,rollout=8,rollout_tp=2
 
-- `NAME=N` gives role NAME its own N ranks. Roles: `actor`, `critic`, `ref`, `reward`, `rollout`.
+- `NAME=N` gives role NAME its own N ranks. Roles: `actor`, `critic`, `ref`, `teacher` (on-policy distillation),
+  `reward`, `rollout`.
 - Several reward models are named `reward`, `reward2`, `reward3`, ... (in that order; `reward2` needs
   `reward`). Each is a role of kind `reward`.
 - `A+B=N` colocates: the same N ranks hold both A and B (e.g. `actor+ref=4`, `critic+reward=2`). Each role
@@ -34,7 +35,7 @@ each role touches as few nodes as possible: rollout engines first (they are the 
 anywhere), then the other units (a colocated group is one unit) from largest to smallest, each into the node
 with the least room that still holds it whole, or, when none does, spread over the emptiest nodes. Then nodes
 are numbered so that the node holding the actor comes first, and inside a node roles take consecutive ranks
-in the order actor, critic, ref, reward, reward2, ..., rollout. So the 16-rank layout above on 8-rank nodes
+in the order actor, critic, ref, teacher, reward, reward2, ..., rollout. So the 16-rank layout above on 8-rank nodes
 puts actor on 0-3, critic 4-5, ref 6, reward 7 and the rollout engines on 8-15.
 """
 
@@ -45,7 +46,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-ROLE_KINDS = ("actor", "critic", "ref", "reward", "rollout")
+ROLE_KINDS = ("actor", "critic", "ref", "teacher", "reward", "rollout")
 _REWARD_NAME = re.compile(r"reward(?:([2-9]|[1-9][0-9]+))?")
 
 
@@ -161,7 +162,7 @@ def _engines_text(p: RolePlacement) -> str:
 # ---------------------------------------------------------------------------------------------------- parsing
 def role_kind(name: str) -> str:
     """The kind of a role name: 'reward3' -> 'reward'. Unknown names raise PlacementError."""
-    if name in ("actor", "critic", "ref", "rollout"):
+    if name in ("actor", "critic", "ref", "teacher", "rollout"):
         return name
     if _REWARD_NAME.fullmatch(name):
         return "reward"
@@ -171,12 +172,12 @@ def role_kind(name: str) -> str:
     else:
         near = difflib.get_close_matches(name, list(ROLE_KINDS), n=1)
         hint = f"; did you mean '{near[0]}'?" if near else ""
-    raise PlacementError(f"unknown role '{name}'{hint} (roles: actor, critic, ref, reward, reward2, ..., "
+    raise PlacementError(f"unknown role '{name}'{hint} (roles: actor, critic, ref, teacher, reward, reward2, ..., "
                          f"rollout)")
 
 
 def _role_order(name: str) -> tuple[int, int]:
-    """Canonical order: actor, critic, ref, reward, reward2, ..., rollout."""
+    """Canonical order: actor, critic, ref, teacher, reward, reward2, ..., rollout."""
     kind = role_kind(name)
     index = 0
     if kind == "reward":

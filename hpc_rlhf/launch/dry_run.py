@@ -117,6 +117,8 @@ def _rl_loads(cfg: Any, plan, model: str | None, folders: ModelFolders):
               "rollout": actor}
     if plan.has("critic"):
         shapes["critic"] = _shape(cfg.critic.path, "critic.path", model, folders)
+    if plan.has("teacher"):
+        shapes["teacher"] = _shape(cfg.distill.teacher, "distill.teacher", model, folders)
     for index, name in enumerate(n for n in plan.roles if plan.roles[n].kind == "reward"):
         shapes[name] = _shape(cfg.reward.models[index], f"reward.models[{index}]", model, folders)
     rollout = plan.roles.get("rollout")

@@ -4,7 +4,8 @@ every rank has loaded its model.
 
 - model folders: every folder the plan read (`report["model_folders"]`: actor.path, critic.path, reward.models[i],
   model.path, ...) holds a config.json and weights whose safetensors headers read, and the tokenizer folder
-  (`actor.tokenizer` or `model.tokenizer`, else the model folder) has tokenizer files;
+  (`actor.tokenizer` or `model.tokenizer`, else the model folder) has tokenizer files; a teacher to distill from
+  (distill.teacher) has the same tokenizer;
 - data files: every `*_files` key (data.train_files, data.eval_files, eval.prompt_files, ...) names files or
   folders that exist; the first PEEK_ROWS rows of a JSON or JSON Lines file parse as JSON objects (the trainer
   checks every row against its mode's keys when it loads them);
@@ -34,6 +35,8 @@ def check_files(cfg: Any, report: dict, checkpoint_gb: float) -> list[str]:
     (for the job log). Raises AllocationError naming the key of the first problem."""
     checked = [_check_model_folder(key, folder) for key, folder in report["model_folders"].items()]
     checked += [_check_tokenizer(key, folder) for key, folder in tokenizer_folders(cfg).items()]
+    if getattr(getattr(cfg, "distill", None), "teacher", None):
+        checked.append(_check_teacher_tokenizer(cfg))
     for key, paths in data_files(cfg).items():
         checked += [_check_data_file(key, Path(path)) for path in paths]
     checked.append(_check_output_dir(cfg.output_dir, checkpoint_gb))
@@ -83,6 +86,16 @@ def _check_tokenizer(key: str, folder: str) -> str:
     if problem:
         raise AllocationError(key, problem)
     return f"{key}: tokenizer in {folder}"
+
+
+def _check_teacher_tokenizer(cfg: Any) -> str:
+    from hpc_rlhf.models.builders import same_tokenizer_problem  # transformers: only the in-job check needs it
+
+    [(key, folder)] = tokenizer_folders(cfg).items()
+    problem = same_tokenizer_problem(folder, cfg.distill.teacher, key)
+    if problem:
+        raise AllocationError("distill.teacher", problem)
+    return f"distill.teacher: the tokenizer of {folder}"
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, str]]:

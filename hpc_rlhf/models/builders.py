@@ -320,6 +320,24 @@ def tokenizer_folder_problem(folder: Path) -> str | None:
     return None
 
 
+def same_tokenizer_problem(student: str | Path, teacher: str | Path, student_key: str = "actor.path",
+                           teacher_key: str = "distill.teacher") -> str | None:
+    """Why a teacher cannot score a student's tokens, or None: its tokenizer must map every token to the same id
+    (a teacher with another vocabulary would score other tokens than those sampled) and end sequences with the
+    same token. Both folders are named."""
+    ours, theirs = load_tokenizer(student, pad_to_eos=True), load_tokenizer(teacher, pad_to_eos=True)
+    head = f"{teacher_key} '{teacher}' does not share the tokenizer of {student_key} '{student}'"
+    vocabulary, other = ours.get_vocab(), theirs.get_vocab()
+    if vocabulary != other:
+        differ = sorted(t for t in set(vocabulary) | set(other) if vocabulary.get(t) != other.get(t))
+        shown = ", ".join(f"{t!r}: {vocabulary.get(t)} vs {other.get(t)}" for t in differ[:3])
+        return (f"{head}: {len(vocabulary)} vs {len(other)} tokens, {len(differ)} mapped differently ({shown}); "
+                "distill from a teacher of the same model family and tokenizer")
+    if ours.eos_token_id != theirs.eos_token_id:
+        return f"{head}: end-of-sequence token {ours.eos_token_id} vs {theirs.eos_token_id}"
+    return None
+
+
 def build_causal_lm(model_cfg: ModelSection, for_training: bool = True, device: torch.device | str | None = None,
                     where: str = "model"):
     """The actor or reference model: `AutoModelForCausalLM` from `model_cfg.path`.

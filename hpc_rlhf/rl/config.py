@@ -64,6 +64,17 @@ class RolloutSection:
 
 
 @dataclass
+class DistillSection:
+    """On-policy distillation: a frozen teacher (the placement's `teacher` role) scores every token the actor
+    samples, and each token's advantage gains distill.coef x (log pi_teacher - log pi_old), the negative of the
+    per-token reverse KL to the teacher, beside any reward's advantage (docs/recipes.md)."""
+    teacher: str | None = field(None, help="teacher model folder, a causal LM with the actor's tokenizer (None = "
+                                           "no distillation)")
+    coef: float = field(1.0, min=0, help="weight of the per-token reverse-KL advantage (0: the teacher scores, the "
+                                         "advantage ignores it)")
+
+
+@dataclass
 class RewardSection:
     """Reward models (one `reward`, `reward2`, ... role each), rule functions and an HTTP endpoint, summed."""
     models: list[str] = field(["runs/rm/final"], help="reward model folders, in role order reward, reward2, ...")
@@ -192,6 +203,7 @@ class Config:
                                "'ref' role, no second copy); auto = adapter_disabled for a LoRA actor "
                                "(actor.lora.rank > 0) unless ref_path names another folder, else model")
     reward: RewardSection = section(RewardSection)
+    distill: DistillSection = section(DistillSection)
     rollout: RolloutSection = section(RolloutSection)
     rl: RLSection = section(RLSection)
     data: DataSection = dataclasses.field(default_factory=_rl_data)
@@ -225,9 +237,10 @@ class Config:
                               f"{len(self.reward.functions)} reward.functions")
         self.env.validate()
         self._check_reward_endpoint()
-        if not (self.reward.models or self.reward.functions or self.reward.http_url or self.env.enabled):
-            raise ConfigError("no reward: set reward.models, reward.functions, reward.http_url, or an environment "
-                              "(env.name, env.http_url)")
+        if not (self.reward.models or self.reward.functions or self.reward.http_url or self.env.enabled
+                or self.distill.teacher):
+            raise ConfigError("no reward: set reward.models, reward.functions, reward.http_url, an environment "
+                              "(env.name, env.http_url), or a teacher to distill from (distill.teacher)")
         self._check_rl_options()
         self._check_lora()
         self._check_placement()
@@ -452,6 +465,10 @@ def check_plan_against_config(plan, cfg: Config) -> None:
         problems.append(f"with {mode} the reference is the actor with its adapter off, computed on the actor's "
                         "ranks, so the 'ref' role would hold an unused copy: remove it from the placement, or set "
                         "ref_mode=model to keep a separate reference model")
+    if cfg.distill.teacher:
+        needed.append("teacher")
+    elif plan.has("teacher"):
+        problems.append("the placement has a 'teacher' role but distill.teacher names no teacher model folder")
     names = reward_role_names(len(cfg.reward.models))
     needed += names
     for name in needed:

@@ -27,8 +27,9 @@ def build_experience(cfg, batch: SampleBatch, scored: dict[str, torch.Tensor], r
     long without an end-of-sequence token).
 
     1. scores: the rule and remote rewards (already weighted), plus DAPO's overlong penalty where rl.overlong_buffer
-       is set, plus each reward model's weighted score; the KL estimate; advantages and returns with the estimator:
-       one pure function, `algorithms.advantages.assemble_advantages`;
+       is set, plus each reward model's weighted score; the KL estimate; advantages and returns with the estimator,
+       and with a teacher (distill.teacher) its per-token term: one pure function,
+       `algorithms.advantages.assemble_advantages`;
     2. the loss mask: the response tokens less those the importance-sampling correction drops (masked IS), less
        the responses cut by the length limit (rl.overlong_filter), less the samples dynamic sampling leaves out;
        the importance weights of the tokens (rl.is_correction).
@@ -48,7 +49,8 @@ def build_experience(cfg, batch: SampleBatch, scored: dict[str, torch.Tensor], r
         cfg.reward.model_weights or [1.0] * len(reward_roles), old_logps, scored.get("ref"),
         sample_mask, kl_estimator=rl.kl_estimator, estimator=rl.advantage, n=cfg.rollout.n_samples,
         kl_coef=rl.kl_coef, kl_in_reward=rl.kl_in_reward, gamma=rl.gamma, lam=rl.lam, values=scored.get("critic"),
-        whiten=rl.whiten_advantages, normalize_scores=rl.normalize_rewards, score_clip=cfg.reward.clip)
+        whiten=rl.whiten_advantages, normalize_scores=rl.normalize_rewards, score_clip=cfg.reward.clip,
+        teacher_logps=scored.get("teacher"), teacher_coef=cfg.distill.coef)
 
     mode, params = is_correction(rl)
     correction = off_policy_correction(old_logps, rollout_logps, mask, mode, **params)
@@ -61,6 +63,9 @@ def build_experience(cfg, batch: SampleBatch, scored: dict[str, torch.Tensor], r
         keep = keep & keep_samples
     trained = loss_mask(correction.mask, keep_sequences=keep).to(mask.dtype)
     figures = {"truncated_share": truncated_share(truncated).item()}
+    if assembled.teacher_kl is not None:  # mean over the sampled tokens, and its sum over a response
+        figures["teacher_kl"] = (assembled.teacher_kl.sum() / sample_mask.sum().clamp(min=1)).item()
+        figures["teacher_kl_per_response"] = assembled.teacher_kl.sum(1).mean().item()
     if mode != "none":
         figures.update(is_masked_share=correction.masked_share.item(),
                        is_truncated_share=correction.truncated_share.item())

@@ -268,7 +268,7 @@ def engine_counts(prompts: int, engines: int, n: int) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------------------ scores
 def per_sample_role(role: str) -> bool:
     """Whether a scoring role's result is one number per sample (reward models, the rule rewards) rather than one
-    per response token (actor, critic, ref)."""
+    per response token (actor, critic, ref, teacher)."""
     return role.startswith("reward") or role == "rules"
 
 

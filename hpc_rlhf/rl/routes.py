@@ -6,12 +6,12 @@ Rank 0, the actor's leader, logs the step's figures. The routes:
 - `engines` (a gather): a batch's responses and their sampling log-probs, or an evaluation's greedy responses,
   from each rollout engine's first rank to the hub (the first engine's first rank), over one group of the
   engines' first ranks;
-- `responses`: the whole batch, from the hub to every scoring rank (actor, critic, ref, reward models; the rule
-  rewards run on one of them) and rank 0. The log-probs are for the trained roles; they ride in the same message
-  (messages.share_responses says why);
+- `responses`: the whole batch, from the hub to every scoring rank (actor, critic, ref, teacher, reward models;
+  the rule rewards run on one of them) and rank 0. The log-probs are for the trained roles; they ride in the same
+  message (messages.share_responses says why);
 - `eval`: an evaluation's greedy responses, from the hub to rank 0 only (the one rank that decodes them);
-- `scores/ROLE` (actor, critic, ref, reward, reward2, ..., and `rules` for the rule/remote rewards): that role's
-  per-sample results, from its leader (the rule rewards' rank for `rules`) to the trained roles and rank 0;
+- `scores/ROLE` (actor, critic, ref, teacher, reward, reward2, ..., and `rules` for the rule/remote rewards): that
+  role's per-sample results, from its leader (the rule rewards' rank for `rules`) to the trained roles and rank 0;
 - `figures/critic` (a gather): the critic's training figures, to rank 0, which logs them, over the trained
   ranks (only the critic's leader has figures; the others take part in the gather with nothing to say).
 
@@ -96,7 +96,7 @@ def routes_of(plan: Plan, ref_role: str = "ref") -> dict[str, Route | Gather]:
         return {r for role in plan.roles.values() if role.kind in kinds for r in role.ranks}
 
     trained = ranks_of(("actor", "critic")) | {LOGGING_RANK}
-    scorers = ranks_of(("actor", "critic", "ref", "reward")) | {LOGGING_RANK}
+    scorers = ranks_of(("actor", "critic", "ref", "teacher", "reward")) | {LOGGING_RANK}
     routes: dict[str, Route | Gather] = {}
 
     def add(key: str, src: int, consumers: set[int]) -> None:

@@ -1,5 +1,5 @@
-"""Phases 4-5 of the RL step, scoring (`Scoring`): actor (old log-probs), critic (values), ref (log-probs) and each
-reward model (scores) on their contiguous shard of the samples, all at the same time on their own ranks, each
+"""Phases 4-5 of the RL step, scoring (`Scoring`): actor (old log-probs), critic (values), ref and teacher (log-probs)
+and each reward model (scores) on their contiguous shard of the samples, all at the same time on their own ranks, each
 gathered to its role's leader; the rule and remote rewards once, on one rank; then every result to the trained
 roles (messages.share_scores).
 
@@ -129,8 +129,8 @@ class Scoring:
     (messages.share_scores). Built once in the recipe's set-up from the roles this rank holds."""
 
     def __init__(self, cfg, routes: Routes, tokenizer, device, temperature: float, *, actor=None, critic=None,
-                 ref=None, reward_models: dict | None = None, rule_functions=(), ref_from_actor: bool = False,
-                 layout: Layout = PADDED):
+                 ref=None, teacher=None, reward_models: dict | None = None, rule_functions=(),
+                 ref_from_actor: bool = False, layout: Layout = PADDED):
         self.cfg, self.routes, self.tokenizer, self.device = cfg, routes, tokenizer, device
         self.scorers = {}  # in role order: a rank holding colocated roles scores them in the same order as its peers
         # The actor scores its old log-probs unless rl.old_logprobs takes them from elsewhere (experience.py).
@@ -144,13 +144,15 @@ class Scoring:
             self.scorers["critic"] = values_of(critic.module, layout)
         if ref is not None:
             self.scorers["ref"] = logprobs_of(ref.model, temperature, layout=layout)
+        if teacher is not None:  # on-policy distillation: the teacher's log-probs of the sampled tokens
+            self.scorers["teacher"] = logprobs_of(teacher.model, temperature, layout=layout)
         for name, frozen in (reward_models or {}).items():
             self.scorers[name] = scores_of(frozen.model, cfg.reward.normalize, layout)
         self.computed_by = {"ref": "actor"} if ref_from_actor else None
         self.rule_functions = list(rule_functions)
         self.with_rules = bool(self.rule_functions or cfg.reward.http_url)
         plan = routes.plan
-        self.roles = [r for r in ["actor", "critic", "ref", *reward_role_names(len(cfg.reward.models))]
+        self.roles = [r for r in ["actor", "critic", "ref", "teacher", *reward_role_names(len(cfg.reward.models))]
                       if (plan.has(r) or (r == "ref" and ref_from_actor)) and (r != "actor" or self.actor_scores)]
 
     def __call__(self, batch: SampleBatch | None, prompt_ids: Sequence[Sequence[int]], texts: list[str],

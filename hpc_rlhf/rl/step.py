@@ -49,12 +49,12 @@ from typing import Any
 import torch.distributed as dist
 
 from hpc_rlhf import rewards as reward_fns
-from hpc_rlhf.config import ModelSection, TrainSection
+from hpc_rlhf.config import ConfigError, ModelSection, TrainSection
 from hpc_rlhf.dist import agree, groups, watchdog
 from hpc_rlhf.dist.placement import make_plan
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.train import TrainEngine
-from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
+from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer, same_tokenizer_problem
 from hpc_rlhf.models.dropout import disable_dropout
 from hpc_rlhf.models.value_model import build_value_model
 from hpc_rlhf.rl import episodes, messages, training
@@ -134,13 +134,23 @@ class RLRecipe:
             # built for inference: no adapter (a QLoRA actor's reference keeps the 4-bit base, as the actor's)
             ref_cfg = dataclasses.replace(cfg.actor, path=cfg.ref_path or cfg.actor.path)
             ref = FrozenModel(ref_cfg, cfg.train, run.device, group=groups.role_group("ref"))
+        teacher = None
+        if groups.has_role("teacher"):
+            problem = same_tokenizer_problem(cfg.actor.tokenizer or cfg.actor.path, cfg.distill.teacher,
+                                             "actor.tokenizer" if cfg.actor.tokenizer else "actor.path")
+            if problem:
+                raise ConfigError(problem)
+            teacher_cfg = ModelSection(path=cfg.distill.teacher, dtype=cfg.actor.dtype,
+                                       attn_implementation=cfg.actor.attn_implementation)
+            teacher = FrozenModel(teacher_cfg, cfg.train, run.device, group=groups.role_group("teacher"))
         for name, path in zip(self.reward_roles, cfg.reward.models):
             if groups.has_role(name):
                 reward_models[name] = FrozenModel(ModelSection(path=path, dtype=cfg.actor.dtype), cfg.train,
                                                   run.device, group=groups.role_group(name), build=build_value_model)
         self.layout = Layout.of(cfg.rl, self.tokenizer.pad_token_id)  # padded or packed rows (rl.padding_free)
         self.score = Scoring(cfg, self.routes, self.tokenizer, run.device, self.sampling.logprob_temperature,
-                             actor=self.actor, critic=self.critic, ref=ref, reward_models=reward_models,
+                             actor=self.actor, critic=self.critic, ref=ref, teacher=teacher,
+                             reward_models=reward_models,
                              rule_functions=[(spec, reward_fns.load_reward_function(spec))
                                              for spec in cfg.reward.functions],
                              ref_from_actor=ref_from_actor, layout=self.layout)

@@ -199,7 +199,7 @@ def scoring_s(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profil
         if role.kind == "rollout":
             continue
         shape = shapes[role.kind]
-        lm_head = role.kind in ("actor", "ref")
+        lm_head = role.kind in ("actor", "ref", "teacher")
         per_rank = math.ceil(s.sequences / role.size)
         passes = math.ceil(per_rank / s.micro_batch_size)
         compute = forward_flops(shape, per_rank, s.seq_len, lm_head) / (profile.peak_flops * profile.mfu_score)
@@ -277,7 +277,8 @@ def predict(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profile:
     if s.max_staleness and plan.is_hybrid:
         raise StepTimeError("rl.max_staleness >= 1 needs disjoint rollout engines, not rollout@actor")
     shapes = {"actor": shapes["actor"], "critic": shapes.get("critic", shapes["actor"]),
-              "ref": shapes.get("ref", shapes["actor"]), "reward": shapes.get("reward", shapes["actor"])}
+              "ref": shapes.get("ref", shapes["actor"]), "teacher": shapes.get("teacher", shapes["actor"]),
+              "reward": shapes.get("reward", shapes["actor"])}
     engines = plan.role("rollout").engines
     scorer_ranks = {r for role in plan.roles.values() if role.kind != "rollout" for r in role.ranks}
     trainer_ranks = {r for n in ("actor", "critic") if plan.has(n) for r in plan.role(n).ranks}

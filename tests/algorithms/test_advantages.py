@@ -299,3 +299,24 @@ def test_a_group_of_equal_rewards_gets_exactly_zero_whatever_the_rounding(estima
     advantages = estimator(rewards, 16)
     assert torch.equal(advantages[:16], torch.zeros(16))
     assert advantages[16:].abs().min() > 0.1
+
+
+def test_a_teacher_adds_its_per_token_reverse_kl_after_the_rewards_advantages():
+    """On-policy distillation: each sampled token's advantage gains coef * (log pi_teacher - log pi_old), on
+    response tokens only, after the reward's estimator (here RLOO) and without touching the scores or the KL."""
+    logps = ASM_REF + ASM_GAP
+    teacher = logps + torch.tensor([[0.5, -1.0, 4.0], [0.0, 2.0, -0.5], [1.5, 4.0, 4.0], [-0.2, 0.0, 4.0]])
+    plain = assemble("rloo")
+    out = assemble("rloo", teacher_logps=teacher, teacher_coef=0.5)
+    # reverse KL per token (k1): log pi_old - log pi_teacher, 0 outside the responses
+    torch.testing.assert_close(out.teacher_kl, -torch.tensor([[0.5, -1.0, 0.0], [0.0, 2.0, -0.5], [1.5, 0.0, 0.0],
+                                                               [-0.2, 0.0, 0.0]]))
+    torch.testing.assert_close(out.advantages - plain.advantages,
+                               torch.tensor([[0.25, -0.5, 0.0], [0.0, 1.0, -0.25], [0.75, 0.0, 0.0],
+                                             [-0.1, 0.0, 0.0]]))
+    torch.testing.assert_close(out.scores, plain.scores)
+    torch.testing.assert_close(out.kl, plain.kl)
+    assert plain.teacher_kl is None
+    # weight 0: the teacher is scored (its KL is there to log) but the advantages are the rewards' alone
+    torch.testing.assert_close(assemble("rloo", teacher_logps=teacher, teacher_coef=0.0).advantages,
+                               plain.advantages)

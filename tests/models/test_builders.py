@@ -252,3 +252,26 @@ def test_save_from_a_rank_other_than_zero_writes_the_weights(tmp_path, monkeypat
     save_pretrained_on_this_rank(model, tmp_path / "ours")
     assert (tmp_path / "ours" / "model.safetensors").is_file() and (tmp_path / "ours" / "config.json").is_file()
     assert "should_save_on_this_rank" not in vars(model)
+
+
+def test_a_teacher_must_share_the_students_tokenizer(tmp_path):
+    """On-policy distillation scores the student's token ids under the teacher: a teacher whose tokenizer maps a
+    token to another id is refused, naming both folders and the token."""
+    import shutil
+
+    from hpc_rlhf.config import TINY_ASSETS
+    from hpc_rlhf.models.builders import same_tokenizer_problem
+
+    student = Path(TINY_ASSETS) / "models" / "llama-tiny"
+    assert same_tokenizer_problem(student, student) is None
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(student / name, teacher / name)
+    spec = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]  # two digits swapped: same size, other ids
+    (teacher / "tokenizer.json").write_text(json.dumps(spec))
+    problem = same_tokenizer_problem(student, teacher)
+    assert problem.startswith(f"distill.teacher '{teacher}' does not share the tokenizer of actor.path '{student}'")
+    assert "2 mapped differently ('0': 7 vs 8, '1': 8 vs 7)" in problem

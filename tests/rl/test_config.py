@@ -81,3 +81,25 @@ def test_endpoint_settings_are_checked_before_any_rank_starts(overrides, message
     with pytest.raises(ConfigError, match=re.escape(message)) as caught:
         load_config(grpo.Config, None, overrides)
     assert ":pw@" not in str(caught.value)
+
+
+TEACHER = "distill.teacher=examples/tiny/assets/models/llama-tiny"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([TEACHER, "placement=actor+ref=1,rollout@actor"], "the placement has no 'teacher' role, which this config needs"),
+    (["placement=actor+ref+teacher=1,rollout@actor"], "the placement has a 'teacher' role but distill.teacher names "
+                                                      "no teacher model folder"),
+    (["reward.functions=[]"], "no reward: set reward.models, reward.functions, reward.http_url, an environment "
+                              "(env.name, env.http_url), or a teacher to distill from (distill.teacher)"),
+])
+def test_a_teacher_and_its_role_come_together(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(grpo.Config, "examples/tiny/grpo.yaml", overrides)
+
+
+def test_a_teacher_alone_is_a_reward_enough_and_sits_on_its_own_or_the_actors_ranks():
+    for placement in ("actor+ref+teacher=1,rollout@actor", "actor=1,ref=1,teacher=1,rollout=1"):
+        cfg = load_config(grpo.Config, "examples/tiny/grpo.yaml", [TEACHER, "reward.functions=[]",
+                                                                   f"placement={placement}"])
+        assert cfg.distill.teacher.endswith("llama-tiny") and cfg.distill.coef == 1.0

@@ -128,3 +128,16 @@ def test_a_hybrid_layout_runs_and_the_planner_agrees(capsys):
         "role/actor", "role/ref", "weight_sync", "responses,scores/actor,scores/ref,scores/rules", "engines",
         communicators.SINGLETON]
     assert all(r["phases"]["weight_sync"]["messages"] == 0 for r in result["ranks"])
+
+
+def test_a_teacher_beside_the_reference_keeps_the_bound_and_on_its_own_ranks_adds_one_group(capsys):
+    """On-policy distillation's teacher at 256 ranks (the count does not grow with the job: the test above):
+    colocated with the reference its scores leave from the reference's leader to the same ranks, over the same
+    group, so the bound holds (8 under ZeRO-0); on ranks of its own its leader's route is one more group on the
+    trained ranks, as a second reward model's is."""
+    beside = simulate(capsys, 256, "actor=64,critic=32,ref+teacher=16,reward=16,rollout=128", "--zero-stage", "0")
+    apart = simulate(capsys, 256, "actor=64,critic=32,ref=16,teacher=16,reward=16,rollout=112", "--zero-stage", "0")
+    assert beside["planner_agrees"] and apart["planner_agrees"]
+    assert beside["max_groups_per_rank"] == 8 and apart["max_groups_per_rank"] == 9
+    rank_0 = next(r for r in beside["ranks"] if r["rank"] == 0)
+    assert "scores/ref,scores/teacher" in rank_0["communicator_names"]
