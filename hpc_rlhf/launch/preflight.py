@@ -95,7 +95,7 @@ def _check_teacher_tokenizer(cfg: Any) -> str:
     problem = same_tokenizer_problem(folder, cfg.distill.teacher, key)
     if problem:
         raise AllocationError("distill.teacher", problem)
-    return f"distill.teacher: the tokenizer of {folder}"
+    return f"distill.teacher: the same tokenizer as {key} ({folder})"
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, str]]:
