@@ -141,6 +141,30 @@ def random_actor_and_value(folder: Path) -> tuple[Path, Path]:
     return actor, value
 
 
+# The length-varied task (issue 37): sums of a log-normal number of terms (2 to 24), so prompts run from 6 tokens to
+# about 72 (median about 12), like the long tail of reasoning and tool prompts; with a random model the responses
+# end at its first end-of-sequence token or at rollout.max_new_tokens, a long tail of their own. Within the 128
+# positions of the benchmark models.
+LONG_TAILED = {"data.max_prompt_len": 80, "data.max_len": 128, "rollout.max_new_tokens": 48}
+
+
+def write_long_tailed_prompts(path: Path, rows: int, seed: int = 0) -> Path:
+    """`rows` prompt/answer rows of the length-varied task, as JSON lines (the same for the same seed)."""
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            terms = [rng.randint(1, 99) for _ in range(max(2, min(24, round(rng.lognormvariate(1.3, 0.7)))))]
+            f.write(json.dumps({"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms))}) + "\n")
+    return path
+
+
+def long_tailed_settings(prompts: Path) -> list[str]:
+    """The run settings of the length-varied task (its prompt file, lengths and response limit)."""
+    return [f"data.train_files=[{prompts}]", *(f"{key}={value}" for key, value in LONG_TAILED.items())]
+
+
 def count_params(folder: str | Path) -> int:
     from safetensors import safe_open
 

@@ -24,6 +24,7 @@ about as much as the messages it measured.
     .venv/bin/python benchmarks/rl_phases.py --steps 30 --placement actor=2,critic=1,ref=1,reward=1,rollout=1
     .venv/bin/python benchmarks/rl_phases.py --config examples/tiny/grpo.yaml --placement actor=1,ref=1,rollout=2 \
         --set rl.max_staleness=1
+    .venv/bin/python benchmarks/rl_phases.py --task long-tailed --alternate rl.padding_free=true --rounds 2
     .venv/bin/python benchmarks/rl_phases.py --smoke       # does it run (the suite's smoke run): no figures to keep
 """
 
@@ -154,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1024, help="prompts loaded (set-up cost only)")
     parser.add_argument("--settle", action="store_true",
                         help="a barrier of the call's ranks before every exchange call (the older instrumentation)")
+    parser.add_argument("--task", choices=("tiny", "long-tailed"), default="tiny",
+                        help="the prompts: the tiny addition task, or the length-varied one (benchlib."
+                             "write_long_tailed_prompts: long-tailed prompt and response lengths)")
+    parser.add_argument("--alternate", metavar="KEY=VALUE", default=None,
+                        help="runs without and with this setting, taking turns (--rounds pairs, the order rotated "
+                             "each round), and a table of the two side by side, e.g. rl.padding_free=true")
+    parser.add_argument("--rounds", type=int, default=2, help="--alternate: pairs of runs")
     parser.add_argument("--smoke", action="store_true",
                         help=f"that it runs, not a measurement: {' '.join(SMOKE)}, every rank forked from this "
                              "process (benchlib.run_ranks)")
@@ -166,8 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     from hpc_rlhf.dist.placement import world_size_of
 
     nproc = world_size_of(args.placement)
-    benchlib.header(f"RL step phases, {args.config}, placement {args.placement} {' '.join(args.set)} "
-                    f"({nproc} ranks, 1 thread each)")
+    benchlib.header(f"RL step phases, {args.config}, placement {args.placement} {' '.join(args.set)}, task "
+                    f"{args.task} ({nproc} ranks, 1 thread each)")
+    if args.alternate:
+        return alternate(args, nproc)
+    metrics, ranks, wall = run_once(args, nproc, [])
+    report(args, metrics, ranks, wall)
+    return 0
+
+
+def run_once(args, nproc: int, extra: list[str]) -> tuple[list[dict], list[dict], float]:
+    """One run of the recipe on random-init models: its metrics rows, every rank's exchange calls, its wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         actor, value = benchlib.random_actor_and_value(tmp)
@@ -176,12 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         roles = {entry.split("=")[0] for entry in args.placement.replace("+", ",").split(",")}
         value_roles = ([f"critic.path={value}"] if "critic" in roles else []) + \
             ([f"reward.models=[{value}]"] if "reward" in roles else [])
+        task = ([f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]"] if args.task == "tiny" else
+                benchlib.long_tailed_settings(benchlib.write_long_tailed_prompts(tmp / "prompts.jsonl", args.rows)))
         ppo_args = ["--config", str(benchlib.REPO / args.config), f"output_dir={out}",
                     f"placement={args.placement}", f"actor.path={actor}", *value_roles,
-                    f"train.max_steps={args.steps}", f"critic_train.max_steps={args.steps}",
-                    f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", f"data.max_train_rows={args.rows}",
+                    f"train.max_steps={args.steps}", f"critic_train.max_steps={args.steps}", *task,
+                    f"data.max_train_rows={args.rows}",
                     "data.eval_files=[]", "log.every_steps=1", "log.eval_every_steps=0", "log.tensorboard=false",
-                    "log.progress=false", "checkpoint.resume=false", *args.set]
+                    "log.progress=false", "checkpoint.resume=false", *args.set, *extra]
         started = time.perf_counter()
         benchlib.run_ranks(nproc, Path(__file__).resolve(),
                            ["--worker", str(out), "settle" if args.settle else "clock", *ppo_args],
@@ -190,7 +209,28 @@ def main(argv: list[str] | None = None) -> int:
         metrics = sorted((r for r in benchlib.read_jsonl(out / "metrics.jsonl") if "time_step" in r),
                          key=lambda r: r["step"])
         ranks = [json.loads((out / EXCHANGE_FILE.format(rank=r)).read_text()) for r in range(nproc)]
-    report(args, metrics, ranks, wall)
+    return metrics, ranks, wall
+
+
+def alternate(args, nproc: int) -> int:
+    """--alternate: the runs without and with a setting take turns; per phase the median over every steady step of
+    every run of each side, and the ratio of the two."""
+    sides = {"without": [], f"with {args.alternate}": [args.alternate]}
+    steps = {name: [] for name in sides}
+    for round_index in range(args.rounds):
+        order = list(sides) if round_index % 2 == 0 else list(sides)[::-1]
+        for name in order:
+            metrics, _, _ = run_once(args, nproc, sides[name])
+            steps[name] += metrics[args.warmup:]
+    keys = (*PHASES, "time_step", "pad_share", "response_length")
+    med = {name: {key: benchlib.median(r.get(key, float("nan")) for r in rows) for key in keys}
+           for name, rows in steps.items()}
+    without, with_ = list(sides)
+    rows = [[key.removeprefix("time_"), med[without][key], med[with_][key],
+             benchlib.ratio(med[with_][key], med[without][key])] for key in keys]
+    print(f"   {args.rounds} rounds, {len(steps[without])} steady steps a side; machine after: "
+          f"{benchlib.machine_state()}\n")
+    print(benchlib.table(["figure (rank 0, median of steps)", without, with_, "with / without"], rows))
     return 0
 
 
