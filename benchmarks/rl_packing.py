@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--samples", type=int, default=16, help="samples in the micro-batch")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true",
+                        help="that it runs, not a measurement: 2 samples, 1 round, a 2-layer model of width 64")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.samples, args.rounds = 2, 1
     if args.device == "cpu":
         benchlib.single_thread_env()
     import torch
@@ -55,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
 
     flash = args.device != "cpu" and importlib.util.find_spec("flash_attn") is not None
     dtype = getattr(torch, args.dtype)
-    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                         num_key_value_heads=4, vocab_size=4096, max_position_embeddings=1024)
+    width, ffn, layers = (64, 172, 2) if args.smoke else (256, 688, 4)
+    config = LlamaConfig(hidden_size=width, intermediate_size=ffn, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=4, vocab_size=4096, max_position_embeddings=1024)
     torch.manual_seed(0)
     models = {"sdpa": LlamaForCausalLM(config).to(args.device, dtype)}
     if flash:

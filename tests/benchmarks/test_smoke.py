@@ -47,6 +47,7 @@ COMMANDS = {
     "lora_rl": ["--smoke"],
     "weight_sync": ["--smoke"],
     "packing": ["--max-lens", "32", "--rows", "64", "--rounds", "1", "--steps", "2", "--warmup", "1"],
+    "rl_packing": ["--smoke"],
     "multi_turn": ["--prompts", "2", "--n", "2", "--turns", "2", "--new-tokens", "2", "--repeats", "1"],
     "hf_generation": ["--prompts", "2", "--n", "2", "--new-tokens", "2", "--repeats", "1"],
 }
@@ -142,7 +143,7 @@ def test_the_gpu_checks_refuse_a_machine_without_a_gpu_and_skip_what_they_cannot
     module = load("gpu_checks")
     assert module.main([]) == 2 and "no CUDA GPU here" in capsys.readouterr().err
     one_gpu, two = module.checks(sys.executable, 1), module.checks(sys.executable, 2)
-    assert list(one_gpu) == ["nccl", "bf16 train", "generation", "vllm", "weight sync"]
+    assert list(one_gpu) == ["nccl", "bf16 train", "generation", "packed rl", "vllm", "weight sync"]
     assert module.run_check("weight sync", one_gpu["weight sync"]) == ("skipped", 0.0, "two NCCL ranks need two GPUs")
     assert two["weight sync"]["skip"] is None
     missing = dict(one_gpu["vllm"], needs="hpc_rlhf_no_such_module")
