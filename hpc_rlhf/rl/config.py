@@ -288,6 +288,11 @@ class Config:
         key, limit = response_limit(self)
         if rl.overlong_buffer > limit:
             raise ConfigError(f"rl.overlong_buffer={rl.overlong_buffer} is longer than {key}={limit}")
+        longest = self.data.max_prompt_len + limit
+        if rl.padding_free and 0 < rl.padding_free_row_tokens < longest:
+            raise ConfigError(f"rl.padding_free_row_tokens={rl.padding_free_row_tokens} is shorter than the longest "
+                              f"sample (data.max_prompt_len + {key} = {longest}), which must fit one row: raise it, "
+                              "or set 0 (rows as long as each micro-batch's longest sample)")
         if rl.kl_coef > 0 and not rl.kl_in_reward and rl.kl_estimator == "k1":
             raise ConfigError("rl.kl_estimator=k1 as a loss term (rl.kl_in_reward=false) has zero expected gradient: "
                               "it adds noise, not a pull towards the reference. Use rl.kl_estimator=k2 (gradient of "

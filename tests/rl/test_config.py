@@ -103,3 +103,11 @@ def test_a_teacher_alone_is_a_reward_enough_and_sits_on_its_own_or_the_actors_ra
         cfg = load_config(grpo.Config, "examples/tiny/grpo.yaml", [TEACHER, "reward.functions=[]",
                                                                    f"placement={placement}"])
         assert cfg.distill.teacher.endswith("llama-tiny") and cfg.distill.coef == 1.0
+
+
+def test_packed_rows_too_short_for_the_longest_sample_are_refused_before_any_rank_starts():
+    """Found at configuration, not at the first step's pack (data.max_prompt_len 16 + rollout.max_new_tokens 6)."""
+    with pytest.raises(ConfigError, match=re.escape("rl.padding_free_row_tokens=16 is shorter than the longest sample "
+                                                    "(data.max_prompt_len + rollout.max_new_tokens = 22)")):
+        load_config(grpo.Config, "examples/tiny/grpo.yaml", ["rl.padding_free=true", "rl.padding_free_row_tokens=16"])
+    load_config(grpo.Config, "examples/tiny/grpo.yaml", ["rl.padding_free=true", "rl.padding_free_row_tokens=22"])
