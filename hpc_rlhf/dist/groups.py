@@ -8,17 +8,19 @@ because `new_group` must be entered by every rank of the world in the same order
    DeepSpeed uses for that role. Colocated roles (`actor+ref`) get separate groups over the same ranks, so
    their collectives never mix. Rollout engines get none: nothing runs collectives among an engine's ranks
    (a vLLM engine of several GPUs is driven by its first rank through vLLM's own processes);
-2. the weight-sync group: the actor leader plus every rollout rank. The leader gathers the trained weights
+2. one group per sequence block of every role with `<kind>_sp` > 1 (Plan.sequence_blocks): the K consecutive
+   ranks of the role that share one packed row and exchange attention heads by all-to-all every layer;
+3. the weight-sync group: the actor leader plus every rollout rank. The leader gathers the trained weights
    and broadcasts them over it. With the hybrid engine (`rollout@actor`) the rollout ranks are the actor's
    own ranks, so the group has the same members as the actor group (a separate handle);
-3. one group per set of ranks in `message_groups` (name -> ranks), in sorted order of their rank lists; names
+4. one group per set of ranks in `message_groups` (name -> ranks), in sorted order of their rank lists; names
    with the same ranks share one group. What the names mean, and which message travels over which group, is
    the caller's: for the RL step, hpc_rlhf/rl/messages.py (its route table).
 
 The list and its order are a pure function of the plan and the message groups (hpc_rlhf.dist.group_layout, which
 `hpc-rlhf plan` counts communicators from without torch); this module creates exactly that list.
 
-Every group carries a `group_desc` (`role/actor`, `weight_sync`, the message group's name), so that NCCL's and
+Every group carries a `group_desc` (`role/actor`, `sequence/actor/0`, `weight_sync`, the message group's name), so that NCCL's and
 torch's own messages about a group say which one it is.
 
 DeepSpeed's model-parallel group (a single rank) is created by the rank alone, with local synchronization,
@@ -45,6 +47,7 @@ class NotInGroupError(RuntimeError):
 _PLAN: Plan | None = None
 _RANK: int = -1
 _ROLE_GROUPS: dict[str, dist.ProcessGroup | None] = {}
+_SEQUENCE_GROUPS: dict[str, dist.ProcessGroup | None] = {}  # role -> this rank's block's group (None: not a member)
 _WEIGHT_SYNC_GROUP: dist.ProcessGroup | None = None
 _WEIGHT_SYNC_RANKS: tuple[int, ...] = ()
 _MESSAGE_RANKS: dict[str, tuple[int, ...]] = {}
@@ -62,7 +65,7 @@ def initialize(plan: Plan, message_groups: Mapping[str, Sequence[int]] | None = 
                timeout_s: float | None = None) -> None:
     """Create and hold every group of `plan`, and one per rank set of `message_groups` (name -> ranks). Call on
     every rank, with the same arguments, once."""
-    global _PLAN, _RANK, _ROLE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _MESSAGE_RANKS, _MESSAGE_GROUPS, _HELD
+    global _PLAN, _RANK, _ROLE_GROUPS, _SEQUENCE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _MESSAGE_RANKS, _MESSAGE_GROUPS, _HELD
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("hpc_rlhf.dist.groups.initialize needs an initialised torch.distributed world "
                            "(hpc_rlhf.dist.bootstrap, or dist.init_process_group)")
@@ -83,6 +86,8 @@ def initialize(plan: Plan, message_groups: Mapping[str, Sequence[int]] | None = 
 
     _PLAN, _RANK = plan, dist.get_rank()
     _ROLE_GROUPS = {spec.desc.removeprefix("role/"): group for spec, group in handles if spec.kind == "role"}
+    _SEQUENCE_GROUPS = {spec.desc.split("/")[1]: group for spec, group in handles
+                        if spec.kind == "sequence" and group is not None}
     _WEIGHT_SYNC_GROUP = next((group for spec, group in handles if spec.kind == "weight_sync"), None)
     _WEIGHT_SYNC_RANKS = group_layout.weight_sync_ranks(plan)
     _MESSAGE_RANKS = message_ranks
@@ -96,14 +101,15 @@ def is_initialized() -> bool:
 
 def destroy() -> None:
     """Destroy the groups this rank holds and forget the plan (a later `initialize` starts afresh)."""
-    global _PLAN, _RANK, _ROLE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _MESSAGE_RANKS, _MESSAGE_GROUPS, _HELD
-    held = list(_ROLE_GROUPS.values()) + [_WEIGHT_SYNC_GROUP] + list(_MESSAGE_GROUPS.values())
+    global _PLAN, _RANK, _ROLE_GROUPS, _SEQUENCE_GROUPS, _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS, _MESSAGE_RANKS, _MESSAGE_GROUPS, _HELD
+    held = (list(_ROLE_GROUPS.values()) + list(_SEQUENCE_GROUPS.values()) + [_WEIGHT_SYNC_GROUP]
+            + list(_MESSAGE_GROUPS.values()))
     if dist.is_initialized():
         for group in held:
             if group is not None:
                 dist.destroy_process_group(group)
     _PLAN, _RANK = None, -1
-    _ROLE_GROUPS = {}
+    _ROLE_GROUPS, _SEQUENCE_GROUPS = {}, {}
     _WEIGHT_SYNC_GROUP, _WEIGHT_SYNC_RANKS = None, ()
     _MESSAGE_RANKS, _MESSAGE_GROUPS = {}, {}
     _HELD = []
@@ -168,6 +174,24 @@ def rank_in_role(name: str) -> int:
     if _RANK not in ranks:
         raise _not_member(f"role '{name}'", ranks)
     return ranks.index(_RANK)
+
+
+def sequence_ranks(name: str) -> tuple[int, ...]:
+    """The global ranks of this rank's sequence block in role `name` (they share one packed row), in role order;
+    (this rank,) when the role is not sequence parallel. Only the role's ranks may ask."""
+    ranks = role_ranks(name)
+    if _RANK not in ranks:
+        raise _not_member(f"role '{name}'", ranks)
+    return next(block for block in _state().sequence_blocks(name) if _RANK in block)
+
+
+def sequence_group(name: str) -> dist.ProcessGroup | None:
+    """The group of this rank's sequence block in role `name` (`<kind>_sp` ranks sharing one packed row); None
+    when the role is not sequence parallel (a block of one rank needs no group). Only the role's ranks may ask."""
+    block = sequence_ranks(name)
+    if len(block) == 1:
+        return None
+    return _SEQUENCE_GROUPS[name]
 
 
 def rollout_engine_of_rank(rank: int | None = None) -> int:

@@ -17,6 +17,10 @@ As a string, entries separated by commas or spaces::
   still gets its own process group.
 - `rollout@actor` is the hybrid engine: generation runs on the actor's ranks (no count of its own).
 - `rollout_tp=K` makes rollout engines of K ranks (tensor parallel); default 1.
+- `actor_sp=K`, `critic_sp=K`, `ref_sp=K`, `teacher_sp=K`, `reward_sp=K` (every reward model: reward, reward2, ...)
+  make K ranks of that role share one packed row (sequence parallel; default 1). The role's ranks, in their
+  order, are cut into blocks of K consecutive ranks (`Plan.sequence_blocks`); K must divide the role's count.
+  The rollout has no such key: its engines split a sequence with rollout_tp.
 
 As YAML, a mapping of the same entries, where `reward` may take a list with one count per reward model::
 
@@ -26,7 +30,9 @@ As YAML, a mapping of the same entries, where `reward` may take a list with one 
 or a list of entries (strings or one-key mappings): `["actor=4", "rollout@actor", {rollout_tp: 2}]`.
 
 Rules: an actor is always required (`actor=N` alone is the single-model layout); counts add up to the world
-exactly; every rollout engine (K ranks) sits inside one node; no role is given twice.
+exactly; every rollout engine (K ranks) sits inside one node; no role is given twice. A sequence block sits inside
+one node when K is at most a node's ranks (its all-to-all runs every layer, so it must not cross the slower
+network), and is whole nodes when K is larger.
 
 Packing
 -------
@@ -43,10 +49,13 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from math import lcm
 from typing import Any, Iterable, Mapping
 
 ROLE_KINDS = ("actor", "critic", "ref", "teacher", "reward", "rollout")
+# `<kind>_sp` keys: the role kinds whose models run forward/backward on packed rows (not the rollout engines).
+SEQUENCE_PARALLEL_KEYS = {f"{kind}_sp": kind for kind in ("actor", "critic", "ref", "teacher", "reward")}
 _REWARD_NAME = re.compile(r"reward(?:([2-9]|[1-9][0-9]+))?")
 
 
@@ -63,6 +72,7 @@ class RoleSpec:
     colocated: tuple[str, ...] = ()  # the other roles of its `A+B=N` entry
     hybrid_on: str | None = None  # `rollout@actor` -> "actor"
     tp: int = 1  # ranks per rollout engine
+    sp: int = 1  # ranks sharing one packed row (`<kind>_sp`)
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,7 @@ class RolePlacement:
     nodes: tuple[int, ...]
     colocated_with: str | None  # the first other role (plan order) holding exactly the same ranks
     engines: tuple[tuple[int, ...], ...] = ()  # rollout only: the ranks of each engine
+    sp: int = 1  # ranks sharing one packed row (`<kind>_sp`)
 
     @property
     def leader(self) -> int:
@@ -112,6 +123,18 @@ class Plan:
         rollout = self.roles.get("rollout")
         return len(rollout.engines[0]) if rollout and rollout.engines else 1
 
+    def sequence_parallel(self, role: str) -> int:
+        """How many ranks of `role` share one packed row: its `<kind>_sp` (reward2 takes reward_sp); 1 if not
+        given."""
+        return self.role(role).sp
+
+    def sequence_blocks(self, role: str) -> list[tuple[int, ...]]:
+        """The ranks of `role`, in role order, cut into blocks of `sequence_parallel(role)` consecutive ranks;
+        each block shares one sequence. One rank per block when the role is not sequence parallel."""
+        placement = self.role(role)
+        k = placement.sp
+        return [placement.ranks[i:i + k] for i in range(0, placement.size, k)]
+
     @property
     def is_hybrid(self) -> bool:
         """True when generation runs on the actor's ranks (`rollout@actor`)."""
@@ -119,15 +142,17 @@ class Plan:
         return rollout is not None and rollout.ranks == self.role("actor").ranks
 
     def format_table(self) -> str:
-        rows = [(p.name, format_ranks(p.ranks), format_ranks(p.nodes), p.colocated_with or "-", _engines_text(p))
-                for p in self.roles.values()]
+        rows = [(p.name, format_ranks(p.ranks), format_ranks(p.nodes), p.colocated_with or "-", _engines_text(p),
+                 _sequence_text(p)) for p in self.roles.values()]
         title = f"{self.world_size} ranks on {self.num_nodes} node(s) of {self.ranks_per_node}"
-        return title + "\n" + format_rows(("role", "ranks", "nodes", "shares ranks with", "engines"), rows)
+        return title + "\n" + format_rows(("role", "ranks", "nodes", "shares ranks with", "engines", "sequence"),
+                                          rows)
 
     def to_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
                 "roles": {name: {"kind": p.kind, "ranks": list(p.ranks), "nodes": list(p.nodes),
-                                 "colocated_with": p.colocated_with, "engines": [list(e) for e in p.engines]}
+                                 "colocated_with": p.colocated_with, "engines": [list(e) for e in p.engines],
+                                 "sequence_parallel": p.sp}
                           for name, p in self.roles.items()}}
 
 
@@ -151,6 +176,12 @@ def format_rows(header: tuple[str, ...], rows: list[tuple]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _sequence_text(p: RolePlacement) -> str:
+    if p.sp == 1:
+        return "-"
+    return f"sp={p.sp}: {p.size // p.sp} block(s) of {p.sp}"
 
 
 def _engines_text(p: RolePlacement) -> str:
@@ -249,6 +280,7 @@ def parse_spec(spec: str | Mapping | list | tuple) -> list[RoleSpec]:
         return list(spec)
     roles: dict[str, RoleSpec] = {}
     tp: int | None = None
+    sp: dict[str, int] = {}  # `<kind>_sp` key -> K
 
     def add(role: RoleSpec, entry: str) -> None:
         if role.name in roles:
@@ -262,6 +294,13 @@ def parse_spec(spec: str | Mapping | list | tuple) -> list[RoleSpec]:
             if tp is not None:
                 raise PlacementError("'rollout_tp' is given twice")
             tp = _count(key, value)
+        elif key in SEQUENCE_PARALLEL_KEYS:
+            if key in sp:
+                raise PlacementError(f"'{key}' is given twice")
+            sp[key] = _count(key, value)
+        elif key == "rollout_sp":
+            raise PlacementError("'rollout_sp': rollout engines split a sequence by tensor parallelism; use "
+                                 "rollout_tp")
         elif "@" in key:
             guest, _, host = key.partition("@")
             if guest != "rollout":
@@ -304,6 +343,16 @@ def parse_spec(spec: str | Mapping | list | tuple) -> list[RoleSpec]:
         rollout = roles["rollout"]
         roles["rollout"] = RoleSpec(rollout.name, rollout.kind, rollout.count, rollout.colocated,
                                     rollout.hybrid_on, tp)
+    for key, k in sp.items():
+        kind = SEQUENCE_PARALLEL_KEYS[key]
+        targets = [role for role in roles.values() if role.kind == kind]
+        if not targets:
+            raise PlacementError(f"'{key}={k}' is given but the placement has no {kind} role")
+        for role in targets:
+            if role.count % k:
+                raise PlacementError(f"{key}={k} does not divide the {role.name}'s {role.count} ranks; a role's "
+                                     f"ranks are cut into sequence blocks of {key} ranks")
+            roles[role.name] = replace(role, sp=k)
     rollout = roles.get("rollout")
     if rollout is not None:
         host_count = roles["actor"].count if rollout.hybrid_on else rollout.count
@@ -321,8 +370,9 @@ class _Unit:
     """Ranks placed together: one role, or a colocated group of roles."""
     names: tuple[str, ...]
     size: int
-    atom: int  # a node takes a multiple of this many of the unit's ranks (rollout engines)
+    atom: int  # a node takes a multiple of this many of the unit's ranks (rollout engines, sequence blocks)
     spec_index: int
+    atom_keys: tuple[str, ...] = ()  # the entries the atom comes from, for messages: ('rollout_tp=2', 'actor_sp=4')
 
     @property
     def order(self) -> tuple:
@@ -341,7 +391,13 @@ def _units(roles: list[RoleSpec]) -> list[_Unit]:
         atom = role.tp if role.kind == "rollout" else 1
         if "actor" in names:  # engines of a hybrid rollout are cut from the actor's ranks
             atom = hybrid_tp
-        units.append(_Unit(names, by_name[role.name].count, atom, index))
+        keys = [f"rollout_tp={atom}"] if atom > 1 else []
+        for name in names:  # a sequence block runs an all-to-all every layer: keep it off the inter-node network
+            k = by_name[name].sp
+            if k > 1:
+                keys.append(f"{by_name[name].kind}_sp={k}")
+                atom = lcm(atom, k)
+        units.append(_Unit(names, by_name[role.name].count, atom, index, tuple(keys)))
     return units
 
 
@@ -419,6 +475,14 @@ def make_plan(spec: str | Mapping | list, world_size: int, ranks_per_node: int) 
         raise _error(f"the placement asks for {total} ranks ({counted}) but the world has {world_size}",
                      roles, {}, ranks_per_node)
 
+    for unit in units:
+        if unit.atom > node_size:  # only sequence blocks get here: rollout_tp was checked above
+            if unit.atom % node_size:
+                raise _error(f"'{'+'.join(unit.names)}' needs blocks of {unit.atom} ranks ({', '.join(unit.atom_keys)}), "
+                             f"more than a node ({node_size} ranks) and not a whole number of nodes; a sequence "
+                             f"block sits inside one node or fills whole nodes", roles, {}, ranks_per_node)
+            unit.atom = node_size  # whole nodes: the blocks then cover whole nodes
+
     free = [node_size] * max(1, world_size // ranks_per_node)
     # Units that can only be cut at engine boundaries go first; then the largest units, which are the
     # hardest to keep on few nodes.
@@ -428,16 +492,21 @@ def make_plan(spec: str | Mapping | list, world_size: int, ranks_per_node: int) 
         unit = units[index]
         pieces = _pack(unit, free)
         if pieces is None:
-            what = "rollout engines" if "rollout" in unit.names else "hybrid rollout engines (rollout@actor)"
-            raise _error(f"'{'+'.join(unit.names)}' ({unit.size} ranks) cannot be cut into {what} of "
-                         f"rollout_tp={unit.atom} ranks without crossing a node boundary (free ranks per node: "
-                         f"{free})", roles, _assign(units, packed, ranks_per_node), ranks_per_node)
+            if any(key.startswith("rollout_tp") for key in unit.atom_keys) and len(unit.atom_keys) == 1:
+                what = "rollout engines" if "rollout" in unit.names else "hybrid rollout engines (rollout@actor)"
+                what = f"{what} of rollout_tp={unit.atom} ranks"
+            else:
+                what = f"blocks of {unit.atom} ranks ({', '.join(unit.atom_keys)})"
+            raise _error(f"'{'+'.join(unit.names)}' ({unit.size} ranks) cannot be cut into {what} without "
+                         f"crossing a node boundary (free ranks per node: {free})", roles,
+                         _assign(units, packed, ranks_per_node), ranks_per_node)
         packed[index] = pieces
     ranks = _assign(units, packed, ranks_per_node)
 
     if rollout is not None and rollout.hybrid_on:
         ranks["rollout"] = list(ranks[rollout.hybrid_on])
     ordered = sorted((r.name for r in roles), key=_role_order)
+    by_name = {r.name: r for r in roles}
     placements: dict[str, RolePlacement] = {}
     for name in ordered:
         role_ranks = tuple(ranks[name])
@@ -448,10 +517,16 @@ def make_plan(spec: str | Mapping | list, world_size: int, ranks_per_node: int) 
                 if len({r // ranks_per_node for r in engine}) > 1:
                     raise _error(f"rollout engine on ranks {format_ranks(engine)} crosses a node boundary",
                                  roles, ranks, ranks_per_node)
+        k = by_name[name].sp
+        for start in range(0, len(role_ranks), k):  # guaranteed by packing, like the engines above
+            block = role_ranks[start:start + k]
+            if len({r // ranks_per_node for r in block}) > max(1, k // node_size):
+                raise _error(f"{by_name[name].kind}_sp={k}: the sequence block on ranks {format_ranks(block)} of "
+                             f"{name} crosses a node boundary", roles, ranks, ranks_per_node)
         shares = next((other for other in ordered if other != name and tuple(ranks[other]) == role_ranks), None)
         placements[name] = RolePlacement(name=name, kind=role_kind(name), ranks=role_ranks,
                                          nodes=tuple(sorted({r // ranks_per_node for r in role_ranks})),
-                                         colocated_with=shares, engines=engines)
+                                         colocated_with=shares, engines=engines, sp=k)
     return Plan(world_size=world_size, ranks_per_node=ranks_per_node, roles=placements)
 
 

@@ -12,3 +12,16 @@ def test_roles_then_the_weight_sync_group_then_message_groups_in_sorted_order_of
         ("weight_sync", (0, 4, 5)), ("wide", (0, 1, 2, 3, 4)), ("three", (0, 1, 3)), ("pair,pair-again", (0, 3))]
     assert [s.desc for s in held_by(3, specs)] == ["role/critic", "wide", "three", "pair,pair-again"]
     assert [s.desc for s in held_by(5, specs)] == ["weight_sync"]
+
+
+def test_sequence_groups_follow_the_role_groups_one_per_block_in_plan_order():
+    plan = make_plan("actor+ref=4,critic=2,rollout=2,actor_sp=2,ref_sp=4,critic_sp=2", 8, 8)
+    specs = group_specs(plan, {"pair": (0, 6)})
+    assert [(s.desc, s.ranks, s.kind) for s in specs] == [
+        ("role/actor", (0, 1, 2, 3), "role"), ("role/critic", (4, 5), "role"), ("role/ref", (0, 1, 2, 3), "role"),
+        ("sequence/actor/0", (0, 1), "sequence"), ("sequence/actor/1", (2, 3), "sequence"),
+        ("sequence/critic/0", (4, 5), "sequence"), ("sequence/ref/0", (0, 1, 2, 3), "sequence"),
+        ("weight_sync", (0, 6, 7), "weight_sync"), ("pair", (0, 6), "message")]
+    assert [s.desc for s in held_by(2, specs)] == ["role/actor", "role/ref", "sequence/actor/1", "sequence/ref/0"]
+    # a role that is not sequence parallel has no sequence group
+    assert not [s for s in group_specs(make_plan("actor=4,critic=4", 8, 8)) if s.kind == "sequence"]

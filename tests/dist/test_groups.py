@@ -10,6 +10,8 @@ from tests.distributed import run_ranks, run_worker
 COLOCATED = ("actor+ref=2,critic=1,reward=1,rollout=2,rollout_tp=2", 6, 3)
 # Hybrid: rollout engines [0,1] and [2,3] on the actor's ranks; critic 4-5.
 HYBRID = ("actor=4,critic=2,rollout@actor,rollout_tp=2", 6, 6)
+# Sequence parallel: the actor's blocks [0,1] and [2,3] each share a row; critic 4-5 is not sequence parallel.
+SEQUENCE = ("actor=4,critic=2,actor_sp=2", 6, 6)
 
 
 def test_plans_used_by_the_distributed_case():
@@ -176,6 +178,27 @@ def _groups_worker():
         w = torch.tensor([float(rank)])
         dist.all_reduce(w, group=groups.role_group("critic"))
         assert w.item() == 9
+    dist.barrier()
+    groups.destroy()
+
+    # ------------------------------------------------------------------ sequence parallel: actor_sp=2
+    plan = make_plan(*SEQUENCE)
+    groups.initialize(plan, timeout_s=60)
+    if rank < 4:
+        block = (0, 1) if rank < 2 else (2, 3)
+        assert groups.sequence_ranks("actor") == block
+        group = groups.sequence_group("actor")
+        assert dist.get_process_group_ranks(group) == list(block)
+        s = torch.tensor([float(rank + 1)])
+        dist.all_reduce(s, group=group)  # only the block's two ranks add up
+        assert s.item() == sum(r + 1 for r in block)
+        assert "sequence/actor/" + str(rank // 2) in dict(groups.held_groups())
+        assert "rank" in raises(NotInGroupError, groups.sequence_group, "critic")
+        raises(NotInGroupError, groups.sequence_ranks, "critic")
+    else:
+        assert groups.sequence_ranks("critic") == (rank,) and groups.sequence_group("critic") is None
+        assert f"rank {rank} is not in role 'actor'" in raises(NotInGroupError, groups.sequence_group, "actor")
+        assert not [d for d in dict(groups.held_groups()) if d.startswith("sequence/")]
     dist.barrier()
     groups.destroy()
     print(f"rank {rank}: groups ok", flush=True)

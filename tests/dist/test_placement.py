@@ -207,3 +207,67 @@ def test_wrong_spec_types_are_refused():
         parse_spec(["actor=4", 3])
     with pytest.raises(PlacementError, match="not int"):
         parse_spec(4)
+
+
+# ------------------------------------------------------------------------------------------ sequence parallel
+def test_sequence_parallel_keys_in_string_mapping_and_list_forms():
+    text = make_plan("actor=8,critic=4,ref=4,reward=2,reward2=2,rollout=12,rollout_tp=4,actor_sp=4,critic_sp=2,"
+                     "reward_sp=2", 32, 8)
+    mapping = make_plan({"actor": 8, "critic": 4, "ref": 4, "reward": [2, 2], "rollout": 12, "rollout_tp": 4,
+                         "actor_sp": 4, "critic_sp": "2", "reward_sp": 2}, 32, 8)
+    listed = make_plan(["actor=8", "critic=4", "ref=4", "reward=2", "reward2=2", "rollout=12", {"rollout_tp": 4},
+                        "actor_sp=4", {"critic_sp": 2}, "reward_sp=2"], 32, 8)
+    assert text == mapping == listed
+    assert [text.sequence_parallel(n) for n in ("actor", "critic", "ref", "reward", "reward2", "rollout")] == \
+        [4, 2, 1, 2, 2, 1]
+    actor = text.role("actor").ranks
+    assert text.sequence_blocks("actor") == [actor[:4], actor[4:]]
+    assert text.sequence_blocks("critic") == [text.role("critic").ranks[i:i + 2] for i in (0, 2)]
+    assert text.sequence_blocks("ref") == [(r,) for r in text.role("ref").ranks]
+    assert text.to_dict()["roles"]["actor"]["sequence_parallel"] == 4
+    assert text.to_dict()["roles"]["ref"]["sequence_parallel"] == 1
+    table = text.format_table()
+    assert "sequence" in table.splitlines()[1]
+    assert any(line.startswith("actor") and "sp=4: 2 block(s) of 4" in line for line in table.splitlines())
+    assert any(line.startswith("reward2") and "sp=2" in line for line in table.splitlines())
+
+
+def test_sequence_parallel_of_colocated_roles_and_the_teacher():
+    plan = make_plan("actor+ref=8,teacher=4,rollout@actor,rollout_tp=2,actor_sp=8,ref_sp=2,teacher_sp=4", 12, 12)
+    assert plan.sequence_blocks("actor") == [tuple(range(8))]
+    assert plan.sequence_blocks("ref") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert plan.sequence_blocks("teacher") == [(8, 9, 10, 11)]
+
+
+def test_a_sequence_block_stays_inside_one_node_or_fills_whole_nodes():
+    # critic=6 would otherwise straddle nodes 0-1 at an odd offset; as blocks of 2 each node holds whole blocks.
+    plan = make_plan("actor=10,critic=6,critic_sp=2", 16, 8)
+    for name in ("actor", "critic"):
+        for block in plan.sequence_blocks(name):
+            assert len({r // 8 for r in block}) == 1, (name, block, plan.format_table())
+    wide = make_plan("actor=16,rollout=16,actor_sp=16", 32, 8)
+    assert wide.sequence_blocks("actor") == [tuple(range(16))]
+    assert wide.role("actor").nodes == (0, 1)
+
+
+SEQUENCE_INVALID = [
+    ("actor=6,critic=2,actor_sp=4", 8, 8, r"actor_sp=4 does not divide the actor's 6 ranks"),
+    ("actor=4,reward=2,reward2=2,reward_sp=2,reward_sp=2", 8, 8, r"'reward_sp' is given twice"),
+    ("actor=4,reward=2,reward2=2,reward_sp=4", 8, 8, r"reward_sp=4 does not divide the reward's 2 ranks"),
+    ("actor=4,reward=4,reward2=2,reward_sp=4", 10, 10, r"reward_sp=4 does not divide the reward2's 2 ranks"),
+    ("actor=6,rollout=2,critic_sp=2", 8, 8, r"'critic_sp=2' is given but the placement has no critic role"),
+    ("actor=6,rollout=2,teacher_sp=2", 8, 8, r"'teacher_sp=2' is given but the placement has no teacher role"),
+    ("actor=4,rollout=4,rollout_sp=2", 8, 8, r"'rollout_sp'.*use rollout_tp"),
+    ("actor=8,actor_sp=0", 8, 8, r"'actor_sp=0': the count must be at least 1"),
+    ("actor=8,actor_sp=two", 8, 8, r"'actor_sp=two': the count must be a whole number"),
+    ("actor=12,rollout=4,actor_sp=12", 16, 8, r"blocks of 12 ranks \(actor_sp=12\), more than a node \(8 ranks\)"),
+    # nodes of 6 hold one block of 4 of each role: 4 nodes give 16 ranks in blocks, the roles need 24
+    ("actor=12,critic=12,actor_sp=4,critic_sp=4", 24, 6,
+     r"cannot be cut into blocks of 4 ranks \((actor|critic)_sp=4\) without crossing a node boundary"),
+]
+
+
+@pytest.mark.parametrize("spec,world,per_node,message", SEQUENCE_INVALID, ids=[i[0] for i in SEQUENCE_INVALID])
+def test_invalid_sequence_parallel_is_refused_naming_the_key(spec, world, per_node, message):
+    with pytest.raises(PlacementError, match=message):
+        make_plan(spec, world, per_node)
