@@ -17,13 +17,14 @@ that predicts a next token) gather back to (B, T) and (B, T-1), 0 outside the sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
 
 from hpc_rlhf.algorithms.logprobs import entropy_from_logits, token_logprobs
 from hpc_rlhf.data.packing import bins_first_fit_decreasing, packed_model_kwargs
+from hpc_rlhf.models.sequence_parallel import SequenceContext, SequenceShard, gather_sequence, inner_attention
 from hpc_rlhf.models.value_model import normalized_scores, sequence_scores, token_values
 from hpc_rlhf.rl.batches import SampleBatch, response_logprobs
 
@@ -57,9 +58,10 @@ class PackedBatch:
         return PackedBatch(self.input_ids.to(device), self.position_ids.to(device), self.row, self.offset,
                            self.lengths, self.width, self.cu_seqlens.to(device), self.max_seqlen)
 
-    def last_token_index(self) -> torch.Tensor:
-        """(B,) each sample's last token as an index into the flattened rows (a reward model's score)."""
-        length = self.input_ids.shape[1]
+    def last_token_index(self, length: int | None = None) -> torch.Tensor:
+        """(B,) each sample's last token as an index into the flattened rows (a reward model's score); `length`:
+        the rows' length there, when padded beyond this batch's (a sequence block's chunks)."""
+        length = length or self.input_ids.shape[1]
         return torch.tensor([r * length + o + n - 1 for r, o, n in zip(self.row, self.offset, self.lengths)],
                             dtype=torch.long)
 
@@ -143,10 +145,23 @@ def processed_tokens(lengths: Sequence[int], micro: int, padding_free: bool, row
 # ------------------------------------------------------------------------------------ a role's forward, either way
 @dataclass(frozen=True)
 class Layout:
-    """How a role's micro-batches go through its model: padded rows, or packed ones (rl.padding_free)."""
+    """How a role's micro-batches go through its model: padded rows, or packed ones (rl.padding_free), each
+    packed row shared by the ranks of a sequence block (`sequence`: this rank's place in it) when the role is
+    sequence-parallel (placement key `<role>_sp=K`, hpc_rlhf.models.sequence_parallel)."""
     padding_free: bool = False
     pad_id: int = 0
     row_tokens: int = 0
+    sequence: SequenceShard | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.sequence is not None and self.sequence.size > 1
+
+    def with_sequence(self, shard: SequenceShard | None) -> "Layout":
+        """This layout for a role whose rows are shared by `shard`'s block (None or size 1: not shared)."""
+        if shard is not None and shard.size > 1 and not self.padding_free:
+            raise ValueError("sequence parallelism runs on packed rows: set rl.padding_free=true")
+        return replace(self, sequence=shard if shard is not None and shard.size > 1 else None)
 
     @staticmethod
     def of(rl, pad_id: int) -> "Layout":
@@ -165,7 +180,36 @@ def attention_of(model) -> str:
     inner = model
     while not hasattr(inner, "config") and hasattr(inner, "module"):
         inner = inner.module
-    return getattr(getattr(inner, "config", None), "_attn_implementation", None) or "sdpa"
+    return inner_attention(getattr(getattr(inner, "config", None), "_attn_implementation", None))
+
+
+@dataclass
+class _Chunk:
+    """This rank's chunk of packed rows shared by a sequence block: the rows padded to a multiple of the block
+    size (`input_ids`, R x L), the forward's keyword arguments for the chunk [start, end), and the labels of its
+    positions (each position's next token in the whole row; the pad id after the row's end)."""
+    input_ids: torch.Tensor
+    start: int
+    end: int
+    kwargs: dict[str, Any]
+
+    def labels(self, pad_id: int) -> torch.Tensor:
+        following = torch.cat([self.input_ids[:, 1:], torch.full_like(self.input_ids[:, :1], pad_id)], dim=1)
+        return following[:, self.start:self.end]
+
+
+def _chunk(packed: PackedBatch, shard: SequenceShard, pad_id: int) -> _Chunk:
+    rows, width = packed.input_ids.shape
+    extra = -width % shard.size
+    input_ids, position_ids = packed.input_ids, packed.position_ids
+    if extra:  # a block of pad tokens of its own (positions restarting at 0), attended by nothing real
+        input_ids = torch.cat([input_ids, input_ids.new_full((rows, extra), pad_id)], dim=1)
+        tail = torch.arange(extra, device=position_ids.device).expand(rows, extra)
+        position_ids = torch.cat([position_ids, tail], dim=1)
+    start, end = shard.bounds(input_ids.shape[1])
+    kwargs = {"input_ids": input_ids[:, start:end], "position_ids": position_ids[:, start:end],
+              "sequence_context": SequenceContext(shard, position_ids)}
+    return _Chunk(input_ids, start, end, kwargs)
 
 
 def policy_forward(model, sub: SampleBatch, temperature: float, layout: Layout = PADDED
@@ -177,6 +221,13 @@ def policy_forward(model, sub: SampleBatch, temperature: float, layout: Layout =
         return (response_logprobs(logits, sub, temperature),
                 lambda: entropy_from_logits(logits[:, :-1] / temperature))
     packed = layout.pack(sub)
+    if layout.sharded:
+        chunk = _chunk(packed, layout.sequence, layout.pad_id)
+        logits = model(**chunk.kwargs, use_cache=False).logits.float()
+        mine = token_logprobs(logits, chunk.labels(layout.pad_id), temperature=temperature)
+        return (unpack_next_token(gather_sequence(mine, layout.sequence)[:, :-1], packed),
+                lambda: unpack_next_token(gather_sequence(entropy_from_logits(logits / temperature),
+                                                          layout.sequence)[:, :-1], packed))
     logits = model(**packed.model_kwargs(attention_of(model))).logits.float()
     logps = token_logprobs(logits[:, :-1], packed.input_ids[:, 1:], temperature=temperature)
     return (unpack_next_token(logps, packed),
@@ -188,6 +239,10 @@ def value_forward(model, sub: SampleBatch, layout: Layout = PADDED, head=None) -
     if not layout.padding_free:
         return token_values(model, sub.input_ids, sub.attention_mask, head=head)
     packed = layout.pack(sub)
+    if layout.sharded:
+        values = token_values(model, attention_mask=None, head=head, **_chunk(packed, layout.sequence,
+                                                                               layout.pad_id).kwargs)
+        return unpack_tokens(gather_sequence(values, layout.sequence), packed)
     kwargs = packed.model_kwargs(attention_of(model))
     kwargs.pop("use_cache")
     return unpack_tokens(token_values(model, attention_mask=None, head=head, **kwargs), packed)
@@ -198,6 +253,12 @@ def score_forward(model, sub: SampleBatch, normalize: bool, layout: Layout = PAD
     if not layout.padding_free:
         return sequence_scores(model, sub.input_ids, sub.attention_mask, normalize=normalize)
     packed = layout.pack(sub)
+    if layout.sharded:
+        values = gather_sequence(token_values(model, attention_mask=None, **_chunk(packed, layout.sequence,
+                                                                                    layout.pad_id).kwargs),
+                                 layout.sequence)
+        return normalized_scores(model, values.reshape(-1)[packed.last_token_index(values.shape[1]).to(values.device)],
+                                 normalize)
     kwargs = packed.model_kwargs(attention_of(model))
     kwargs.pop("use_cache")
     values = token_values(model, attention_mask=None, **kwargs)
