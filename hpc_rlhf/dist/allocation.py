@@ -48,7 +48,8 @@ class Allocation:
 class RoleLoad:
     """What one role puts on each of its GPUs: the inputs of hpc_rlhf.dist.memory.estimate, and the names the user
     knows them by (`keys`: zero_stage, adam_offload, micro_batch_size, seq_len, gradient_checkpointing,
-    tokens_in_flight, rollout_tp, share; a missing name is left out of the advice).
+    tokens_in_flight, rollout_tp, share, sequence_parallel (where the `<kind>_sp` keys are written); a missing name
+    is left out of the advice).
 
     `kind` is the memory model's kind, which may differ from the role's (a reward model trained by `hpc-rlhf rm`
     sits on the `actor` ranks of its placement but is a value model). `gpu_share`: the share of the GPU this role
@@ -102,6 +103,11 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
     for name, role in plan.roles.items():
         load = loads[name] = load_of(name, role.kind)
         tp = len(role.engines[0]) if role.engines else 1
+        k = plan.sequence_parallel(name)
+        if load.shape.heads % k:  # the block splits the attention heads (a dry run names the model's folder first)
+            raise AllocationError(placement_key, f"{role.kind}_sp={k} does not divide the {load.shape.heads} "
+                                                 f"attention heads of {name}'s model {load.shape.name}: the {k} ranks "
+                                                 f"sharing a row split its heads")
         try:
             own[name] = estimate(load.kind, load.shape, role.size, load.zero_stage,
                                  load.adam_offload and load.kind in TRAINING_KINDS, tp=tp,
@@ -110,7 +116,8 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
                                  tokens_in_flight=load.tokens_in_flight, overhead_gb=0.0,
                                  dtype_bytes=load.dtype_bytes, weight_sync_bucket_mb=load.weight_sync_bucket_mb,
                                  lora_rank=load.lora_rank, lora_targets=load.lora_targets,
-                                 sleeps_on_host=load.sleeps_on_host)
+                                 sleeps_on_host=load.sleeps_on_host,
+                                 sequence_parallel=plan.sequence_parallel(name))
         except ValueError as exc:  # settings the memory model refuses: name the setting that is wrong
             key = load.keys.get("adam_offload" if "offload" in str(exc) else "zero_stage", name)
             raise AllocationError(key, f"role '{name}': {exc}") from None
@@ -136,6 +143,7 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
             | ({"nccl": round(extra[name], 3)} if name in extra else {}),
             # A role capped at a share of the GPU (a vLLM engine) must fit its own model in that share; the GPU
             # as a whole must hold every role on the rank.
+            "sequence_parallel": plan.sequence_parallel(name),
             "fits": per_rank <= allocation.gpu_memory_gb and (share is None or own[name]["total"] <= limit),
         }
     host = _host_per_node(plan, own, allocation)
@@ -147,7 +155,9 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
         "gpu_memory_gb": allocation.gpu_memory_gb, "overhead_gb": allocation.overhead_gb, "roles": roles,
         "host": host,
         "fits": all(r["fits"] for r in roles.values()) and host["fits"],
-        "_advice": {name: _advice(name, loads[name], roles[name], allocation) for name in roles}
+        "_advice": {name: _advice(name, loads[name], roles[name], allocation,
+                                  _sequence_fix(plan, name, loads[name], roles[name], own[name], allocation))
+                    for name in roles}
         | ({} if host["fits"] else {"_host": _host_advice(host, loads, allocation, placement_key)}),
     }
 
@@ -187,12 +197,39 @@ def _host_advice(host: dict, loads: Mapping[str, RoleLoad], allocation: Allocati
                                           if heaviest else "") + f"; try fewer ranks per node or {memory_key}")
 
 
+def _sequence_fix(plan: Plan, name: str, load: RoleLoad, row: dict, own: Mapping[str, float],
+                  allocation: Allocation) -> int | None:
+    """For a role that does not fit: the smallest larger `<kind>_sp` that the placement and the model's heads allow
+    and with which it would fit (only its activations change); None when there is none or the role fits."""
+    role = plan.role(name)
+    k = plan.sequence_parallel(name)
+    if row["fits"] or role.kind == "rollout" or "sequence_parallel" not in load.keys:
+        return None
+    node = min(plan.world_size, plan.ranks_per_node)
+    shape = load.shape
+    for larger in range(k + 1, role.size + 1):
+        if role.size % larger or shape.heads % larger \
+                or (larger > node and larger % node):  # what placement and the heads check would refuse
+            continue
+        smaller = estimate(load.kind, shape, role.size, load.zero_stage,
+                           load.adam_offload and load.kind in TRAINING_KINDS, micro_batch_size=load.micro_batch_size,
+                           seq_len=load.seq_len, gradient_checkpointing=load.gradient_checkpointing,
+                           overhead_gb=0.0, dtype_bytes=load.dtype_bytes,
+                           weight_sync_bucket_mb=load.weight_sync_bucket_mb, lora_rank=load.lora_rank,
+                           lora_targets=load.lora_targets, sequence_parallel=larger)
+        if row["memory_gb_per_rank"] - own["total"] + smaller["total"] <= allocation.gpu_memory_gb:
+            return larger
+    return None
+
+
 def _groups_text(plan: Plan, name: str) -> list[str]:
     """The role and weight-sync groups a role takes part in (those hpc_rlhf.dist.groups creates; a rollout role
     has none of its own, its engines are listed, and the experience routes are left out)."""
     role = plan.role(name)
     groups = [f"{len(role.engines)} engine(s) of {len(role.engines[0])}"] if role.kind == "rollout" \
         else [f"role({role.size})"]
+    if plan.sequence_parallel(name) > 1:
+        groups.append(f"{role.size // role.sp} x sequence({role.sp})")
     if plan.has("rollout") and (role.kind == "rollout" or name == "actor"):
         sync_size = len(set(plan.role("rollout").ranks) | {plan.role("actor").leader})
         groups.append(f"weight-sync({sync_size})" + (" leader" if name == "actor" else ""))
@@ -206,11 +243,16 @@ def _setting(key: str, value) -> str:
     return key if value is True else f"{key} {value}"
 
 
-def _advice(name: str, load: RoleLoad, row: dict, allocation: Allocation) -> str:
-    """The one line a role that does not fit is refused with: the setting to change first, then the others."""
+def _advice(name: str, load: RoleLoad, row: dict, allocation: Allocation, sequence_fix: int | None = None) -> str:
+    """The one line a role that does not fit is refused with: the setting to change first, then the others.
+    `sequence_fix`: a `<kind>_sp` with which the role would fit (`_sequence_fix`)."""
     keys = load.keys
     over_share = load.gpu_share is not None and row["own_memory_gb"] > row["limit_gb"]
     levers: list[tuple[str, str]] = []  # (the key, what to do with it)
+    sequence = _sequence_lever(load, row, allocation, sequence_fix)
+    breakdown = row["breakdown_gb"]
+    if sequence and breakdown["activations"] == max(breakdown[k] for k in BREAKDOWN):
+        levers.append(sequence)  # activations are what does not fit: only splitting the row shrinks them
     if over_share and "share" in keys:
         levers.append((keys["share"], f"a larger {keys['share']} (now {load.gpu_share:g}: {row['limit_gb']:.1f} GB)"))
     if load.kind in TRAINING_KINDS and not load.adam_offload and "adam_offload" in keys:
@@ -228,6 +270,8 @@ def _advice(name: str, load: RoleLoad, row: dict, allocation: Allocation) -> str
         levers.append((keys["tokens_in_flight"], f"fewer sequences per engine ({keys['tokens_in_flight']})"))
     if load.kind != "rollout" and load.micro_batch_size > 1 and "micro_batch_size" in keys:
         levers.append((keys["micro_batch_size"], f"a smaller {keys['micro_batch_size']}"))
+    if sequence and sequence not in levers:
+        levers.append(sequence)
     gpu_key = allocation.keys["gpu_memory_gb"]
     levers.append((gpu_key, f"GPUs with more memory ({gpu_key})"))
     need, limit = (row["own_memory_gb"], row["limit_gb"]) if over_share else \
@@ -235,6 +279,22 @@ def _advice(name: str, load: RoleLoad, row: dict, allocation: Allocation) -> str
     (head, first), others = levers[0], [text for _, text in levers[1:]]
     return (f"{head}: role '{name}' needs {need:.1f} GB per GPU, more than {limit:g} GB; try {first}"
             + (f"; or {'; or '.join(others)}" if others else ""))
+
+
+def _sequence_lever(load: RoleLoad, row: dict, allocation: Allocation, fix: int | None) -> tuple[str, str] | None:
+    """(key, advice) to split the role's rows over more ranks when its activations exceed what it is over the GPU
+    by; None otherwise."""
+    if load.kind == "rollout" or "sequence_parallel" not in load.keys:
+        return None
+    activations, over = row["breakdown_gb"]["activations"], row["memory_gb_per_rank"] - allocation.gpu_memory_gb
+    if over <= 0 or activations <= over:
+        return None
+    sp_key, k = f"{row['kind']}_sp", row["sequence_parallel"]
+    where = load.keys["sequence_parallel"]
+    now = f"activations take {activations:.1f} GB per GPU at {sp_key}={k}"
+    if fix is not None:
+        return where, f"{sp_key}={fix} in {where} ({now}; {fix} ranks share each packed row)"
+    return where, f"a larger {sp_key} in {where} ({now}; K ranks sharing a packed row hold 1/K of them)"
 
 
 def refusal(report: dict) -> str | None:

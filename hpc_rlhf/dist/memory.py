@@ -33,6 +33,13 @@ Activation allowance (b = micro batch, s = sequence length, h = hidden, L = laye
     their gradient as well (8 * b * s * V in all);
     inference roles keep one layer's working set; rollout engines one layer's working set over a prefill
     chunk of `ROLLOUT_PREFILL_TOKENS` tokens, split over tp.
+Sequence parallel (`<kind>_sp` = K > 1 for a trained or scoring role): K ranks share one packed row, each holding
+    s / K of its tokens through the layers; attention, after an all-to-all of q, k and v, holds H / K heads of the
+    whole row, the same number of elements. So every activation term above is taken over b * s / K tokens. Added
+    on top, the all-to-all's buffers, stated as an estimate: one layer's q, k, v and attention output of the local
+    chunk, d * (b * s / K) * (2 * H + 2 * KV) * head_dim bytes (what is sent and received around one attention);
+    when K does not divide KV the key/value heads travel repeated to one per query head (hpc_rlhf/models/
+    sequence_parallel.py), so KV counts as H there. The actor's weight-sync buffers do not shrink with K.
 Overhead: a flat allowance per rank (`overhead_gb`, default 1 GB) for the CUDA context and allocator
 fragmentation. NCCL's buffers are counted apart, per communicator the rank holds, by `hpc-rlhf plan`
 (hpc_rlhf.scale.communicators), since their number depends on the placement (it was 2 GB before they were).
@@ -300,7 +307,8 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
              tp: int = 1, micro_batch_size: int = 1, seq_len: int = 2048, gradient_checkpointing: bool = True,
              tokens_in_flight: int = 0, overhead_gb: float = DEFAULT_OVERHEAD_GB, dtype_bytes: int = 2,
              weight_sync_bucket_mb: float = 0.0, lora_rank: int = 0,
-             lora_targets=DEFAULT_LORA_TARGETS, sleeps_on_host: bool = False) -> dict[str, float]:
+             lora_targets=DEFAULT_LORA_TARGETS, sleeps_on_host: bool = False,
+             sequence_parallel: int = 1) -> dict[str, float]:
     """GB on each GPU of a role of `ranks` ranks, by component, with `total` (GPU) and `cpu_optimizer`
     (host memory per rank holding offloaded Adam states). See the module docstring for the model.
 
@@ -309,7 +317,8 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
     2 (bf16/fp16, the default) or 4 (fp32). `weight_sync_bucket_mb`: the actor leader's two bucket buffers.
     `lora_rank` > 0: the actor trains a LoRA adapter on `lora_targets` (and a rollout engine serves it).
     `host`: host memory per rank for the model (offloaded optimizer, a sleeping engine's weights; without the
-    process's own `HOST_OVERHEAD_GB`); `sleeps_on_host`: a rollout engine that moves its weights there."""
+    process's own `HOST_OVERHEAD_GB`); `sleeps_on_host`: a rollout engine that moves its weights there.
+    `sequence_parallel` K: ranks sharing one packed row (not for rollout: its engines split by `tp`)."""
     if role_kind not in KINDS:
         raise ValueError(f"unknown role kind '{role_kind}'; kinds: {', '.join(KINDS)}")
     if ranks < 1 or tp < 1 or micro_batch_size < 1 or seq_len < 1 or tokens_in_flight < 0:
@@ -321,6 +330,9 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
         raise ValueError("Adam offload needs ZeRO stage 1, 2 or 3 (DeepSpeed offloads sharded optimizer states)")
     if role_kind == "rollout" and ranks % tp:
         raise ValueError(f"{ranks} rollout ranks cannot form engines of tp={tp}")
+    if sequence_parallel < 1 or (sequence_parallel > 1 and role_kind == "rollout"):
+        raise ValueError(f"sequence_parallel must be at least 1, and 1 for rollout engines (they split by tp), got "
+                         f"{sequence_parallel}")
     if dtype_bytes not in (2, 4):
         raise ValueError(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
     if lora_rank < 0 or (lora_rank > VLLM_MAX_LORA_RANKS[-1] and role_kind == "rollout"):
@@ -329,9 +341,13 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
 
     value_model = role_kind in ("critic", "reward")
     params = shape.params(lm_head=not value_model)
-    tokens = micro_batch_size * seq_len
     d = dtype_bytes
-    layer_working_set = ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * tokens * shape.hidden * d // 2
+    # a rank's share of a row when K ranks split it (module docstring); rollout engines hold their own tokens
+    tokens = micro_batch_size * seq_len / sequence_parallel
+    layer_working_set = ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * tokens * shape.hidden * d / 2
+    kv_sent = shape.kv_heads if shape.kv_heads % sequence_parallel == 0 else shape.heads
+    all_to_all = (d * tokens * (2 * shape.heads + 2 * kv_sent) * shape.head_size
+                  if sequence_parallel > 1 else 0)
     out = dict(weights=0.0, gradients=0.0, optimizer=0.0, activations=0.0, kv_cache=0.0, overhead=overhead_gb,
                cpu_optimizer=0.0, host=0.0)
     window = min(ZERO3_WINDOW_MAX, int(params * ZERO3_WINDOW_SHARE))
@@ -358,11 +374,11 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
             activations += 8 * tokens * shape.vocab  # fp32 logits and their gradient
             # the leader's two weight-sync buffers, filled at most with what a sync moves (model or adapter)
             activations += min(2 * weight_sync_bucket_mb * 2**20, d * trained)
-        out["activations"] = activations / GB
+        out["activations"] = (activations + all_to_all) / GB
     elif role_kind in ("ref", "teacher", "reward"):  # frozen: per-token log-probs (ref, teacher) or scores
         out["weights"] = d * (params / (ranks if zero_stage >= 3 else 1) + gathered) / GB
         activations = layer_working_set + (4 * tokens * shape.vocab if role_kind != "reward" else 0)
-        out["activations"] = activations / GB
+        out["activations"] = (activations + all_to_all) / GB
     else:  # rollout
         slot = shape.lora_params(vllm_lora_rank(lora_rank), PROJECTIONS) if lora_rank > 0 else 0
         out["weights"] = d * (params + slot) / tp / GB

@@ -63,7 +63,7 @@ def _load(model: str, flag: str) -> ModelShape:
 
 # What each flag of this command is called in a refusal (hpc_rlhf.dist.allocation names the one to change).
 FLAG_NAMES = {"zero_stage": "--zero-stage", "adam_offload": "--adam-offload", "micro_batch_size": "--micro-batch-size",
-              "rollout_tp": "--placement", "tokens_in_flight": "--rollout-seqs"}
+              "rollout_tp": "--placement", "tokens_in_flight": "--rollout-seqs", "sequence_parallel": "--placement"}
 
 
 def compute(args: argparse.Namespace, extra_gb_of=None) -> dict:

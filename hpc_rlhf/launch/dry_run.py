@@ -119,8 +119,14 @@ def _rl_loads(cfg: Any, plan, model: str | None, folders: ModelFolders):
         shapes["critic"] = _shape(cfg.critic.path, "critic.path", model, folders)
     if plan.has("teacher"):
         shapes["teacher"] = _shape(cfg.distill.teacher, "distill.teacher", model, folders)
+    model_keys = {"actor": "actor.path", "ref": "ref_path" if cfg.ref_path else "actor.path",
+                  "critic": "critic.path", "teacher": "distill.teacher"}
     for index, name in enumerate(n for n in plan.roles if plan.roles[n].kind == "reward"):
         shapes[name] = _shape(cfg.reward.models[index], f"reward.models[{index}]", model, folders)
+        model_keys[name] = f"reward.models[{index}]"
+    for name in plan.roles:
+        if plan.sequence_parallel(name) > 1:
+            _check_heads(plan, name, shapes[name], model_keys[name], folders)
     rollout = plan.roles.get("rollout")
     samples = cfg.rollout.prompts_per_step * cfg.rollout.n_samples
     per_engine = math.ceil(samples / len(rollout.engines)) if rollout else 0
@@ -139,7 +145,7 @@ def _rl_loads(cfg: Any, plan, model: str | None, folders: ModelFolders):
                 "micro_batch_size": f"{prefix}.micro_batch_size",
                 "gradient_checkpointing": f"{'critic' if kind == 'critic' else 'actor'}.gradient_checkpointing",
                 "rollout_tp": "placement", "share": "rollout.gpu_memory_utilization",
-                "tokens_in_flight": "rollout.prompts_per_step x rollout.n_samples"}
+                "tokens_in_flight": "rollout.prompts_per_step x rollout.n_samples", "sequence_parallel": "placement"}
         vllm = kind == "rollout" and cfg.rollout.backend == "vllm"
         return RoleLoad(kind=kind, shape=shapes[name], zero_stage=train.zero_stage, adam_offload=train.adam_offload,
                         micro_batch_size=train.micro_batch_size, seq_len=cfg.data.max_len,
@@ -152,6 +158,20 @@ def _rl_loads(cfg: Any, plan, model: str | None, folders: ModelFolders):
                         **(lora if kind in ("actor", "rollout") else {}))
 
     return load_of
+
+
+def _check_heads(plan, name: str, shape: ModelShape, key: str, folders: ModelFolders) -> None:
+    """K ranks sharing a row exchange attention heads by all-to-all, each ending with H/K query heads of the whole
+    row, so K must divide H. Key/value heads K does not divide travel repeated to one per query head
+    (hpc_rlhf/models/sequence_parallel.py; the memory model counts those bytes), so their count is no refusal."""
+    k, sp_key = plan.sequence_parallel(name), f"{plan.role(name).kind}_sp"
+    if shape.heads % k == 0:
+        return
+    folder = folders.read[key]
+    source = f"{key}={folder}" + (" (sized by --model)" if key in folders.stand_ins else "")
+    raise AllocationError("placement", f"{sp_key}={k} does not divide the {shape.heads} attention heads of {name}'s "
+                                       f"model ({shape.kv_heads} key/value heads), {source}: the {k} ranks sharing "
+                                       f"a row split its heads; choose a {sp_key} that divides {shape.heads}")
 
 
 def _check_rl(cfg: Any, plan, allocation: Allocation) -> None:

@@ -104,3 +104,58 @@ def test_a_sleeping_vllm_engine_keeps_its_weights_in_host_memory():
     asleep = check_allocation("actor=4,rollout=4", Allocation(8, 8, 80.0), loads(rollout=sleeping))
     weights = estimate("rollout", SEVEN_B, 4)["weights"]
     assert asleep["host"]["gb_per_node"][0] - awake["host"]["gb_per_node"][0] == pytest.approx(4 * weights, abs=0.2)
+
+
+# --------------------------------------------------------------------------------- sequence parallel (issue 40)
+SP_KEYS = KEYS | {"sequence_parallel": "placement"}
+SEVENTY_B = ModelShape.preset("70b")
+
+
+def long_rows(seq_len):
+    return lambda name, kind: RoleLoad(kind=kind, shape=SEVENTY_B, zero_stage=3, adam_offload=kind == "actor",
+                                       seq_len=seq_len, keys=SP_KEYS)
+
+
+def test_a_role_split_over_k_ranks_holds_its_share_of_the_activations_and_shows_its_blocks():
+    one = check_allocation("actor=8", Allocation(8, 8, 80.0), long_rows(32768))["roles"]["actor"]
+    four = check_allocation("actor=8,actor_sp=4", Allocation(8, 8, 80.0), long_rows(32768))["roles"]["actor"]
+    assert four["sequence_parallel"] == 4 and one["sequence_parallel"] == 1
+    assert four["breakdown_gb"]["activations"] == pytest.approx(one["breakdown_gb"]["activations"] / 4, rel=0.03)
+    assert "2 x sequence(4)" in four["groups"] and not any("sequence" in g for g in one["groups"])
+
+
+def test_activations_that_do_not_fit_are_refused_naming_the_roles_sp_key_and_a_k_that_fits():
+    report = check_allocation("actor=8", Allocation(8, 8, 80.0), long_rows(32768))
+    reason = refusal(report)
+    assert not report["fits"] and "\n" not in reason
+    # at actor_sp=1 the actor needs ~104 GB, ~60 of them activations; at 2 it needs ~75 GB
+    assert reason.startswith("placement: role 'actor' needs 10")
+    assert "try actor_sp=2 in placement (activations take 6" in reason
+    fixed = check_allocation("actor=8,actor_sp=2", Allocation(8, 8, 80.0), long_rows(32768))
+    assert fixed["fits"]
+
+
+def test_the_sp_key_of_a_second_reward_model_is_reward_sp():
+    # 7B reward models scoring rows of 256k tokens on GPUs of 40 GB: 46 GB each, 36.5 of them activations
+    seven_b = lambda name, kind: RoleLoad(kind=kind, shape=SEVEN_B, zero_stage=3, seq_len=262144, keys=SP_KEYS)
+    report = check_allocation("actor=4,reward=2,reward2=2", Allocation(8, 8, 40.0), seven_b)
+    assert not report["roles"]["reward2"]["fits"]
+    assert report["_advice"]["reward2"].startswith("placement: role 'reward2' needs 46.0 GB per GPU")
+    assert "try reward_sp=2 in placement" in report["_advice"]["reward2"]
+
+
+def test_activations_that_are_not_the_problem_give_no_sp_advice():
+    # ZeRO-0 70B weights and Adam states alone are far beyond 80 GB: splitting rows cannot help
+    load = lambda name, kind: RoleLoad(kind=kind, shape=SEVENTY_B, zero_stage=0, keys=SP_KEYS)
+    reason = refusal(check_allocation("actor=8", Allocation(8, 8, 80.0), load))
+    assert "_sp" not in reason
+
+
+def test_k_must_divide_the_attention_heads():
+    twelve = ModelShape(hidden=768, layers=2, heads=12, kv_heads=4, intermediate=3072, vocab=1000, name="tiny-12")
+    load = lambda name, kind: RoleLoad(kind=kind, shape=twelve, keys=SP_KEYS)
+    with pytest.raises(AllocationError, match=r"^--placement: actor_sp=8 does not divide the 12 attention heads of "
+                                              r"actor's model tiny-12"):
+        check_allocation("actor=8,actor_sp=8", Allocation(8, 8, 80.0), load)
+    assert check_allocation("actor=8,actor_sp=4", Allocation(8, 8, 80.0), load)["fits"]  # 4 KV heads divide too
+    assert check_allocation("actor=6,actor_sp=6", Allocation(6, 6, 80.0), load)["fits"]  # KV heads repeated

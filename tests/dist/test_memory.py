@@ -224,3 +224,51 @@ def test_a_rollout_engine_holds_a_vllm_adapter_slot_of_the_rounded_rank_on_every
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) / 2 / GB)
     with pytest.raises(ValueError, match="at most 512 for a vLLM engine"):
         estimate("rollout", shape, 2, tp=2, lora_rank=600)
+
+
+# --------------------------------------------------------------------------------- sequence parallel (issue 40)
+@pytest.mark.parametrize("kind", ["actor", "critic", "ref", "teacher", "reward"])
+def test_sequence_parallel_cuts_a_ranks_activations_to_about_a_quarter_at_k4(kind):
+    shape = ModelShape.preset("70b")
+    one = estimate(kind, shape, 8, zero_stage=3, seq_len=32768)
+    four = estimate(kind, shape, 8, zero_stage=3, seq_len=32768, sequence_parallel=4)
+    # within 15%: the all-to-all buffers (13% of a layer's working set for this shape) weigh most beside a reward
+    # model's single layer of activations; under 3% for the checkpointed actor
+    assert four["activations"] == pytest.approx(one["activations"] / 4, rel=0.15)
+    assert four["activations"] > one["activations"] / 4  # the all-to-all buffers come on top
+    if kind in ("actor", "critic"):
+        assert four["activations"] == pytest.approx(one["activations"] / 4, rel=0.03)
+    for part in ("weights", "gradients", "optimizer", "cpu_optimizer", "host"):
+        assert four[part] == one[part]
+
+
+def test_sequence_parallel_adds_one_layers_q_k_v_and_output_of_the_local_chunk():
+    shape = ModelShape.preset("70b")  # 64 heads, 8 KV heads of 128
+    one = estimate("ref", shape, 4, seq_len=8192)
+    two = estimate("ref", shape, 4, seq_len=8192, sequence_parallel=2)
+    local = 8192 / 2
+    buffers = 2 * local * (2 * 64 + 2 * 8) * 128
+    assert two["activations"] * GB == pytest.approx(one["activations"] * GB / 2 + buffers)
+
+
+def test_sequence_parallel_leaves_the_weight_sync_buffers_whole_and_is_refused_for_rollout():
+    shape = ModelShape.preset("7b")
+    one = estimate("actor", shape, 4, zero_stage=3, seq_len=4096, weight_sync_bucket_mb=512)
+    two = estimate("actor", shape, 4, zero_stage=3, seq_len=4096, weight_sync_bucket_mb=512, sequence_parallel=2)
+    buffers = 2 * 512 * 2**20 / GB
+    local = 4096 / 2
+    assert two["activations"] - buffers == pytest.approx((one["activations"] - buffers) / 2
+                                                          + 2 * local * (2 * 32 + 2 * 32) * 128 / GB)
+    with pytest.raises(ValueError, match="sequence_parallel must be at least 1, and 1 for rollout"):
+        estimate("rollout", shape, 4, sequence_parallel=2)
+    with pytest.raises(ValueError, match="sequence_parallel must be at least 1"):
+        estimate("actor", shape, 4, sequence_parallel=0)
+
+
+def test_key_value_heads_the_block_does_not_divide_travel_repeated_to_one_per_query_head():
+    shape = ModelShape.preset("70b")  # 8 KV heads: K=16 repeats them to 64
+    one = estimate("reward", shape, 16, seq_len=65536)
+    sixteen = estimate("reward", shape, 16, seq_len=65536, sequence_parallel=16)
+    local = 65536 / 16
+    assert sixteen["activations"] * GB == pytest.approx(one["activations"] * GB / 16
+                                                        + 2 * local * (2 * 64 + 2 * 64) * 128)

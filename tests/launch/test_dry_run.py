@@ -13,6 +13,7 @@ import pytest
 from hpc_rlhf.cli import main
 from hpc_rlhf.config import load_config
 from hpc_rlhf.dist.allocation import AllocationError
+from hpc_rlhf.dist.memory import ModelShape
 from hpc_rlhf.launch.dry_run import check_config, check_stop_lead
 from hpc_rlhf.rl import ppo
 from tests.launch.test_sbatch_scripts import GPU_SCRIPTS, default_of, directives
@@ -181,3 +182,53 @@ def test_check_config_is_a_function_other_commands_call():
     with pytest.raises(AllocationError) as refused:
         check_config("ppo", cfg, 16, 8, model="70b")
     assert refused.value.key == "placement" and "asks for 32 ranks" in str(refused.value)
+
+
+# --------------------------------------------------------------------------------- sequence parallel (issue 40)
+PPO_70B_32K = ("ppo", "examples/long_context/ppo_70b_32k.yaml", 32, 8, "--model", "70b")
+SP_32K = "actor=8,critic=8,ref=4,reward=4,rollout=8,rollout_tp=8,actor_sp=4,critic_sp=4,ref_sp=2,reward_sp=2"
+
+
+def test_the_32k_token_70b_example_fits_ppo_70bs_allocation_with_its_roles_split_into_sequence_blocks(capsys):
+    """The flagship allocation (sbatch/ppo_70b.sbatch: 4 nodes x 8 GPUs of 80 GB) holds 70B PPO on 32k-token samples
+    once the trained and scoring roles share their rows over sequence blocks; the same config with the actor's
+    rows whole (actor_sp=1) is refused in one line that names actor_sp."""
+    assert default_of(REPO / "sbatch" / "ppo_70b.sbatch", "STOP_LEAD_S")  # the script the example is run with
+    cfg = load_config(ppo.Config, REPO / PPO_70B_32K[1])
+    assert cfg.placement == SP_32K and cfg.data.max_len == 32768
+    code, out, err = dry_run(capsys, *PPO_70B_32K, "--stop-lead-s", "1500")
+    assert code == 0 and err == "", err
+    assert "the plan fits" in out
+    assert re.search(r"^actor .*role\(8\), 2 x sequence\(4\)", out, re.MULTILINE), out
+    assert re.search(r"^ref .*role\(4\), 2 x sequence\(2\)", out, re.MULTILINE), out
+    report = check_config("ppo", cfg, 32, 8, "70b")
+    assert {n: r["sequence_parallel"] for n, r in report["roles"].items()} == {
+        "actor": 4, "critic": 4, "ref": 2, "reward": 2, "rollout": 1}
+    whole = SP_32K.replace(",actor_sp=4", "")
+    code, out, err = dry_run(capsys, *PPO_70B_32K, f"placement={whole}")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert re.search(r"--dry-run: placement: role 'actor' needs 10\d\.\d GB per GPU, more than 80 GB; try "
+                     r"actor_sp=\d in placement \(activations take 6\d\.\d GB per GPU at actor_sp=1", err), err
+
+
+def test_a_sequence_block_that_does_not_divide_the_models_heads_is_refused_naming_the_key_and_folder(capsys, tmp_path):
+    six = ModelShape(hidden=1536, layers=4, heads=6, kv_heads=2, intermediate=4096, vocab=32000)
+    (tmp_path / "config.json").write_text(json.dumps(six.to_config_json()))
+    code, out, err = dry_run(capsys, "ppo", "examples/long_context/ppo_70b_32k.yaml", 32, 8,
+                             "--model", str(tmp_path / "config.json"))
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert ("--dry-run: placement: actor_sp=4 does not divide the 6 attention heads of actor's model (2 key/value "
+            "heads), actor.path=/path/to/models/llama-2-70b-sft (sized by --model)") in err, err
+    # a real folder is named as such; a K that divides the query heads but not the key/value heads is accepted
+    # (they travel repeated: the memory model counts it)
+    twelve = ModelShape(hidden=1536, layers=4, heads=12, kv_heads=2, intermediate=4096, vocab=32000)
+    model = tmp_path / "critic"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(twelve.to_config_json()))
+    code, out, err = dry_run(capsys, "ppo", "examples/long_context/ppo_70b_32k.yaml", 32, 8, "--model", "70b",
+                             f"critic.path={model}", f"placement={SP_32K.replace('critic_sp=4', 'critic_sp=8')}")
+    assert code == 2 and f"critic_sp=8 does not divide the 12 attention heads of critic's model (2 key/value " \
+                         f"heads), critic.path={model}: " in err, err
+    code, out, err = dry_run(capsys, "ppo", "examples/long_context/ppo_70b_32k.yaml", 32, 8, "--model", "70b",
+                             f"critic.path={model}", f"placement={SP_32K}")  # critic_sp=4: 12 heads, 2 key/value heads
+    assert code == 0, err
