@@ -5,7 +5,9 @@ set-up (tests/scale/test_simulate.py checks that the two agree on every rank).
 A rank holds a communicator for (torch's NCCL backend creates them lazily, at a group's first use; every group
 below is used every step):
 - every process group it belongs to, WORLD aside: the groups hpc_rlhf.dist.groups creates, from the pure list of
-  hpc_rlhf.dist.group_layout and the route table's message groups (hpc_rlhf.rl.routes);
+  hpc_rlhf.dist.group_layout and the route table's message groups (hpc_rlhf.rl.routes); on the ranks of a role
+  with `<kind>_sp` > 1 that includes its sequence block's group (one per rank and role, whatever the job's size:
+  the bound of DESIGN §3, 7 per rank, 8 with ZeRO-0, becomes 8 and 9 there, tests/scale/test_simulate.py);
 - every distinct rank it talks to point to point (torch sets up a communicator per pair): the routes of two ranks;
 - DeepSpeed's model-parallel group of this rank alone (engines.deepspeed_compat.singleton_group), on the ranks of
   a trained role under ZeRO stage 0, where DeepSpeed's unsharded optimizers all-reduce gradient norms and overflow

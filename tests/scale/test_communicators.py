@@ -32,6 +32,18 @@ def test_a_small_placements_communicators_rank_by_rank():
         *SEPARATE_HELD[2:]]
 
 
+def test_a_sequence_parallel_role_adds_its_blocks_group_on_its_ranks_only():
+    """SEPARATE with two actor ranks sharing each row (actor=2,actor_sp=2): both actor ranks hold one more
+    communicator, their block's `sequence/actor/0`, right after their role group; no other rank does."""
+    plan = make_plan("actor=2,critic=1,reward=1,rollout=2,actor_sp=2", 6, 6)
+    held = communicators.communicators_of(plan, zero_stage=3)
+    plain = communicators.communicators_of(make_plan("actor=2,critic=1,reward=1,rollout=2", 6, 6), zero_stage=3)
+    for rank in (0, 1):
+        assert held[rank][:2] == ["role/actor", "sequence/actor/0"]
+        assert sorted(held[rank]) == sorted(plain[rank] + ["sequence/actor/0"])
+    assert held[2:] == plain[2:]
+
+
 def test_routes_with_the_same_ranks_share_one_communicator():
     """Hybrid on 3 ranks: actor+ref 0-1 (also the engines), critic 2. The batch, every role's scores and the
     critic's figures all go over ranks 0-2: one group. The engines' gather is 0-1, point to point; the evaluation

@@ -116,6 +116,30 @@ def test_bad_input_is_refused_in_one_line(capsys, tmp_path, command, change, fla
     assert err.count("\n") == 1 and err.startswith(f"hpc-rlhf {command}: ") and flag in err, err
 
 
+def test_256_ranks_with_the_actor_in_sequence_blocks_of_4_add_one_communicator_on_the_actors_ranks(capsys):
+    """actor_sp=4 on LAYOUT_256's 64 actor ranks: 16 blocks, 16 more new_group calls on every rank (in the same
+    order), and one more communicator on an actor rank (its block), none elsewhere: 9 at most under ZeRO-0 (8
+    without sequence blocks). The count does not grow with the job: 1,024 ranks with the actor in blocks of 4 hold
+    as many as 256 (counted by the planner, which the simulation agrees with on every rank)."""
+    plain = simulate(capsys, 256, LAYOUT_256, "--zero-stage", "0")
+    split = simulate(capsys, 256, LAYOUT_256 + ",actor_sp=4", "--zero-stage", "0")
+    assert split["planner_agrees"] is True
+    assert split["new_group_calls"] == plain["new_group_calls"] + 16
+    order = split["new_group_order"]
+    assert order[order.index("role/reward") + 1:order.index("weight_sync")] == [f"sequence/actor/{i}"
+                                                                                   for i in range(16)]
+    assert split["max_groups_per_rank"] == plain["max_groups_per_rank"] + 1 == 9
+    plan = make_plan(LAYOUT_256 + ",actor_sp=4", 256, 8)
+    for before, after in zip(plain["ranks"], split["ranks"]):
+        extra = 1 if after["rank"] in plan.role("actor").ranks else 0
+        assert after["communicators"] == before["communicators"] + extra, after["rank"]
+    rank_5 = next(r for r in split["ranks"] if r["rank"] == 5)
+    assert ["sequence/actor/1", 4] in rank_5["groups"]
+    big = make_plan(LAYOUT_1024 + ",actor_sp=4", 1024, 8)
+    assert max(map(len, communicators.communicators_of(big, zero_stage=0))) == 9
+    assert max(map(len, communicators.communicators_of(big, zero_stage=3))) == 8
+
+
 def test_a_hybrid_layout_runs_and_the_planner_agrees(capsys):
     """Engines on the actor's ranks: the hub (rank 0) generates and scores, nothing is synced over the network."""
     result = simulate(capsys, 16, "actor+ref=16,rollout@actor,rollout_tp=2", "--zero-stage", "0")
