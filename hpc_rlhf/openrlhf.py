@@ -220,8 +220,13 @@ def _switch_true(template: str) -> Callable[["Conversion", Any], None]:
     return to(template, lambda _: True)
 
 
-NO_SEQUENCE_PARALLEL = ("hpc_rlhf trains without sequence (ring attention) or tensor parallelism; only the value 1 "
-                        "(off) is accepted")
+NO_TENSOR_PARALLEL = ("hpc_rlhf trains without tensor parallelism (its sequence parallelism is --ring_attn_size's, for "
+                      "PPO); only the value 1 (off) is accepted")
+NO_SEQUENCE_PARALLEL = ("hpc_rlhf splits rows over ranks only for the RL roles (placement keys actor_sp, critic_sp, "
+                        "ref_sp, reward_sp); the one-model modes train whole rows: only the value 1 (off) is accepted")
+HEAD_STRIDE = ("the ranks sharing a row exchange whole attention heads by all-to-all (Ulysses: each computes its share "
+               "of the heads over the whole row), not a ring of key/value blocks, so there is no head stride to set; "
+               "--ring_attn_size says how many ranks share a row")
 PER_EPOCH = ("hpc_rlhf counts optimizer steps, not passes over the data: give --set train.max_steps=N "
              "(N = epochs x rows / train_batch_size)")
 LOCAL_DATA = "local files or folders (hpc_rlhf reads no hub data set by name); a comma list gives several"
@@ -325,15 +330,19 @@ def _flags() -> list[Flag]:
           ignored="a DeepSpeed speed setting (communication overlapped with computation)"),
         F(("--grad_accum_dtype", "--ds.grad_accum_dtype"), ALL,
           refused="no equivalent: gradients accumulate in the training dtype's DeepSpeed default"),
-        F(("--ring_attn_size", "--ds.ring_attn_size"), ALL, cast=int, noop=(1,), refused=NO_SEQUENCE_PARALLEL),
-        F(("--ring_head_stride", "--ds.ring_attn_head_stride"), ALL, cast=int, noop=(1,),
-          refused=NO_SEQUENCE_PARALLEL),
+        F(("--ring_attn_size", "--ds.ring_attn_size"), ppo, cast=int,
+          keys="placement: actor_sp, critic_sp, ref_sp, reward_sp; rl.padding_free", apply=_ring_attn_size,
+          note="K ranks of every trained and scoring role share one packed row (as OpenRLHF's ring attention, "
+               "which packs samples too); their heads travel by all-to-all (Ulysses) instead of a ring"),
+        F(("--ring_attn_size", "--ds.ring_attn_size"), ONE_MODEL, cast=int, noop=(1,), refused=NO_SEQUENCE_PARALLEL),
+        F(("--ring_head_stride", "--ds.ring_attn_head_stride"), ALL, cast=int, ignored=HEAD_STRIDE),
         F(("--ds_tensor_parallel_size", "--ds.tensor_parallel_size"), ALL, cast=int, noop=(1,),
-          refused=NO_SEQUENCE_PARALLEL),
+          refused=NO_TENSOR_PARALLEL),
         F(("--use_liger_kernel", "--ds.use_liger_kernel"), ALL, takes="switch", refused="no Liger kernels here"),
         F(("--deepcompile", "--ds.deepcompile"), ALL, takes="switch", refused="no DeepCompile here"),
-        F(("--packing_samples", "--ds.packing_samples"), ALL, takes="switch", keys="data.packing",
-          apply=lambda c, v: _packing(c), note="one-model modes only: the RL step does not pack"),
+        F(("--packing_samples", "--ds.packing_samples"), ALL, takes="switch", keys="data.packing; rl.padding_free",
+          apply=lambda c, v: _packing(c), note="PPO: rl.padding_free (rows of real tokens in scoring and training); "
+                                               "the other modes: data.packing"),
         F(("--use_dynamic_batch", "--train.dynamic_batch_enable"), ppo, takes="switch",
           refused="no token-budget batches: hpc_rlhf's micro-batches count sequences"),
         F(("--rollout_max_tokens_per_gpu", "--rollout.max_tokens_per_gpu"), ppo, cast=int,
@@ -603,10 +612,16 @@ def _flags() -> list[Flag]:
 
 
 def _packing(conv: "Conversion") -> None:
-    if conv.mode == "ppo":
-        raise ConversionError("--packing_samples: the RL step does not pack sequences (data.packing is for sft, rm, "
-                              "dpo)")
+    if conv.mode == "ppo":  # the RL step packs rows of real tokens (issue 37)
+        conv.set("rl.padding_free", True)
+        return
     conv.set("data.packing", True)
+
+
+def _ring_attn_size(conv: "Conversion", value: Any) -> None:
+    if value < 1:
+        raise ConversionError(f"--ring_attn_size {value}: the ranks sharing a row are at least 1")
+    conv.kept["ring_attn_size"] = value
 
 
 FLAGS: list[Flag] = _flags()
@@ -781,6 +796,15 @@ class Conversion:
             parts.append("rollout@actor")  # OpenRLHF without vLLM: the actor generates (transformers)
         if engines > 0 and tp > 1:
             parts.append(f"rollout_tp={tp}")
+        sp = self.kept.get("ring_attn_size", 1)
+        if sp > 1:
+            self.flag = "--ring_attn_size"
+            for name, count in roles.items():  # OpenRLHF's ring attention runs in every model of the job
+                if count % sp:
+                    raise ConversionError(f"--ring_attn_size {sp}: {name}_sp={sp} does not divide the {name}'s "
+                                          f"{count} GPUs")
+                parts.append(f"{name}_sp={sp}")
+            self.set_derived("rl.padding_free", True)
         self.set_derived("placement", ",".join(parts))
         self.set_derived("rollout.backend", "vllm" if engines > 0 else "hf")
 

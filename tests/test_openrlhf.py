@@ -115,7 +115,11 @@ def test_each_modes_flags_convert_to_a_config_that_loads(tmp_path, capsys, mode,
     ("ppo", ["--seed", "1", "--train.seed", "2"], "--train.seed is given twice (also as --seed)"),
     ("dpo", ["--ipo"], "--ipo: hpc_rlhf's IPO"),
     ("sft", ["--max_epochs", "3"], "--max_epochs: hpc_rlhf counts optimizer steps"),
-    ("rm", ["--ring_attn_size", "2"], "--ring_attn_size: hpc_rlhf trains without sequence"),
+    ("rm", ["--ring_attn_size", "2"], "--ring_attn_size: hpc_rlhf splits rows over ranks only for the RL roles"),
+    ("sft", ["--ds_tensor_parallel_size", "2"], "--ds_tensor_parallel_size: hpc_rlhf trains without tensor"),
+    ("ppo", ["--reward_pretrain", "/m/rm", "--ring_attn_size", "3"],
+     "--ring_attn_size 3: actor_sp=3 does not divide the actor's 8 GPUs"),
+    ("ppo", ["--reward_pretrain", "/m/rm", "--ring_attn_size", "0"], "--ring_attn_size 0: the ranks sharing a row"),
     ("ppo", ["--reward_pretrain", "/m/rm", "--micro_train_batch_size", "3", "--train_batch_size", "64"],
      "must be a multiple of"),
     ("ppo", ["--pretrain", "/m"], "no reward: set reward.models"),  # OpenRLHF needs a reward model or function
@@ -152,3 +156,31 @@ def test_the_printed_yaml_names_the_ignored_flags_and_the_defaults_it_keeps(tmp_
     assert "# ignored --local_rank: set by the deepspeed launcher" in out
     assert "#   --init_kl_coef               rl.kl_coef=0.02" in out
     assert yaml.safe_load(out)["actor"]["path"] == "/m"
+
+
+def test_ring_attention_becomes_sequence_blocks_of_every_trained_and_scoring_role(tmp_path, capsys):
+    """OpenRLHF's --ring_attn_size K (ring attention in every model, on packed samples) is K ranks of each of actor,
+    critic, ref and reward sharing a packed row; --ring_head_stride has no meaning for heads sent by all-to-all and
+    is listed as ignored with the reason."""
+    flags = ["--pretrain", "/m/sft", "--reward_pretrain", "/m/rm", "--ref_num_gpus_per_node", "4",
+             "--reward_num_gpus_per_node", "4", "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "4",
+             "--ring_attn_size", "4", "--ring_head_stride", "2", "--packing_samples",
+             "--micro_train_batch_size", "1", "--train_batch_size", "64", "--rollout_batch_size", "16",
+             "--n_samples_per_prompt", "4"]
+    code = main(["from-openrlhf", "--mode", "ppo", "--set", "train.max_steps=10", "--", *flags])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "# ignored --ring_head_stride: the ranks sharing a row exchange whole attention heads by all-to-all" in out
+    code, cfg, err = converted(tmp_path, capsys, "ppo", flags, ["train.max_steps=10"])
+    assert code == 0, err
+    assert cfg.placement == ("actor=8,critic=8,ref=4,reward=4,rollout=8,rollout_tp=4,actor_sp=4,critic_sp=4,ref_sp=4,"
+                             "reward_sp=4")
+    assert cfg.rl.padding_free is True
+    # without --packing_samples the packed rows that sequence blocks split are switched on all the same
+    code, cfg, err = converted(tmp_path, capsys, "ppo", [f for f in flags if f != "--packing_samples"],
+                               ["train.max_steps=10"])
+    assert code == 0 and cfg.rl.padding_free is True, err
+    # a value of 1 is the default: no _sp key
+    ones = [f if f != "4" or flags[i - 1] != "--ring_attn_size" else "1" for i, f in enumerate(flags)]
+    code, cfg, err = converted(tmp_path, capsys, "ppo", ones, ["train.max_steps=10"])
+    assert code == 0 and "_sp" not in cfg.placement, err
