@@ -86,11 +86,16 @@ def resolve_dtype(model_dtype: torch.dtype | str | None) -> torch.dtype:
     return names[model_dtype]
 
 
-def gradient_accumulation_steps(train_cfg: TrainSection, role_size: int) -> int:
-    per_pass = train_cfg.micro_batch_size * role_size
+def gradient_accumulation_steps(train_cfg: TrainSection, role_size: int, sequence_parallel: int = 1) -> int:
+    """Micro-batches per optimizer step on each rank: the batch over the role's data-parallel ranks (its ranks /
+    the sequence blocks' size: a block's ranks share each micro-batch)."""
+    replicas = role_size // sequence_parallel
+    per_pass = train_cfg.micro_batch_size * replicas
     if train_cfg.batch_size % per_pass != 0:
+        blocks = f" / {sequence_parallel} ranks per sequence block" if sequence_parallel > 1 else ""
         raise ConfigError(f"train.batch_size={train_cfg.batch_size} must be a multiple of train.micro_batch_size "
-                          f"x ranks of the role = {train_cfg.micro_batch_size} x {role_size} = {per_pass}")
+                          f"x data-parallel ranks of the role = {train_cfg.micro_batch_size} x {replicas} = "
+                          f"{per_pass} ({role_size} ranks{blocks})")
     return train_cfg.batch_size // per_pass
 
 
@@ -102,12 +107,15 @@ def zero3_window(num_params: int) -> dict[str, int]:
 
 
 def deepspeed_config(train_cfg: TrainSection, role_size: int, dtype: torch.dtype,
-                     num_params: int | None = None) -> dict[str, Any]:
+                     num_params: int | None = None, sequence_parallel: int = 1) -> dict[str, Any]:
     """The DeepSpeed config dict for `train_cfg` on a role of `role_size` ranks (`num_params`: the model's
-    parameter count, which sizes ZeRO-3's gathering window; None leaves DeepSpeed's defaults)."""
+    parameter count, which sizes ZeRO-3's gathering window; None leaves DeepSpeed's defaults;
+    `sequence_parallel`: ranks per sequence block). DeepSpeed averages gradients over all the role's ranks; the
+    ranks of a block hold parts of one micro-batch's gradient, and its train_batch_size counts each micro-batch
+    once per rank, that is K times per block."""
     if train_cfg.adam_offload and train_cfg.zero_stage == 0:
         raise ConfigError("train.adam_offload=true needs train.zero_stage 1, 2 or 3 (ZeRO-0 has no offload)")
-    accumulation = gradient_accumulation_steps(train_cfg, role_size)
+    accumulation = gradient_accumulation_steps(train_cfg, role_size, sequence_parallel)
     zero: dict[str, Any] = {"stage": train_cfg.zero_stage}
     if train_cfg.zero_stage == 3:
         zero["stage3_param_persistence_threshold"] = train_cfg.zero3_param_persistence_threshold
@@ -159,12 +167,13 @@ class TrainEngine:
     group: the role's process group; None = the whole world. torch.distributed must be initialised already
         (hpc_rlhf.dist.bootstrap); DeepSpeed reuses that world.
     model_dtype: None/"auto" = bfloat16 on GPU, float32 on CPU.
+    sequence_parallel: ranks of the group per sequence block (they share each micro-batch's rows).
     Gradient checkpointing is the model's: turn it on before building the engine. The engine starts in train
     mode.
     """
 
     def __init__(self, model: torch.nn.Module, train_cfg: TrainSection, group=None,
-                 model_dtype: torch.dtype | str | None = None):
+                 model_dtype: torch.dtype | str | None = None, sequence_parallel: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("TrainEngine needs torch.distributed initialised first (hpc_rlhf.dist.bootstrap)")
         deepspeed = deepspeed_compat.import_deepspeed()
@@ -176,8 +185,10 @@ class TrainEngine:
         self.role_rank = dist.get_rank(self.group)
         if self.role_rank < 0:
             raise ValueError(f"TrainEngine: rank {dist.get_rank()} is not a member of the group it was given")
+        self.sequence_parallel = sequence_parallel
         self.config = deepspeed_config(train_cfg, self.role_size, self.dtype,
-                                       num_params=sum(p.numel() for p in model.parameters()))
+                                       num_params=sum(p.numel() for p in model.parameters()),
+                                       sequence_parallel=sequence_parallel)
         self._clips_itself = _clips_itself(train_cfg, self.dtype)
 
         model = model.to(self.dtype)

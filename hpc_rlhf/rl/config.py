@@ -12,7 +12,7 @@ from hpc_rlhf.algorithms.importance import DEFAULT_IS_CAP, IS_CORRECTIONS, resol
 from hpc_rlhf.algorithms.losses import GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH, GSPO_LOSS_AGGREGATIONS, POLICY_LOSSES
 from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
                              ModelSection, TrainSection, field, section)
-from hpc_rlhf.dist.placement import PlacementError, make_plan, world_size_of
+from hpc_rlhf.dist.placement import PlacementError, make_plan, role_kind, world_size_of
 from hpc_rlhf.engines.rollout.vllm import VLLM_MAX_LORA_RANKS
 from hpc_rlhf.envs.config import EnvSection
 from hpc_rlhf.envs.loading import episode_bound_s
@@ -489,5 +489,10 @@ def check_plan_against_config(plan, cfg: Config) -> None:
                         "(e.g. actor=1,ref=1,rollout=2)")
     if cfg.rollout.backend == "hf" and plan.rollout_tp > 1:
         problems.append("the hf rollout backend does no tensor parallelism: use rollout_tp=1 or rollout.backend=vllm")
+    sharded = [f"{role_kind(name)}_sp={plan.sequence_parallel(name)}" for name in plan.roles
+               if name != "rollout" and plan.sequence_parallel(name) > 1]
+    if sharded and not cfg.rl.padding_free:
+        problems.append(f"{', '.join(dict.fromkeys(sharded))}: sequence parallelism splits packed rows: set "
+                        "rl.padding_free=true")
     if problems:
         raise ConfigError(f"placement '{cfg.placement}': " + "; ".join(problems) + "\n" + plan.format_table())

@@ -21,8 +21,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from hpc_rlhf.algorithms.logprobs import entropy_from_logits, token_logprobs
+from hpc_rlhf.dist import groups
 from hpc_rlhf.data.packing import bins_first_fit_decreasing, packed_model_kwargs
 from hpc_rlhf.models.sequence_parallel import SequenceContext, SequenceShard, gather_sequence, inner_attention
 from hpc_rlhf.models.value_model import normalized_scores, sequence_scores, token_values
@@ -173,6 +175,19 @@ class Layout:
 
 
 PADDED = Layout()
+
+
+def role_layouts(layout: Layout, roles: Sequence[str]) -> dict[str, Layout]:
+    """`layout` for each of `roles` this rank holds, with the rank's sequence block where the role has one
+    (placement key `<kind>_sp`; hpc_rlhf.dist.groups made the blocks' groups)."""
+    layouts = {}
+    for role in roles:
+        if not groups.has_role(role):
+            continue
+        block = groups.sequence_ranks(role)
+        layouts[role] = layout if len(block) == 1 else layout.with_sequence(
+            SequenceShard(groups.sequence_group(role), len(block), block.index(dist.get_rank())))
+    return layouts
 
 
 def attention_of(model) -> str:

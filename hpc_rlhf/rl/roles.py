@@ -1,5 +1,5 @@
 """Builders for the roles of an RL job (torchtune style: small functions the recipe calls in `setup()`): the ranks
-per node and the rollout engine of a rollout rank.
+per node, the rollout engine of a rollout rank, and a sequence-parallel role's attention.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from hpc_rlhf.dist import groups
 from hpc_rlhf.dist.bootstrap import current_launch
 from hpc_rlhf.dist.devices import engine_visible_devices
 from hpc_rlhf.models.builders import build_causal_lm
+from hpc_rlhf.models import sequence_parallel
 from hpc_rlhf.models.lora import apply_lora
 from hpc_rlhf.rl.config import Config, longest_response
 
@@ -21,6 +22,16 @@ def ranks_per_node(world_size: int) -> int:
     """Ranks per node as the launcher reports them (call after init: under MPI the layout is known only then)."""
     info = current_launch()
     return (info.ranks_per_node if info is not None else None) or world_size
+
+
+def sharded_attention(model, role: str) -> int:
+    """The role's ranks per sequence block (placement key `<kind>_sp`); where more than one, the model's attention
+    is switched to the sequence-parallel wrapper (hpc_rlhf/models/sequence_parallel.py), which leaves forwards of
+    whole sequences as they were."""
+    k = groups.plan().sequence_parallel(role)
+    if k > 1:
+        sequence_parallel.enable(model)
+    return k
 
 
 def build_rollout_engine(cfg: Config, plan, tokenizer, device, actor=None):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,10 +34,14 @@ def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int,
     """`one` over this rank's contiguous shard of the `samples` in micro-batches; the role leader gets every
     rank's results in sample order (None elsewhere). Every rank of the role runs as many passes as the one with
     the largest shard (a ZeRO-3 model gathers parameters collectively in each): the extra ones on one sample,
-    dropped. `name`: what is computed, when not the role's own result (the reference on the actor's ranks)."""
+    dropped. `name`: what is computed, when not the role's own result (the reference on the actor's ranks).
+    A sequence-parallel role's blocks (placement key `<kind>_sp`) take a shard each, computed together by the
+    block's ranks; the block's first rank hands the results on."""
     size, index = len(groups.role_ranks(role)), groups.rank_in_role(role)
-    start, end = shard_bounds(samples, size, index)
-    passes = math.ceil(math.ceil(samples / size) / micro)
+    per_block = len(groups.sequence_ranks(role))
+    replicas = size // per_block
+    start, end = shard_bounds(samples, replicas, index // per_block)
+    passes = math.ceil(math.ceil(samples / replicas) / micro)
     results = []
     for p in range(passes):
         lo, hi = start + p * micro, min(start + (p + 1) * micro, end)
@@ -45,6 +49,8 @@ def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int,
             results += one(batch_of(lo, hi))
         else:
             one(batch_of(0, 1))
+    if index % per_block:
+        results = []  # the block's first rank has the same
     gathered = exchange.gather_ragged(results, dst=groups.role_leader(role), group=groups.role_group(role),
                                       tag=f"{name or role}-scores", dtype=torch.float32)
     return exchange.flatten_ranks(gathered) if gathered is not None else None
@@ -130,24 +136,30 @@ class Scoring:
 
     def __init__(self, cfg, routes: Routes, tokenizer, device, temperature: float, *, actor=None, critic=None,
                  ref=None, teacher=None, reward_models: dict | None = None, rule_functions=(),
-                 ref_from_actor: bool = False, layout: Layout = PADDED):
+                 ref_from_actor: bool = False, layouts: Mapping[str, Layout] | None = None):
         self.cfg, self.routes, self.tokenizer, self.device = cfg, routes, tokenizer, device
+        layouts = layouts or {}
+
+        def layout_of(role: str) -> Layout:  # each role's rows: padded, packed, shared by a sequence block
+            return layouts.get(role, PADDED)
+
         self.scorers = {}  # in role order: a rank holding colocated roles scores them in the same order as its peers
         # The actor scores its old log-probs unless rl.old_logprobs takes them from elsewhere (experience.py).
         self.actor_scores = cfg.rl.old_logprobs == "recompute"
         if actor is not None:
             if self.actor_scores:
-                self.scorers["actor"] = logprobs_of(actor.module, temperature, layout=layout)
+                self.scorers["actor"] = logprobs_of(actor.module, temperature, layout=layout_of("actor"))
             if ref_from_actor:  # the same module, its adapter off
-                self.scorers["ref"] = logprobs_of(actor.module, temperature, adapter_off=True, layout=layout)
+                self.scorers["ref"] = logprobs_of(actor.module, temperature, adapter_off=True,
+                                                  layout=layout_of("actor"))
         if critic is not None:
-            self.scorers["critic"] = values_of(critic.module, layout)
+            self.scorers["critic"] = values_of(critic.module, layout_of("critic"))
         if ref is not None:
-            self.scorers["ref"] = logprobs_of(ref.model, temperature, layout=layout)
+            self.scorers["ref"] = logprobs_of(ref.model, temperature, layout=layout_of("ref"))
         if teacher is not None:  # on-policy distillation: the teacher's log-probs of the sampled tokens
-            self.scorers["teacher"] = logprobs_of(teacher.model, temperature, layout=layout)
+            self.scorers["teacher"] = logprobs_of(teacher.model, temperature, layout=layout_of("teacher"))
         for name, frozen in (reward_models or {}).items():
-            self.scorers[name] = scores_of(frozen.model, cfg.reward.normalize, layout)
+            self.scorers[name] = scores_of(frozen.model, cfg.reward.normalize, layout_of(name))
         self.computed_by = {"ref": "actor"} if ref_from_actor else None
         self.rule_functions = list(rule_functions)
         self.with_rules = bool(self.rule_functions or cfg.reward.http_url)

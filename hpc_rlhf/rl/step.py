@@ -64,9 +64,9 @@ from hpc_rlhf.rl.dynamic_sampling import fill_from_rounds, round_seed
 from hpc_rlhf.rl.evaluation import evaluate
 from hpc_rlhf.rl.experience import build_experience
 from hpc_rlhf.rl.metrics import pad_share, sample_figures, step_timing
-from hpc_rlhf.rl.packed import Layout
+from hpc_rlhf.rl.packed import Layout, role_layouts
 from hpc_rlhf.rl.prompts import Prompts, load_prompts
-from hpc_rlhf.rl.roles import build_rollout_engine, ranks_per_node
+from hpc_rlhf.rl.roles import build_rollout_engine, ranks_per_node, sharded_attention
 from hpc_rlhf.rl.rollout import Generation, RolloutPipeline, batch_seed, engine_led_here
 from hpc_rlhf.rl.routes import LOGGING_RANK, Routes
 from hpc_rlhf.rl.scoring import Scoring
@@ -123,17 +123,19 @@ class RLRecipe:
             actor = build_causal_lm(cfg.actor, where="actor")
             disable_dropout(actor)  # old and new log-probs must come from the same network (models/dropout.py)
             self.actor = TrainEngine(actor, self._engine_train_cfg(cfg.train), group=groups.role_group("actor"),
-                                     model_dtype=cfg.actor.dtype)
+                                     model_dtype=cfg.actor.dtype, sequence_parallel=sharded_attention(actor, "actor"))
         if groups.has_role("critic"):
             critic = build_value_model(cfg.critic, fold_normalization=cfg.reward.normalize)
             disable_dropout(critic)
             self.critic = TrainEngine(critic, self._engine_train_cfg(cfg.critic_train),
-                                      group=groups.role_group("critic"), model_dtype=cfg.critic.dtype)
+                                      group=groups.role_group("critic"), model_dtype=cfg.critic.dtype,
+                                      sequence_parallel=sharded_attention(critic, "critic"))
         # Frozen roles: whole on each rank, or sharded over their role's ranks under train.zero_stage=3.
         if groups.has_role("ref"):
             # built for inference: no adapter (a QLoRA actor's reference keeps the 4-bit base, as the actor's)
             ref_cfg = dataclasses.replace(cfg.actor, path=cfg.ref_path or cfg.actor.path)
             ref = FrozenModel(ref_cfg, cfg.train, run.device, group=groups.role_group("ref"))
+            sharded_attention(ref.model, "ref")
         teacher = None
         if groups.has_role("teacher"):
             problem = same_tokenizer_problem(cfg.actor.tokenizer or cfg.actor.path, cfg.distill.teacher,
@@ -143,17 +145,21 @@ class RLRecipe:
             teacher_cfg = ModelSection(path=cfg.distill.teacher, dtype=cfg.actor.dtype,
                                        attn_implementation=cfg.actor.attn_implementation)
             teacher = FrozenModel(teacher_cfg, cfg.train, run.device, group=groups.role_group("teacher"))
+            sharded_attention(teacher.model, "teacher")
         for name, path in zip(self.reward_roles, cfg.reward.models):
             if groups.has_role(name):
                 reward_models[name] = FrozenModel(ModelSection(path=path, dtype=cfg.actor.dtype), cfg.train,
                                                   run.device, group=groups.role_group(name), build=build_value_model)
+                sharded_attention(reward_models[name].model, name)
         self.layout = Layout.of(cfg.rl, self.tokenizer.pad_token_id)  # padded or packed rows (rl.padding_free)
+        # each role's: a sequence-parallel role's rows are shared by its rank's block (placement key <kind>_sp)
+        self.layouts = role_layouts(self.layout, ["actor", "critic", "ref", "teacher", *self.reward_roles])
         self.score = Scoring(cfg, self.routes, self.tokenizer, run.device, self.sampling.logprob_temperature,
                              actor=self.actor, critic=self.critic, ref=ref, teacher=teacher,
                              reward_models=reward_models,
                              rule_functions=[(spec, reward_fns.load_reward_function(spec))
                                              for spec in cfg.reward.functions],
-                             ref_from_actor=ref_from_actor, layout=self.layout)
+                             ref_from_actor=ref_from_actor, layouts=self.layouts)
         if groups.has_role("rollout"):
             rollout = build_rollout_engine(cfg, plan, self.tokenizer, run.device, actor=self.actor)
         self.weights = WeightSync(plan, self.actor, rollout, cfg.rollout.backend,
@@ -226,7 +232,7 @@ class RLRecipe:
                                          if self._trains() else (None, {}))
                 # 7. training, actor and critic at the same time on their own ranks
                 metrics, critic_figures = training.train(self.actor, self.critic, cfg, step, exp, run.device,
-                                                         self.sampling.logprob_temperature, self.layout)
+                                                         self.sampling.logprob_temperature, self.layouts)
             t_train = time.perf_counter()
             # 8. weight sync
             with watchdog.phase("weight_sync"):

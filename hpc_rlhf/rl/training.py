@@ -10,6 +10,7 @@ report theirs: the PPO ratio and the KL estimators are unbiased only then.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -100,11 +101,16 @@ def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, d
 
 
 def train(actor: TrainEngine | None, critic: TrainEngine | None, cfg: Config, step: int, exp: Experience | None,
-          device, temperature: float, layout: Layout = PADDED) -> tuple[dict[str, float], dict[str, float]]:
+          device, temperature: float, layouts: Mapping[str, Layout] | None = None
+          ) -> tuple[dict[str, float], dict[str, float]]:
     """Phase 7 on this rank: the actor and the critic it holds train on the step's Experience, each on its own
-    group (ranks holding neither pass through). The actor's figures and the critic's."""
-    actor_figures = train_actor(actor, cfg, step, exp, device, temperature, layout) if actor is not None else {}
-    critic_figures = train_critic(critic, cfg, step, exp, device, layout) if critic is not None else {}
+    group (ranks holding neither pass through). The actor's figures and the critic's. `layouts`: each role's
+    (packed rows, sequence blocks; padded rows where not given)."""
+    layouts = layouts or {}
+    actor_figures = (train_actor(actor, cfg, step, exp, device, temperature, layouts.get("actor", PADDED))
+                     if actor is not None else {})
+    critic_figures = (train_critic(critic, cfg, step, exp, device, layouts.get("critic", PADDED))
+                      if critic is not None else {})
     return actor_figures, critic_figures
 
 
@@ -121,8 +127,16 @@ def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: 
     ranks they are that mean. DeepSpeed divides each backward by the accumulation steps and averages the
     gradients over the role's ranks, so the loss is scaled back by both before backward. Figures stay
     tensors until the end: one host transfer and one all-reduce per RL step.
+
+    A sequence-parallel role (placement key `<kind>_sp=K`) shares each micro-batch among the K ranks of a block:
+    the samples are cut among the blocks, and each rank of a block computes the same loss from the whole rows,
+    its backward giving its part of the block's gradient (hpc_rlhf/models/sequence_parallel.py). The parts add
+    up in DeepSpeed's average over all the role's ranks, so the scale stays that of one rank per micro-batch;
+    the figures, counted once per rank of a block, are divided by K.
     """
     size, index = len(groups.role_ranks(role)), groups.rank_in_role(role)
+    per_block = len(groups.sequence_ranks(role))
+    replicas, replica = size // per_block, index // per_block
     gradient_scale = engine.gradient_accumulation_steps * size
     sums: dict[str, torch.Tensor] = {}
     infos, updates = [], 0
@@ -134,7 +148,7 @@ def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: 
             chosen_mask = token_mask[chosen]
             tokens = max(float(chosen_mask.sum()), 1.0)
             policy_normalizer = loss_normalizer(chosen_mask, loss_agg)
-            lo, hi = shard_bounds(len(chosen), size, index)
+            lo, hi = shard_bounds(len(chosen), replicas, replica)
             mine = chosen[lo:hi]
             for m in range(0, len(mine), train.micro_batch_size):
                 rows = mine[m:m + train.micro_batch_size]
@@ -151,7 +165,7 @@ def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: 
     comm = exchange.comm_device(groups.role_group(role))
     totals = torch.stack([sums[k].to(comm) for k in keys]) if keys else torch.zeros(0, device=comm)
     dist.all_reduce(totals, group=groups.role_group(role))
-    out = dict(zip(keys, (totals / updates).tolist()))
+    out = dict(zip(keys, (totals / (updates * per_block)).tolist()))
     stepped = [i for i in infos if i.stepped]
     out[f"{role}_grad_norm"] = stepped[-1].grad_norm if stepped else float("nan")
     out[f"{role}_lr"] = stepped[-1].lr if stepped else engine.lr

@@ -39,9 +39,11 @@ def unpadded(prompt: list[int], response: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ shards and passes
-def as_rank_of_role(monkeypatch, index: int, size: int) -> list[dict]:
-    """score_on_shard as group rank `index` of a role of `size` ranks (global ranks 0.., leader 0): what it hands
-    to the gather is recorded, and the leader gets its own results back as the gather's one rank."""
+def as_rank_of_role(monkeypatch, index: int, size: int, per_block: int = 1) -> list[dict]:
+    """score_on_shard as group rank `index` of a role of `size` ranks (global ranks 0.., leader 0) in sequence
+    blocks of `per_block` ranks: what it hands to the gather is recorded, and the leader gets its own results
+    back as the gather's one rank."""
+    first = index - index % per_block
     gathers = []
 
     def gather_ragged(seqs, dst, group, tag, dtype):
@@ -50,7 +52,8 @@ def as_rank_of_role(monkeypatch, index: int, size: int) -> list[dict]:
 
     monkeypatch.setattr(scoring, "groups", SimpleNamespace(
         role_ranks=lambda role: tuple(range(size)), rank_in_role=lambda role: index,
-        role_leader=lambda role: 0, role_group=lambda role: f"group of {role}"))
+        role_leader=lambda role: 0, role_group=lambda role: f"group of {role}",
+        sequence_ranks=lambda role: tuple(range(first, first + per_block))))
     monkeypatch.setattr(scoring, "exchange", SimpleNamespace(gather_ragged=gather_ragged,
                                                              flatten_ranks=exchange.flatten_ranks))
     return gathers
@@ -80,6 +83,27 @@ def test_each_rank_scores_its_shard_in_as_many_passes_as_the_largest_shard(monke
     assert (gather["dst"], gather["group"], gather["tag"], gather["dtype"]) == (0, "group of critic", "critic-scores",
                                                                               torch.float32)
     assert got == (gather["seqs"] if index == 0 else None)
+
+
+@pytest.mark.parametrize("index, passes, kept", [
+    # 7 samples on 4 ranks in blocks of 2 (critic_sp=2): the blocks take [0, 4) and [4, 7) in two passes of 2,
+    # both ranks of a block on the same rows; only a block's first rank hands its results on
+    (0, [(0, 2), (2, 4)], [0, 1, 2, 3]),
+    (1, [(0, 2), (2, 4)], []),
+    (2, [(4, 6), (6, 7)], [4, 5, 6]),
+    (3, [(4, 6), (6, 7)], []),
+])
+def test_a_sequence_block_scores_one_shard_together(monkeypatch, index, passes, kept):
+    gathers = as_rank_of_role(monkeypatch, index, size=4, per_block=2)
+    seen = []
+
+    def one(bounds):
+        seen.append(bounds)
+        return [torch.tensor([float(i)]) for i in range(*bounds)]
+
+    scoring.score_on_shard("critic", 7, 2, lambda lo, hi: (lo, hi), one)
+    assert seen == passes
+    assert [float(t) for t in gathers[0]["seqs"]] == kept
 
 
 def test_a_result_computed_for_another_role_is_tagged_with_its_own_name(monkeypatch):

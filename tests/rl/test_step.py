@@ -230,3 +230,36 @@ def test_padding_free_steps_train_as_padded_ones_on_fewer_tokens(tmp_path):
         for key in ("reward", "policy_loss", "value_loss", "actor_grad_norm", "critic_grad_norm", "entropy", "kl_k1",
                     "rollout_logprob_abs_diff"):
             assert packed[key] == pytest.approx(padded[key], rel=1e-3, abs=1e-5), (key, padded, packed)
+
+
+def test_sequence_parallel_roles_train_as_data_parallel_ones(tmp_path):
+    """Sequence parallelism (issue 40): a PPO run whose actor, critic, ref and reward model each share every packed
+    row between their two ranks (`<kind>_sp=2`) trains as the same run with the two ranks data-parallel, up to
+    float rounding: the same samples (the hybrid engines generate the same), rewards, losses, KL and gradient
+    norms, over three steps. And without packed rows it is refused at configuration, naming the keys."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "+".join(["1"] * k) + "=", "answer": str(k)}) + "\n"
+                               for k in range(1, 17)))
+    common = ["--config", "examples/tiny/ppo.yaml", f"actor.path={TINY_MODEL}", f"critic.path={TINY_MODEL}",
+              f"data.train_files=[{prompts}]", f"reward.models=[{TINY_MODEL}]", "rl.padding_free=true",
+              "rollout.prompts_per_step=8", "rollout.n_samples=2", "rollout.max_new_tokens=8", "train.batch_size=16",
+              "train.micro_batch_size=4", "critic_train.batch_size=16", "critic_train.micro_batch_size=4",
+              "train.lr=1e-3", "train.max_steps=3", "log.eval_every_steps=0", "checkpoint.every_steps=0", *QUIET]
+    placement = "actor+critic+ref+reward=2,rollout@actor"
+    sharded = f"{placement},actor_sp=2,critic_sp=2,ref_sp=2,reward_sp=2"
+    figures = {}
+    for name, spec in (("data_parallel", placement), ("sequence_parallel", sharded)):
+        out = tmp_path / name
+        hpc_rlhf_cli("ppo", *common, f"output_dir={out}", f"placement={spec}")
+        figures[name] = read_metrics(out)
+    assert len(figures["sequence_parallel"]) == 3
+    for plain, shared in zip(figures["data_parallel"], figures["sequence_parallel"], strict=True):
+        assert shared["response_length"] == plain["response_length"]
+        for key in ("reward", "policy_loss", "value_loss", "actor_grad_norm", "critic_grad_norm", "entropy", "kl_k1",
+                    "rollout_logprob_abs_diff"):
+            assert shared[key] == pytest.approx(plain[key], rel=1e-3, abs=1e-5), (key, plain, shared)
+    refused = hpc_rlhf_cli("ppo", *common, f"output_dir={tmp_path / 'padded'}", f"placement={sharded}",
+                           "rl.padding_free=false", check=False)
+    assert refused.returncode != 0
+    assert "actor_sp=2, critic_sp=2, ref_sp=2, reward_sp=2: sequence parallelism splits packed rows" in \
+        refused.stdout + refused.stderr
