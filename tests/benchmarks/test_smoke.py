@@ -59,8 +59,9 @@ TRL = {
     "ppo_vs_trl": ["--layouts", "colocated", "--rounds", "1", "--steps", "1", "--warmup", "1", "--rows", "64"],
 }
 GPU_ONLY = ["gpu_throughput", "gpu_checks"]
-# Reads the outputs of rl_phases runs (none given: only its table of published runs, computed), so not in run_all.sh.
-ANALYSES = {"step_time_validation": []}
+# Reads the outputs of rl_phases runs (none given: only its table of published runs, computed), or computes from the
+# memory model alone (long_context), so not in run_all.sh.
+ANALYSES = {"step_time_validation": [], "long_context": ["--lengths", "8192", "--ks", "1", "4"]}
 TRL_112 = REPO / ".venv-trl112" / "bin" / "python"
 
 
