@@ -54,21 +54,20 @@ class SequenceContext:
     """What the sharded attention of one forward needs: the block, and the whole rows' position ids (R, L)."""
     shard: SequenceShard
     position_ids: torch.Tensor
-    _mask: torch.Tensor | None = field(default=None, repr=False)
+    _bounds: list[list[tuple[int, int]]] | None = field(default=None, repr=False)
 
-    def segments(self) -> torch.Tensor:
-        """(R, L) the index of the sample each token belongs to within its row (a sample starts at position 0)."""
-        return torch.cumsum((self.position_ids == 0).to(torch.int32), dim=1)
-
-    def mask(self) -> torch.Tensor:
-        """(R, 1, L, L) True where a token may attend: an earlier or the same token of its own sample (built once
-        per forward, shared by the layers)."""
-        if self._mask is None:
-            seg = self.segments()
-            length = seg.shape[1]
-            causal = torch.ones(length, length, dtype=torch.bool, device=seg.device).tril()
-            self._mask = ((seg.unsqueeze(2) == seg.unsqueeze(1)) & causal).unsqueeze(1)
-        return self._mask
+    def sample_bounds(self) -> list[list[tuple[int, int]]]:
+        """Per row, each sample's [start, end) (a sample starts where the position ids restart at 0): attention
+        runs within each, causal. Found once per forward, shared by the layers."""
+        if self._bounds is None:
+            length = self.position_ids.shape[1]
+            self._bounds = []
+            for row in self.position_ids.cpu():
+                starts = torch.nonzero(row == 0).reshape(-1).tolist()
+                if not starts or starts[0] != 0:
+                    starts = [0, *starts]
+                self._bounds.append(list(zip(starts, [*starts[1:], length])))
+        return self._bounds
 
     def cu_seqlens(self) -> tuple[torch.Tensor, int]:
         """Every sample's bounds in the flattened rows and the longest sample (flash-attention's varlen kernel)."""
@@ -126,6 +125,8 @@ def heads_to_sequence(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """(R, H, L/K, D) all heads of this rank's chunk -> (R, H/K, L, D) this rank's heads of the whole rows."""
     rows, heads, chunk, dim = x.shape
     k = shard.size
+    if k == 1:
+        return x
     send = x.reshape(rows, k, heads // k, chunk, dim).permute(1, 0, 2, 3, 4)
     got = _AllToAll.apply(send, shard.group)  # got[i]: rank i's chunk of this rank's heads
     return got.permute(1, 2, 0, 3, 4).reshape(rows, heads // k, k * chunk, dim)
@@ -135,6 +136,8 @@ def sequence_to_heads(y: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """(R, L, H/K, D) this rank's heads of the whole rows -> (R, L/K, H, D) all heads of this rank's chunk."""
     rows, length, heads, dim = y.shape
     k = shard.size
+    if k == 1:
+        return y
     send = y.reshape(rows, k, length // k, heads, dim).permute(1, 0, 2, 3, 4)
     got = _AllToAll.apply(send, shard.group)  # got[i]: head group i of this rank's chunk
     return got.permute(1, 2, 0, 3, 4).reshape(rows, length // k, k * heads, dim)
@@ -160,9 +163,20 @@ def _sharded_attention(inner: str, module, query, key, value, context: SequenceC
     if inner.startswith("flash_attention"):
         out = _flash_varlen(q, k, v, context, dropout, scaling)  # (R, L, H/K, D)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=context.mask(), dropout_p=dropout,
-                                             scale=scaling).transpose(1, 2)
+        out = _attention_by_sample(q, k, v, context, dropout, scaling)
     return sequence_to_heads(out, shard)
+
+
+def _attention_by_sample(q, k, v, context: SequenceContext, dropout: float, scaling: float | None) -> torch.Tensor:
+    """(R, h, L, D) each -> (R, L, h, D): causal attention within each sample of each row, one sdpa call per
+    sample. A mask over the whole row would cost L x L per layer, which sequence parallelism does not divide."""
+    rows = []
+    for r, bounds in enumerate(context.sample_bounds()):
+        rows.append(torch.cat([F.scaled_dot_product_attention(q[r:r + 1, :, a:b], k[r:r + 1, :, a:b],
+                                                              v[r:r + 1, :, a:b], dropout_p=dropout, is_causal=True,
+                                                              scale=scaling)
+                               for a, b in bounds], dim=2))
+    return torch.cat(rows, dim=0).transpose(1, 2)
 
 
 def _flash_varlen(q, k, v, context: SequenceContext, dropout: float, scaling: float | None) -> torch.Tensor:
@@ -180,7 +194,7 @@ def _flash_varlen(q, k, v, context: SequenceContext, dropout: float, scaling: fl
 def _attention_for(inner: str):
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                   sequence_context: SequenceContext | None = None, **kwargs):
-        if sequence_context is None or sequence_context.shard.size == 1:
+        if sequence_context is None:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
             original = ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager" else _eager(module)

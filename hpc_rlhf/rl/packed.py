@@ -157,7 +157,9 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
-        return self.sequence is not None and self.sequence.size > 1
+        """Whether forwards run the sequence-parallel attention (a shard of one rank runs it without exchanges:
+        benchmarks/sequence_parallel.py compares K ranks with one that way)."""
+        return self.sequence is not None
 
     def with_sequence(self, shard: SequenceShard | None) -> "Layout":
         """This layout for a role whose rows are shared by `shard`'s block (None or size 1: not shared)."""

@@ -48,6 +48,7 @@ COMMANDS = {
     "weight_sync": ["--smoke"],
     "packing": ["--max-lens", "32", "--rows", "64", "--rounds", "1", "--steps", "2", "--warmup", "1"],
     "rl_packing": ["--smoke"],
+    "sequence_parallel": ["--smoke"],
     "multi_turn": ["--prompts", "2", "--n", "2", "--turns", "2", "--new-tokens", "2", "--repeats", "1"],
     "hf_generation": ["--prompts", "2", "--n", "2", "--new-tokens", "2", "--repeats", "1"],
 }

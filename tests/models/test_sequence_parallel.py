@@ -28,17 +28,11 @@ def test_chunk_bounds_split_a_row_evenly_and_refuse_what_does_not_split():
         shard.bounds(10)
 
 
-def test_the_mask_of_packed_rows_keeps_attention_causal_and_within_each_sample():
-    context = SequenceContext(SequenceShard(None, 2, 0), torch.tensor([[0, 1, 2, 0, 1, 0]]))
-    want = torch.tensor([[1, 0, 0, 0, 0, 0],
-                         [1, 1, 0, 0, 0, 0],
-                         [1, 1, 1, 0, 0, 0],
-                         [0, 0, 0, 1, 0, 0],
-                         [0, 0, 0, 1, 1, 0],
-                         [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
-    assert torch.equal(context.mask()[0, 0], want)
+def test_attention_runs_within_each_sample_of_a_packed_row():
+    context = SequenceContext(SequenceShard(None, 2, 0), torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]]))
+    assert context.sample_bounds() == [[(0, 3), (3, 5), (5, 6)], [(0, 2), (2, 6)]]
     cu_seqlens, longest = context.cu_seqlens()
-    assert cu_seqlens.tolist() == [0, 3, 5, 6] and longest == 3
+    assert cu_seqlens.tolist() == [0, 3, 5, 6, 8, 12] and longest == 4
 
 
 def test_enabling_wraps_the_attention_backend_and_leaves_whole_sequence_forwards_unchanged():
