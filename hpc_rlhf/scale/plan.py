@@ -93,7 +93,12 @@ def compute(args: argparse.Namespace) -> dict:
 
 
 def format_step_time(prediction: dict) -> str:
-    rows = [(name, f"{seconds:.3f}") for name, seconds in prediction["phases"].items()]
+    exchanges = prediction["detail"].get("sequence_exchange_s", {})
+    rows = []
+    for name, seconds in prediction["phases"].items():
+        rows.append((name, f"{seconds:.3f}"))
+        if exchanges.get(name):  # what the sequence blocks' all-to-alls take of the phase above
+            rows.append(("  of which sequence_exchange", f"{exchanges[name]:.3f}"))
     path = " -> ".join(f"{name} {seconds:.3f}" for name, seconds in prediction["critical_path"])
     s = prediction["settings"]
     return (f"one RL step on {prediction['hardware']} ({s['prompts']} prompts x {s['samples']} samples, "

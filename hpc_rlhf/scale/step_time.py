@@ -23,6 +23,16 @@ N = a model's parameters; R = a role's ranks):
   with gradient checkpointing) at mfu_train, micro-batch overheads, an optimizer step overhead per step, and
   ZeRO's traffic (ZeRO-3: gathering the model forward and backward and reduce-scattering the gradients in every
   pass; ZeRO 1-2: a reduce-scatter and an all-gather per optimizer step; ZeRO-0: an all-reduce), overlapped.
+- sequence parallel (`<kind>_sp` = K > 1, hpc_rlhf/models/sequence_parallel.py): a role's samples are cut among
+  its R / K blocks, not its R ranks, and each rank of a block computes 1/K of its block's work, so the FLOPs per
+  rank are those of one replica's share over K (the role's total unchanged) while micro-batch passes (and ZeRO-3's
+  gathers) count per block. Added, not overlapped (attention waits for its heads): `sequence_exchange`, per layer
+  four all-to-alls (q, k, v before attention, its output after) of the rank's chunk of the rows, heads x head
+  size wide (key/value heads repeated to the query heads when K does not divide them), each sending (K-1)/K of
+  its tensor at the bandwidth of the link the block sits on (its node's; across nodes when a block is larger than
+  a node); training repeats them in the backward, and under gradient checkpointing once more in the forward
+  recomputed; plus, once per pass, the all-gather of the 4-byte per-token outputs (log-probs, values). A
+  latency per all-to-all and per gather.
 - weight_sync (disjoint placements): the actor's leader streams the bf16 weights to every rollout rank in the
   order and buckets of hpc_rlhf.dist.bucket_plan (the project's schedule): a tensor of at least a bucket (or 4 MB)
   goes alone and is waited for; the others are packed and a full bucket travels while the next modules are
@@ -127,6 +137,76 @@ def _broadcast_s(nbytes: float, receivers: int, link: float, profile: Profile) -
     return nbytes / link + profile.latency_s * math.ceil(math.log2(receivers + 1))  # NCCL: pipelined
 
 
+# ------------------------------------------------------------------------------------------------ sequence parallel
+OUTPUT_BYTES_PER_TOKEN = 4  # the per-token outputs a block gathers: fp32 log-probs (actor, ref) or values
+
+
+def _shares(plan: Plan, name: str, samples: int, s: StepSettings) -> tuple[int, int, int]:
+    """(K, samples per block, micro-batch passes per block) of role `name`: its samples are cut among its blocks
+    of K ranks (one rank each at K = 1), a block taking `micro_batch_size` samples per pass (rl/training.py)."""
+    k = plan.sequence_parallel(name)
+    per_block = math.ceil(samples / (plan.role(name).size // k))
+    return k, per_block, math.ceil(per_block / s.micro_batch_size)
+
+
+def sequence_exchange_bytes(shape: ModelShape, tokens: float, k: int, dtype_bytes: int = 2) -> float:
+    """Bytes one rank of a sequence block of K sends in the all-to-alls of one forward over `tokens` tokens of
+    rows (the block's; the rank holds tokens / K): per layer q, k and v before attention and the output after
+    it, each (local tokens x heads x head size), of which (K-1)/K leaves the rank. Key/value heads travel
+    repeated to one per query head when K does not divide them (hpc_rlhf/models/sequence_parallel.py). 0 at
+    K = 1."""
+    if k == 1:
+        return 0.0
+    kv = shape.kv_heads if shape.kv_heads % k == 0 else shape.heads
+    per_token_layer = (2 * shape.heads + 2 * kv) * shape.head_size * dtype_bytes
+    return shape.layers * tokens / k * per_token_layer * (k - 1) / k
+
+
+def _block_link(plan: Plan, name: str, profile: Profile) -> float:
+    """The slowest link inside any of the role's sequence blocks (the node's, unless a block spans nodes)."""
+    return min(_link(plan, block, profile) for block in plan.sequence_blocks(name))
+
+
+def sequence_exchange_s(plan: Plan, name: str, shape: ModelShape, samples: int, seq_len: int, passes: int,
+                        forwards: int, profile: Profile) -> float:
+    """The exchanges of role `name`'s sequence blocks over `samples` samples of `seq_len` tokens per block in
+    `passes` passes: the layers' all-to-alls `forwards` times (scoring 1; training 2, the backward running them
+    in reverse, and 3 under gradient checkpointing, whose recomputed forward runs them again), and once per pass
+    the all-gather of the per-token outputs (its backward keeps the rank's chunk: nothing moves). 0 at K = 1."""
+    k = plan.sequence_parallel(name)
+    if k == 1:
+        return 0.0
+    link = _block_link(plan, name, profile)
+    tokens = samples * seq_len
+    all_to_all = forwards * (sequence_exchange_bytes(shape, tokens, k, profile.bytes_per_param) / link
+                             + 4 * shape.layers * passes * profile.latency_s)
+    gather = OUTPUT_BYTES_PER_TOKEN * tokens * (k - 1) / k / link + passes * profile.latency_s
+    return all_to_all + gather
+
+
+def sequence_exchange_by_role(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings,
+                              profile: Profile) -> dict[str, dict[str, float]]:
+    """`{role: {"scoring": seconds, "training": seconds}}` of the sequence-parallel roles (K > 1): the part of
+    scoring_s and training_s their exchanges take."""
+    out = {}
+    for name, role in plan.roles.items():
+        if role.kind == "rollout" or plan.sequence_parallel(name) == 1:
+            continue
+        shape = shapes[role.kind]
+        _, per_block, passes = _shares(plan, name, s.sequences, s)
+        out[name] = {"scoring": sequence_exchange_s(plan, name, shape, per_block, s.seq_len, passes, 1, profile)}
+        if name in ("actor", "critic"):
+            _, per_block, passes = _shares(plan, name, s.sequences * s.ppo_epochs, s)
+            out[name]["training"] = sequence_exchange_s(plan, name, shape, per_block, s.seq_len, passes,
+                                                        _training_forwards(s), profile)
+    return out
+
+
+def _training_forwards(s: StepSettings) -> int:
+    """How many times a training pass runs the layers' all-to-alls (sequence_exchange_s)."""
+    return 3 if s.gradient_checkpointing else 2
+
+
 # ------------------------------------------------------------------------------------------------ phases
 def generation_s(plan: Plan, shape: ModelShape, s: StepSettings, profile: Profile) -> float:
     engines = plan.role("rollout").engines
@@ -200,13 +280,13 @@ def scoring_s(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profil
             continue
         shape = shapes[role.kind]
         lm_head = role.kind in ("actor", "ref", "teacher")
-        per_rank = math.ceil(s.sequences / role.size)
-        passes = math.ceil(per_rank / s.micro_batch_size)
-        compute = forward_flops(shape, per_rank, s.seq_len, lm_head) / (profile.peak_flops * profile.mfu_score)
+        k, per_block, passes = _shares(plan, name, s.sequences, s)
+        compute = forward_flops(shape, per_block, s.seq_len, lm_head) / k / (profile.peak_flops * profile.mfu_score)
         zero = passes * _zero3_pass_s(plan, role.ranks, shape.params(lm_head), profile, 1) if s.zero_stage == 3 else 0
+        exchange = sequence_exchange_s(plan, name, shape, per_block, s.seq_len, passes, 1, profile)
         gather = (4 * s.sequences * (s.longest if role.kind != "reward" else 1) / _link(plan, role.ranks, profile)
                   + profile.latency_s if role.size > 1 else 0.0)
-        out[name] = max(compute, zero) + passes * profile.pass_overhead_s + gather
+        out[name] = max(compute, zero) + exchange + passes * profile.pass_overhead_s + gather
     return out
 
 
@@ -218,12 +298,13 @@ def training_s(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profi
         role, shape = plan.role(name), shapes[name]
         lm_head = name == "actor"
         params = shape.params(lm_head)
-        samples = s.sequences * s.ppo_epochs
-        per_rank = math.ceil(samples / role.size)
-        passes = math.ceil(per_rank / s.micro_batch_size)
+        k, per_block, passes = _shares(plan, name, s.sequences * s.ppo_epochs, s)
         steps = s.ppo_epochs * math.ceil(s.sequences / (s.train_batch or s.sequences))
         factor = 4 if s.gradient_checkpointing else 3  # forward (again) + backward = 2 forwards
-        compute = factor * forward_flops(shape, per_rank, s.seq_len, lm_head) / (profile.peak_flops * profile.mfu_train)
+        compute = factor * forward_flops(shape, per_block, s.seq_len, lm_head) / k \
+            / (profile.peak_flops * profile.mfu_train)
+        exchange = sequence_exchange_s(plan, name, shape, per_block, s.seq_len, passes, _training_forwards(s),
+                                       profile)
         traffic = profile.bytes_per_param * params * (role.size - 1) / role.size / _link(plan, role.ranks, profile) \
             if role.size > 1 else 0.0
         if s.zero_stage == 3:
@@ -231,7 +312,7 @@ def training_s(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profi
         else:
             comm = steps * 2 * traffic  # reduce-scatter + all-gather (ZeRO 1-2), or an all-reduce (ZeRO-0)
         overheads = 2 * passes * profile.pass_overhead_s + steps * profile.optimizer_step_overhead_s
-        out[name] = max(compute, comm) + overheads
+        out[name] = max(compute, comm) + exchange + overheads
     return out
 
 
@@ -290,17 +371,26 @@ def predict(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profile:
     per_role = scoring_s(plan, shapes, s, profile)
     per_role_train = training_s(plan, shapes, s, profile)
 
-    def by_ranks(times: dict[str, float]) -> float:  # roles on other ranks at once, on the same ranks one by one
-        groups: dict[tuple, float] = {}
-        for name, t in times.items():
-            ranks = plan.role(name).ranks
-            groups[ranks] = groups.get(ranks, 0.0) + t
-        return max(groups.values(), default=0.0)
+    def by_ranks(times: dict[str, float]) -> tuple[float, list[str]]:
+        """The phase's time and the roles that set it: roles on other ranks run at once, on the same ranks one
+        by one."""
+        groups: dict[tuple, list[str]] = {}
+        for name in times:
+            groups.setdefault(plan.role(name).ranks, []).append(name)
+        slowest = max(groups.values(), key=lambda names: sum(times[n] for n in names), default=[])
+        return max((sum(times[n] for n in names) for names in groups.values()), default=0.0), slowest
 
-    busy_scoring = len(scorer_ranks) + (len(engines) if overlap else 0)
-    busy_training = len(trainer_ranks) + (len(engines) if overlap else 0)
-    scoring = by_ranks(per_role) * _busy(profile, busy_scoring)
-    training = by_ranks(per_role_train) * _busy(profile, busy_training)
+    busy_scoring = _busy(profile, len(scorer_ranks) + (len(engines) if overlap else 0))
+    busy_training = _busy(profile, len(trainer_ranks) + (len(engines) if overlap else 0))
+    scoring, scoring_roles = by_ranks(per_role)
+    training, training_roles = by_ranks(per_role_train)
+    scoring, training = scoring * busy_scoring, training * busy_training
+    # What sequence parallelism's exchanges take of the scoring and training phases: those of the roles that set
+    # each phase (the phases include them; they are shown apart so that a reader sees what the blocks cost).
+    exchanges = sequence_exchange_by_role(plan, shapes, s, profile)
+    sequence_exchange = {
+        "scoring": busy_scoring * sum(exchanges.get(n, {}).get("scoring", 0.0) for n in scoring_roles),
+        "training": busy_training * sum(exchanges.get(n, {}).get("training", 0.0) for n in training_roles)}
     sync = weight_sync_s(plan, shapes["actor"], s, profile)
     if overlap:
         path = [("exchange", responses), ("generation || scoring + exchange back + training",
@@ -323,6 +413,9 @@ def predict(plan: Plan, shapes: dict[str, ModelShape], s: StepSettings, profile:
         "detail": {"exchange_responses_s": round(responses, 6), "exchange_scores_s": round(back, 6),
                    "scoring_by_role_s": {k: round(v, 6) for k, v in per_role.items()},
                    "training_by_role_s": {k: round(v, 6) for k, v in per_role_train.items()},
+                   "sequence_exchange_s": {k: round(v, 6) for k, v in sequence_exchange.items()},
+                   "sequence_exchange_by_role_s": {n: {k: round(v, 6) for k, v in by.items()}
+                                                   for n, by in exchanges.items()},
                    "generation_waiting_s": round(waiting, 6),
                    "as_logged": {k: round(v, 6) for k, v in as_logged.items()},
                    "samples_per_s": round(s.sequences / total, 3) if total else None},

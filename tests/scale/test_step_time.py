@@ -2,11 +2,14 @@
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
+import yaml
 
 from hpc_rlhf.cli import main
-from hpc_rlhf.dist.memory import ModelShape
+from hpc_rlhf.dist.memory import PRESETS, ModelShape
 from hpc_rlhf.dist.placement import make_plan
 from hpc_rlhf.scale import hardware, step_time
 from hpc_rlhf.scale.step_time import StepSettings
@@ -20,6 +23,7 @@ MACHINE = hardware.Profile("round", peak_flops=1e9, memory_bytes_per_s=1e9, intr
 SETTINGS = StepSettings(prompts=4, samples=2, prompt_len=8, response_len=4, micro_batch_size=8, zero_stage=0,
                         gradient_checkpointing=False, rollout_seqs=8)
 PLAN = make_plan("actor=1,critic=1,ref=1,reward=1,rollout=2", 6, 6)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_generation_is_a_prefill_and_memory_bound_decode_steps():
@@ -102,3 +106,130 @@ def test_the_cpu_profile_is_read_from_where_calibrate_writes(tmp_path, monkeypat
     (tmp_path / "cpu.json").write_text("{}")
     with pytest.raises(hardware.ProfileError, match="calibrate again"):
         hardware.load("cpu")
+
+
+# --------------------------------------------------------------------------------- sequence parallel (issue 40)
+SP_PLAN = make_plan("actor=2,critic=1,ref=1,reward=1,rollout=1,actor_sp=2", 6, 6)  # one block of 2, in one node
+
+
+def test_the_all_to_all_of_a_sequence_block_by_hand():
+    # 64 tokens over a block of 2: each rank holds 32; per layer q, k, v and the output are 32 x 4 heads x 16 x
+    # 2 bytes = 4,096 bytes each, half of which leaves the rank: 4 x 2,048 x 4 layers = 32,768 bytes
+    assert step_time.sequence_exchange_bytes(SHAPE, 64, 2, 2) == 32768
+    # grouped-query attention, 4 heads and 2 key/value heads: K = 2 divides them (k and v are half as wide), K = 4
+    # does not (they travel repeated to 4 heads)
+    gqa = ModelShape(hidden=64, layers=4, heads=4, kv_heads=2, intermediate=128, vocab=100, name="gqa")
+    assert step_time.sequence_exchange_bytes(gqa, 64, 2, 2) == 4 * 32 * (2 * 64 + 2 * 32) * 2 / 2  # 24,576
+    assert step_time.sequence_exchange_bytes(gqa, 64, 4, 2) == 4 * 16 * (4 * 64) * 2 * 3 / 4  # 24,576
+    assert step_time.sequence_exchange_bytes(SHAPE, 64, 1, 2) == 0
+    # the actor of SP_PLAN: 8 samples of 12 tokens in one block, one pass. Scoring: 4 layers x 48 tokens per rank
+    # x 512 bytes x 1/2 = 49,152 bytes at the node's 1e8 B/s, plus the log-probs' all-gather (96 tokens x 4 bytes
+    # x 1/2 = 192 bytes); training without checkpointing runs the all-to-alls twice (forward, backward), with it
+    # three times (the forward recomputed)
+    a2a, gather = 49152 / 1e8, 192 / 1e8
+    by_role = step_time.sequence_exchange_by_role(SP_PLAN, {k: SHAPE for k in ("actor", "critic", "ref", "reward")},
+                                                  SETTINGS, MACHINE)
+    assert by_role == {"actor": {"scoring": pytest.approx(a2a + gather), "training": pytest.approx(2 * a2a + gather)}}
+    checkpointed = StepSettings(**{**SETTINGS.__dict__, "gradient_checkpointing": True})
+    assert step_time.sequence_exchange_by_role(SP_PLAN, {"actor": SHAPE}, checkpointed, MACHINE)["actor"][
+        "training"] == pytest.approx(3 * a2a + gather)
+    # a block spread over two nodes of one rank each crosses the 1e7 B/s link: ten times as long
+    across = make_plan("actor=2,critic=1,rollout=1,actor_sp=2", 4, 1)
+    assert step_time.sequence_exchange_s(across, "actor", SHAPE, 8, 12, 1, 1, MACHINE) == pytest.approx(
+        (49152 + 192) / 1e7)
+    # a latency per all-to-all (4 a layer) and per gather, in every pass
+    slow = hardware.Profile(**{**MACHINE.to_dict(), "latency_s": 1e-3})
+    assert step_time.sequence_exchange_s(SP_PLAN, "actor", SHAPE, 8, 12, 2, 1, slow) == pytest.approx(
+        a2a + gather + (4 * 4 * 2 + 2) * 1e-3)
+
+
+def test_a_sequence_block_shares_its_samples_work_and_adds_its_exchanges():
+    # 2 actor ranks: as 2 replicas each trains 4 samples; as 1 block of 2 each rank computes half of 8 samples.
+    # The FLOPs per rank are the same; the block adds its exchanges and is the only term that differs
+    shapes = {kind: SHAPE for kind in ("actor", "critic", "ref", "teacher", "reward")}
+    replicas = make_plan("actor=2,critic=1,ref=1,reward=1,rollout=1", 6, 6)
+    exchange = step_time.sequence_exchange_by_role(SP_PLAN, shapes, SETTINGS, MACHINE)["actor"]
+    assert step_time.training_s(SP_PLAN, shapes, SETTINGS, MACHINE)["actor"] == pytest.approx(
+        step_time.training_s(replicas, shapes, SETTINGS, MACHINE)["actor"] + exchange["training"])
+    assert step_time.training_s(replicas, shapes, SETTINGS, MACHINE)["actor"] == pytest.approx(
+        3 * step_time.forward_flops(SHAPE, 4, 12) / (1e9 * 0.5))
+    assert step_time.scoring_s(SP_PLAN, shapes, SETTINGS, MACHINE)["actor"] == pytest.approx(
+        step_time.scoring_s(replicas, shapes, SETTINGS, MACHINE)["actor"] + exchange["scoring"])
+    # micro-batches count per block: a block of 2 takes all 8 samples in passes of 1, twice a replica's 4, each
+    # pass costing 1 s forward and 1 s backward: 8 s more
+    ones = StepSettings(**{**SETTINGS.__dict__, "micro_batch_size": 1})
+    overhead = hardware.Profile(**{**MACHINE.to_dict(), "pass_overhead_s": 1.0})
+    no_exchange = {"scoring": 0.0, "training": 0.0}
+    got = step_time.training_s(SP_PLAN, shapes, ones, overhead)["actor"] \
+        - step_time.sequence_exchange_by_role(SP_PLAN, shapes, ones, overhead)["actor"]["training"]
+    assert got == pytest.approx(step_time.training_s(replicas, shapes, ones, overhead)["actor"] + 2 * 4)
+    # the prediction shows the exchanges apart, as the part of a phase taken by the roles that set it: with the
+    # actor alone (GRPO-like), all of its exchanges; in SP_PLAN the critic's rank, with all 8 samples, sets both
+    # phases and exchanges nothing, so the actor's figure is by role only
+    alone = make_plan("actor=2,rollout=1,actor_sp=2", 3, 3)
+    sp = step_time.predict(alone, shapes, SETTINGS, MACHINE)
+    assert sp["detail"]["sequence_exchange_s"] == pytest.approx(exchange, abs=1e-6)  # rounded to the us
+    assert sp["phases"]["training"] == pytest.approx(sp["detail"]["training_by_role_s"]["actor"], abs=1e-6)
+    sp = step_time.predict(SP_PLAN, shapes, SETTINGS, MACHINE)
+    assert sp["detail"]["sequence_exchange_s"] == no_exchange
+    assert sp["detail"]["sequence_exchange_by_role_s"] == {"actor": pytest.approx(exchange, abs=1e-6)}
+    assert step_time.predict(replicas, shapes, SETTINGS, MACHINE)["detail"]["sequence_exchange_s"] == no_exchange
+
+
+def test_blocks_of_one_rank_change_nothing():
+    # actor_sp=1 is the placement without the key: the same prediction, no exchange; and the 70B step of
+    # docs/planner.md's step-time section is still the 520.590 s it printed before sequence parallelism
+    shapes = {"actor": SHAPE}
+    plain = step_time.predict(PLAN, shapes, SETTINGS, MACHINE)
+    ones = make_plan("actor=1,critic=1,ref=1,reward=1,rollout=2,actor_sp=1,critic_sp=1,ref_sp=1,reward_sp=1", 6, 6)
+    assert step_time.predict(ones, shapes, SETTINGS, MACHINE) == plain
+    assert plain["detail"]["sequence_exchange_s"] == {"scoring": 0.0, "training": 0.0}
+    assert plain["detail"]["sequence_exchange_by_role_s"] == {}
+    flagship = make_plan("actor=8,critic=8,ref=4,reward=4,rollout=8,rollout_tp=4", 32, 8)
+    settings = StepSettings(prompts=128, samples=8, prompt_len=512, response_len=1024, micro_batch_size=1,
+                            rollout_seqs=128)
+    got = step_time.predict(flagship, {"actor": PRESETS["70b"]}, settings, hardware.load("h100"))
+    assert round(got["total_s"], 3) == 520.590
+
+
+def _sbatch_allocation(path: Path) -> tuple[int, int]:
+    text = path.read_text()
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.MULTILINE).group(1))
+    gpus = int(re.search(r"^#SBATCH --gpus-per-node=(\d+)$", text, re.MULTILINE).group(1))
+    return nodes * gpus, gpus
+
+
+def test_the_32k_token_70b_example_predicts_its_sequence_exchange(capsys):
+    # examples/long_context/ppo_70b_32k.yaml on sbatch/ppo_70b.sbatch's allocation, its batch as the step-time flags
+    cfg = yaml.safe_load((REPO / "examples/long_context/ppo_70b_32k.yaml").read_text())
+    world, gpus = _sbatch_allocation(REPO / "sbatch/ppo_70b.sbatch")
+    prompt_len = cfg["data"]["max_prompt_len"]
+    response_len = cfg["data"]["max_len"] - prompt_len
+    samples = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["n_samples"]
+    argv = ["plan", "--world-size", str(world), "--gpus-per-node", str(gpus), "--model", "70b", "--adam-offload",
+            "--placement", cfg["placement"], "--seq-len", str(cfg["data"]["max_len"]),
+            "--micro-batch-size", str(cfg["train"]["micro_batch_size"]), "--rollout-seqs", str(samples),
+            "--step-time", "--hardware", "h100", "--prompts", str(cfg["rollout"]["prompts_per_step"]),
+            "--samples", str(cfg["rollout"]["n_samples"]), "--prompt-len", str(prompt_len),
+            "--response-len", str(response_len), "--train-batch", str(cfg["train"]["batch_size"])]
+    assert main([*argv, "--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)["step_time"]
+    exchange = predicted["detail"]["sequence_exchange_s"]
+    assert math.isfinite(predicted["total_s"]) and exchange["scoring"] > 0 and exchange["training"] > 0
+    assert exchange["training"] < predicted["phases"]["training"]
+    by_role = predicted["detail"]["sequence_exchange_by_role_s"]
+    assert set(by_role) == {"actor", "critic", "ref", "reward"}
+    # the actor: 2 blocks of 4 in one node each, 16 samples of 32,768 tokens a block, one a pass; per layer
+    # 4 all-to-alls of 8,192 tokens x (2 x 64 + 2 x 8 heads) x 128 x 2 bytes, 3/4 leaving the rank, at 450 GB/s,
+    # 20 us each, three times in training (gradient checkpointing); the log-probs' all-gather once a pass
+    tokens = 16 * 32768
+    a2a = 80 * tokens / 4 * 144 * 128 * 2 * 3 / 4 / 450e9 + 4 * 80 * 16 * 20e-6
+    gather = 4 * tokens * 3 / 4 / 450e9 + 16 * 20e-6
+    assert by_role["actor"] == {"scoring": pytest.approx(a2a + gather, abs=1e-6),
+                                "training": pytest.approx(3 * a2a + gather, abs=1e-6)}
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"^training +[\d.]+\n  of which sequence_exchange +[\d.]+$", printed, re.MULTILINE)
+    # docs/planner.md ("Long contexts") shows this phase table
+    table = printed[printed.index("phase "):printed.index("critical path:")]
+    assert table in (REPO / "docs" / "planner.md").read_text()
