@@ -13,14 +13,14 @@ import torch  # noqa: E402
 from tests import background  # noqa: E402
 from tests.ci_skips import pytest_configure, pytest_runtest_makereport  # noqa: E402,F401  (hooks: CI fails on skips)
 from tests.ci_skips import pytest_runtest_setup as _cuda_only  # noqa: E402
-from tests.recipes import ppo_reward_model, sft_base, tool_sft_base, world  # noqa: E402,F401  (fixtures)
+from tests.recipes import grpo_teacher, ppo_reward_model, sft_base, tool_sft_base, world  # noqa: E402,F401  (fixtures)
 
 torch.set_num_threads(1)
 
 
-# The shared models in the order they are ready (tests/recipes.py): the SFT base, then the reward model and the
-# calculator's tool base, both trained from it.
-SHARED_MODELS = ("sft_base", "ppo_reward_model", "tool_sft_base")
+# The shared models in the order they are ready (tests/recipes.py): the SFT base, then the GRPO teacher (a short
+# RL run), the reward model and the calculator's tool base, all trained from it.
+SHARED_MODELS = ("sft_base", "grpo_teacher", "ppo_reward_model", "tool_sft_base")
 
 # Test files the learning lane runs after its learning tests (scripts/run_suite.py): without them the rest lane ran
 # 8 minutes longer, alone on the machine with a core idle (fresh-clone suite of 2026-11-27, AMD EPYC: learning lane

@@ -100,6 +100,13 @@ TOOL_SFT_BASE = ["train.max_steps=600", "train.lr=2e-3", "train.warmup_steps=0",
                  "train.batch_size=128", "train.micro_batch_size=128", "log.eval_every_steps=0",
                  "log.every_steps=100", "checkpoint.resume=false"]
 
+# The teacher of the distillation test (tests/rl/test_distill.py) is the RL-trained model of GRPO's colocated
+# learning test (tests/rl/test_ppo.py), which reads this run: 30 steps from the SFT base with the exact-match rule,
+# evaluated every 2 steps (evaluation is greedy and draws no random number: the training is the same at any
+# frequency), so that the distillation test compares its student with GRPO alone at step 2.
+GRPO_TEACHER = ["--config", "examples/tiny/grpo.yaml", "placement=actor+ref=1,rollout@actor", "train.max_steps=30",
+                "log.eval_every_steps=2", "eval.max_rows=300", "checkpoint.resume=false"]
+
 # The shared models train in child processes on one thread each, started with the session (tests/background.py,
 # tests/conftest.py) while other tests run. The tool base (5 of the calculator test's 6 CPU-minutes) trains beside
 # the tests that need only the SFT base: in the test, it kept one core busy at the end of the suite while the
@@ -108,7 +115,8 @@ TOOL_SFT_BASE = ["train.max_steps=600", "train.lr=2e-3", "train.warmup_steps=0",
 
 def start_shared_models(tmp_path_factory, needed: set[str]) -> None:
     """Start training the shared models the collected tests need (fixture names), in the background."""
-    if {"sft_base", "ppo_reward_model", "tool_sft_base"} & needed and not background.started("sft_base"):
+    if {"sft_base", "ppo_reward_model", "tool_sft_base", "grpo_teacher"} & needed and \
+            not background.started("sft_base"):
         folder = tmp_path_factory.mktemp("sft_base")
         background.start("sft_base", lambda out=folder: _sft_base(out))
     if "ppo_reward_model" in needed and not background.started("ppo_reward_model"):
@@ -116,6 +124,10 @@ def start_shared_models(tmp_path_factory, needed: set[str]) -> None:
         background.start("ppo_reward_model", lambda out=folder: _train(
             "rm", out, "--config", "examples/tiny/rm.yaml", f"model.path={background.result('sft_base')}",
             *learning(*PPO_REWARD_MODEL)))
+    if "grpo_teacher" in needed and not background.started("grpo_teacher"):
+        folder = tmp_path_factory.mktemp("grpo_teacher")
+        background.start("grpo_teacher", lambda out=folder: _train(
+            "grpo", out, f"actor.path={background.result('sft_base')}", *learning(*GRPO_TEACHER), priority=0))
     if "tool_sft_base" in needed and not background.started("tool_sft_base"):
         folder = tmp_path_factory.mktemp("tool_sft_base")
         background.start("tool_sft_base", lambda out=folder: _train(
@@ -170,6 +182,14 @@ def tool_sft_base(tmp_path_factory) -> Path:
     """A final/ folder: the SFT base fine-tuned on the tool demonstrations (TOOL_SFT_BASE), for the calculator."""
     start_shared_models(tmp_path_factory, {"tool_sft_base"})
     return background.result("tool_sft_base")
+
+
+@pytest.fixture(scope="session")
+def grpo_teacher(tmp_path_factory) -> Path:
+    """A final/ folder: GRPO from the SFT base (GRPO_TEACHER); its run's metrics.jsonl is beside it. In the
+    control (HPC_RLHF_TEST_NO_LEARNING) it is trained at lr 0, as every tested run."""
+    start_shared_models(tmp_path_factory, {"grpo_teacher"})
+    return background.result("grpo_teacher")
 
 
 @pytest.fixture(scope="session")

@@ -23,11 +23,10 @@ hpc_rlhf = hpc_rlhf_cli
 
 
 @pytest.mark.learning
-def test_grpo_rule_reward_beats_the_sft_plateau_colocated(tmp_path, sft_base):
-    out = tmp_path / "grpo"
-    hpc_rlhf("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
-             "placement=actor+ref=1,rollout@actor", *learning("train.max_steps=30", "log.eval_every_steps=30"),
-             EVAL_ROWS, *QUIET)
+def test_grpo_rule_reward_beats_the_sft_plateau_colocated(grpo_teacher):
+    """The shared run tests/recipes.py trains as the distillation test's teacher (GRPO_TEACHER): 30 steps of GRPO
+    with the exact-match rule, colocated, from the SFT base."""
+    out = grpo_teacher.parent
     assert_rl_beats_the_plateau("grpo", out, GAIN, MAX_KL)
     assert (out / "final" / "model.safetensors").is_file()
 
