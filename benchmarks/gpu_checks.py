@@ -9,8 +9,12 @@ node of a new cluster), each a command of its own with a time limit; prints one 
                transformers' generate
 4. packed rl   benchmarks/rl_packing.py: the actor's log-probs on packed rows (flash-attention's varlen kernel
                where flash-attn is installed) against padded ones (sdpa): the difference and the speed-up
-5. vllm        vLLM's CUDA build: its compiled ops load (`vllm._C`); needs vLLM
-6. weight sync `benchmarks/weight_sync.py` on two ranks needs two GPUs for NCCL (one GPU cannot host two NCCL
+5. sequence    benchmarks/sequence_parallel.py --device cuda: a sequence block of one rank (no exchanges) on one
+   parallel    packed row, flash-attention's varlen path of the sharded attention against transformers' packed
+               flash forward and the per-sample sdpa path: log-prob differences (fails above 0.02), saved MB,
+               forward + backward ms; needs flash-attn
+6. vllm        vLLM's CUDA build: its compiled ops load (`vllm._C`); needs vLLM
+7. weight sync `benchmarks/weight_sync.py` on two ranks needs two GPUs for NCCL (one GPU cannot host two NCCL
                ranks): listed, not run, on a one-GPU machine
 
 A check whose library is missing is reported as skipped with the reason, not failed. Nothing is asserted: the
@@ -49,6 +53,10 @@ def checks(python: str, gpus: int) -> dict[str, dict]:
         "packed rl": {"cmd": [python, str(HERE / "rl_packing.py"), "--device", "cuda", "--dtype", "bfloat16",
                               "--samples", "64"],
                       "timeout": 180, "headline": r"^\| packed, longest-sample rows .*$"},
+        "sequence parallel": {"cmd": [python, str(HERE / "sequence_parallel.py"), "--device", "cuda", "--tokens",
+                                      "16384", "--require-flash"],
+                              "timeout": 180, "headline": r"^flash path against the packed flash forward.*$",
+                              "needs": "flash_attn"},
         "vllm": {"cmd": [python, "-c", "import vllm, vllm._C; print('vLLM', vllm.__version__, 'compiled ops load')"],
                  "timeout": 120, "headline": r"^vLLM .*$", "needs": "vllm"},
         "weight sync": {"cmd": [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

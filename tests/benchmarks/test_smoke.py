@@ -145,7 +145,8 @@ def test_the_gpu_checks_refuse_a_machine_without_a_gpu_and_skip_what_they_cannot
     module = load("gpu_checks")
     assert module.main([]) == 2 and "no CUDA GPU here" in capsys.readouterr().err
     one_gpu, two = module.checks(sys.executable, 1), module.checks(sys.executable, 2)
-    assert list(one_gpu) == ["nccl", "bf16 train", "generation", "packed rl", "vllm", "weight sync"]
+    assert list(one_gpu) == ["nccl", "bf16 train", "generation", "packed rl", "sequence parallel", "vllm",
+                             "weight sync"]
     assert module.run_check("weight sync", one_gpu["weight sync"]) == ("skipped", 0.0, "two NCCL ranks need two GPUs")
     assert two["weight sync"]["skip"] is None
     missing = dict(one_gpu["vllm"], needs="hpc_rlhf_no_such_module")
@@ -153,6 +154,20 @@ def test_the_gpu_checks_refuse_a_machine_without_a_gpu_and_skip_what_they_cannot
     outcome, _, line = module.run_check("x", {"cmd": [sys.executable, "-c", "import sys; sys.exit('boom')"],
                                                "timeout": 60, "headline": "^never$"})
     assert outcome == "FAILED" and line == "exit 1: boom"
+
+
+def test_the_one_gpu_mode_of_sequence_parallel_refuses_a_machine_without_a_gpu(capsys):
+    """Its GPU run is gpu_checks' "sequence parallel"; here only its arguments and the refusal."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: benchmarks/gpu_checks.py runs this mode")
+    module = load("sequence_parallel")
+    assert module.main(["--device", "cuda", "--require-flash"]) == 2
+    assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        module.main(["--device", "cuda", "--tokens", "30"])
+    assert exited.value.code == 2 and "--tokens must be a multiple of 4" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["gpu_throughput"])
