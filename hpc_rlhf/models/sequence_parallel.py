@@ -198,7 +198,18 @@ def _attention_for(inner: str):
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
             original = ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager" else _eager(module)
-            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            # transformers' flash path looks its kernel up by the config's implementation name, which is ours
+            # here: the inner backend's name while it runs
+            config = getattr(module, "config", None)
+            wrapped = getattr(config, "_attn_implementation", None)
+            if config is not None and wrapped != inner:
+                config._attn_implementation = inner
+            try:
+                return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                **kwargs)
+            finally:
+                if config is not None and wrapped != inner:
+                    config._attn_implementation = wrapped
         out = _sharded_attention(inner, module, query, key, value, sequence_context, dropout, scaling)
         return out, None
     attention.__name__ = f"{PREFIX}{inner}"

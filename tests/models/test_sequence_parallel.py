@@ -52,6 +52,30 @@ def test_enabling_wraps_the_attention_backend_and_leaves_whole_sequence_forwards
     assert torch.allclose(before, after, atol=1e-6)
 
 
+def test_whole_sequence_forwards_run_the_inner_backend_under_its_own_name(monkeypatch):
+    """transformers' flash-attention forward finds its kernel by the config's implementation name: while the
+    wrapper hands a whole-sequence forward on, the name is the inner backend's, and ours again after."""
+    from types import SimpleNamespace
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hpc_rlhf.models import sequence_parallel
+
+    seen = []
+
+    def inner(module, query, key, value, attention_mask, **kwargs):
+        seen.append(module.config._attn_implementation)
+        return query, None
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", inner)
+    module = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sequence_parallel_flash_attention_2"),
+                             training=False)
+    query = torch.zeros(1, 4, 3, 8)
+    out, _ = sequence_parallel._attention_for("flash_attention_2")(module, query, query, query, None)
+    assert out is query and seen == ["flash_attention_2"]
+    assert module.config._attn_implementation == "sequence_parallel_flash_attention_2"
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_k_ranks_sharing_rows_compute_what_one_rank_computes(k):
     run_ranks(4, __file__, "equal", str(k), timeout=240)
