@@ -121,26 +121,23 @@ def gather_sequence(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     return x if shard.size == 1 else _GatherSequence.apply(x, shard)
 
 
+def _exchange(x: torch.Tensor, shard: SequenceShard, split: int, join: int) -> torch.Tensor:
+    """The block's all-to-all: x cut into K parts along dim `split`, part j sent to rank j; the parts received,
+    rank by rank, joined along dim `join`."""
+    if shard.size == 1:
+        return x
+    got = _AllToAll.apply(torch.stack(x.chunk(shard.size, dim=split)), shard.group)
+    return torch.cat(got.unbind(0), dim=join)
+
+
 def heads_to_sequence(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """(R, H, L/K, D) all heads of this rank's chunk -> (R, H/K, L, D) this rank's heads of the whole rows."""
-    rows, heads, chunk, dim = x.shape
-    k = shard.size
-    if k == 1:
-        return x
-    send = x.reshape(rows, k, heads // k, chunk, dim).permute(1, 0, 2, 3, 4)
-    got = _AllToAll.apply(send, shard.group)  # got[i]: rank i's chunk of this rank's heads
-    return got.permute(1, 2, 0, 3, 4).reshape(rows, heads // k, k * chunk, dim)
+    return _exchange(x, shard, split=1, join=2)
 
 
 def sequence_to_heads(y: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """(R, L, H/K, D) this rank's heads of the whole rows -> (R, L/K, H, D) all heads of this rank's chunk."""
-    rows, length, heads, dim = y.shape
-    k = shard.size
-    if k == 1:
-        return y
-    send = y.reshape(rows, k, length // k, heads, dim).permute(1, 0, 2, 3, 4)
-    got = _AllToAll.apply(send, shard.group)  # got[i]: head group i of this rank's chunk
-    return got.permute(1, 2, 0, 3, 4).reshape(rows, length // k, k * heads, dim)
+    return _exchange(y, shard, split=1, join=2)
 
 
 def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
