@@ -229,6 +229,13 @@ def _chunk(packed: PackedBatch, shard: SequenceShard, pad_id: int) -> _Chunk:
     return _Chunk(input_ids, start, end, kwargs)
 
 
+def _block_values(model, packed: PackedBatch, layout: Layout, head=None) -> torch.Tensor:
+    """(R, L) a value model's per-token values of the whole rows, each rank of the block computing its chunk (L:
+    the rows' length padded to a multiple of the block size)."""
+    chunk = _chunk(packed, layout.sequence, layout.pad_id)
+    return gather_sequence(token_values(model, attention_mask=None, head=head, **chunk.kwargs), layout.sequence)
+
+
 def policy_forward(model, sub: SampleBatch, temperature: float, layout: Layout = PADDED
                    ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """(B, T-1) log-probs of each next token under softmax(logits / T), and a function giving the entropies of
@@ -257,9 +264,7 @@ def value_forward(model, sub: SampleBatch, layout: Layout = PADDED, head=None) -
         return token_values(model, sub.input_ids, sub.attention_mask, head=head)
     packed = layout.pack(sub)
     if layout.sharded:
-        values = token_values(model, attention_mask=None, head=head, **_chunk(packed, layout.sequence,
-                                                                               layout.pad_id).kwargs)
-        return unpack_tokens(gather_sequence(values, layout.sequence), packed)
+        return unpack_tokens(_block_values(model, packed, layout, head), packed)
     kwargs = packed.model_kwargs(attention_of(model))
     kwargs.pop("use_cache")
     return unpack_tokens(token_values(model, attention_mask=None, head=head, **kwargs), packed)
@@ -271,11 +276,9 @@ def score_forward(model, sub: SampleBatch, normalize: bool, layout: Layout = PAD
         return sequence_scores(model, sub.input_ids, sub.attention_mask, normalize=normalize)
     packed = layout.pack(sub)
     if layout.sharded:
-        values = gather_sequence(token_values(model, attention_mask=None, **_chunk(packed, layout.sequence,
-                                                                                    layout.pad_id).kwargs),
-                                 layout.sequence)
-        return normalized_scores(model, values.reshape(-1)[packed.last_token_index(values.shape[1]).to(values.device)],
-                                 normalize)
+        values = _block_values(model, packed, layout)
+        last = packed.last_token_index(values.shape[1]).to(values.device)
+        return normalized_scores(model, values.reshape(-1)[last], normalize)
     kwargs = packed.model_kwargs(attention_of(model))
     kwargs.pop("use_cache")
     values = token_values(model, attention_mask=None, **kwargs)
