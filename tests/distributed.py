@@ -7,9 +7,16 @@ A distributed test keeps its worker code in the test module itself and calls `ru
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -44,7 +51,10 @@ def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
                "--max_restarts=0", "--monitor_interval=0.5", str(script), *args]
     else:
         raise ValueError(f"run_ranks: launcher must be 'fork' or 'torchrun', not {launcher!r}")
-    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(env), capture_output=True, text=True, timeout=timeout)
+    if launcher == "fork":
+        proc = run_python(None, cmd[1], cmd[2:], env=worker_env(env), timeout=timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, env=worker_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{nproc}-rank run of {Path(script).name} {' '.join(args)} failed "
                              f"(exit {proc.returncode}):\n--- stdout\n{proc.stdout[-6000:]}\n"
@@ -96,10 +106,116 @@ def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: 
     # (OpenMP's default): on a quiet machine that was measured 1.6x faster than OMP_WAIT_POLICY=PASSIVE (200 SFT
     # base steps: 38 s against 60 s), though beside another busy process it is the slower one by far.
     full_env = worker_env({"OMP_NUM_THREADS": str(threads), **(env or {})})
-    proc = subprocess.run([sys.executable, "-m", "hpc_rlhf", *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=_raise_priority(priority) if priority else None)
+    proc = run_python("hpc_rlhf", None, list(args), env=full_env, timeout=timeout, priority=priority)
     if check and proc.returncode != 0:
         raise AssertionError(f"hpc-rlhf {' '.join(args)} exited {proc.returncode}\n--- stdout\n"
                              f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+# ------------------------------------------------------------------------------------------ the zygote
+# The tests' command lines fork from a pre-imported interpreter (tests/cli_zygote.py says why and how). A request
+# whose environment differs from the zygote's in a variable a library may read when it is imported (threads,
+# kernels, accelerators, offline switches) starts a fresh interpreter instead, as does every request when
+# HPC_RLHF_TEST_FRESH_INTERPRETERS=1.
+IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "ATEN_", "ONEDNN", "DNNL", "TORCH", "PYTORCH",
+                        "DS_", "DEEPSPEED", "HF_", "TRANSFORMERS", "TOKENIZERS", "DATASETS", "CUDA", "NCCL", "VLLM",
+                        "PYTHON", "LD_", "MALLOC", "HPC_RLHF_CPU_KERNELS")
+FRESH_VAR = "HPC_RLHF_TEST_FRESH_INTERPRETERS"
+
+
+class _Zygote:
+    """The zygote of this process: started at the first request, stopped when this process exits."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}
+        self.path = ""
+
+    def start(self) -> None:
+        folder = tempfile.mkdtemp(prefix="hpc_rlhf_zygote_")  # mode 0700: no one else may connect
+        self.path = os.path.join(folder, "socket")
+        self.env = worker_env()
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: nothing may be imported after fork
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py"), self.path], cwd=REPO,
+                                     env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=lambda: prctl(1, int(signal.SIGKILL)))  # PR_SET_PDEATHSIG
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"tests/cli_zygote.py did not start (exit {self.proc.wait()}); set {FRESH_VAR}=1 "
+                               "to run the tests' command lines as fresh interpreters")
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.path:
+            for leftover in (self.path, os.path.dirname(self.path)):
+                try:
+                    os.unlink(leftover) if leftover == self.path else os.rmdir(leftover)
+                except OSError:
+                    pass
+
+    def forkable(self, env: dict[str, str]) -> bool:
+        if os.environ.get(FRESH_VAR, "") == "1":
+            return False
+        with self.lock:
+            if self.proc is None:
+                self.start()
+        changed = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)}
+        return not any(k.startswith(IMPORT_TIME_PREFIXES) for k in changed)
+
+    def run(self, module: str | None, script: str | None, argv: list[str], env: dict[str, str], timeout: float,
+            priority: int) -> subprocess.CompletedProcess:
+        request = {"module": module, "script": script, "argv": argv, "env": env, "cwd": str(REPO), "nice": -priority}
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+                open(os.devnull, "rb") as stdin, socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.connect(self.path)
+            socket.send_fds(conn, [json.dumps(request).encode()], [stdin.fileno(), out.fileno(), err.fileno()])
+            conn.settimeout(60)
+            pid = json.loads(conn.recv(4096))["pid"]
+            conn.settimeout(timeout)
+            try:
+                reply = conn.recv(4096)
+            except socket.timeout:
+                _kill_group(pid)
+                conn.settimeout(60)
+                conn.recv(4096)
+                raise subprocess.TimeoutExpired(_command(module, script, argv), timeout,
+                                                _read(out), _read(err)) from None
+            if not reply:
+                raise RuntimeError("tests/cli_zygote.py ended before the run it started (a killed zygote?)")
+            code = json.loads(reply)["returncode"]
+            return subprocess.CompletedProcess(_command(module, script, argv), code, _read(out), _read(err))
+
+
+_ZYGOTE = _Zygote()
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _read(f) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
+
+
+def _command(module: str | None, script: str | None, argv: list[str]) -> list[str]:
+    return [sys.executable, *(["-m", module] if module else [script]), *argv]
+
+
+def run_python(module: str | None, script: str | None, argv: list[str], env: dict[str, str], timeout: float,
+               priority: int = 0) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGV` (or `python SCRIPT ARGV`) from the repository, its output captured as text: forked
+    from the zygote when the environment allows it, else a fresh interpreter."""
+    if _ZYGOTE.forkable(env):
+        return _ZYGOTE.run(module, script, argv, env, timeout, priority)
+    return subprocess.run(_command(module, script, argv), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=_raise_priority(priority) if priority else None)

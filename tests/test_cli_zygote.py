@@ -1,0 +1,82 @@
+"""The tests' command lines forked from the pre-imported interpreter (tests/cli_zygote.py) behave as fresh
+interpreters: the same arguments, environment, folder, streams and exit codes; a timeout ends the run with its
+children; an environment a library reads at import time gets a fresh interpreter."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from tests.distributed import FRESH_VAR, REPO, _ZYGOTE, run_python, worker_env
+
+PROBE = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv[1:], "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
+                  "marker": os.environ.get("HPC_RLHF_PROBE"), "torch_loaded": "torch" in sys.modules}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def both_ways(script, argv, env, monkeypatch):
+    forked = run_python(None, str(script), argv, env=env, timeout=60)
+    monkeypatch.setenv(FRESH_VAR, "1")
+    fresh = run_python(None, str(script), argv, env=env, timeout=60)
+    monkeypatch.delenv(FRESH_VAR)
+    return forked, fresh
+
+
+def test_a_forked_script_sees_what_a_fresh_interpreter_sees(tmp_path, monkeypatch):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = worker_env({"HPC_RLHF_PROBE": "forked or not"})
+    forked, fresh = both_ways(script, ["3", "a b", "--flag"], env, monkeypatch)
+    assert (forked.returncode, forked.stderr) == (fresh.returncode, fresh.stderr) == (3, "to stderr\n")
+    f, g = (json.loads(p.stdout) for p in (forked, fresh))
+    assert f.pop("torch_loaded") and not g.pop("torch_loaded")  # the fork saved the import, nothing else differs
+    assert f == g == {"argv": ["3", "a b", "--flag"], "path0": str(tmp_path), "cwd": str(REPO), "name": "__main__",
+                      "marker": "forked or not"}
+
+
+def test_a_forked_module_run_exits_as_python_m_does():
+    proc = run_python("hpc_rlhf", None, ["no-such-mode"], env=worker_env(), timeout=60)
+    assert proc.returncode == 2 and "unknown mode 'no-such-mode'" in proc.stderr
+    assert _ZYGOTE.forkable(worker_env())  # it ran in the zygote
+
+
+def test_a_timeout_kills_the_run_and_its_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    script = tmp_path / "sleeper.py"
+    script.write_text("import subprocess, sys, time\n"
+                      f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                      f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+                      "time.sleep(600)\n")
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python(None, str(script), [], env=worker_env(), timeout=3)
+    assert time.monotonic() - started < 60
+    child = int(pid_file.read_text())
+    for _ in range(100):  # the kill is sent; the kernel may take a moment to reap
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the timed-out run's child {child} is still running")
+
+
+@pytest.mark.parametrize("variable", ["OMP_NUM_THREADS", "HF_HUB_OFFLINE", "DS_ACCELERATOR", "HPC_RLHF_CPU_KERNELS"])
+def test_an_environment_read_at_import_time_gets_a_fresh_interpreter(variable):
+    env = worker_env()
+    assert _ZYGOTE.forkable(env)
+    env[variable] = "changed"
+    assert not _ZYGOTE.forkable(env)
+    assert _ZYGOTE.forkable({**worker_env(), "HPC_RLHF_SOMETHING_READ_LATER": "1", "LOCAL_RANK": "0"})
+
+
+def test_the_zygote_socket_is_private():
+    _ZYGOTE.forkable(worker_env())  # started
+    assert os.stat(os.path.dirname(_ZYGOTE.path)).st_mode & 0o077 == 0
