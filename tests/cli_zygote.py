@@ -28,6 +28,7 @@ import socket
 import sys
 
 MAX_REQUEST_BYTES = 1 << 20
+PARENT_POLL_S = 1.0
 
 
 def _warm_up() -> None:
@@ -93,10 +94,18 @@ def main(path: str) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)
     server.listen(64)
+    server.settimeout(PARENT_POLL_S)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the handlers are reaped by the kernel
+    parent = os.getppid()
     print("ready", flush=True)
     while True:
-        conn, _ = server.accept()
+        try:
+            conn, _ = server.accept()
+        except socket.timeout:
+            if os.getppid() != parent:  # the pytest process is gone (PR_SET_PDEATHSIG would follow its thread)
+                return
+            continue
+        conn.settimeout(None)
         if os.fork() == 0:
             server.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the handler waits for its run

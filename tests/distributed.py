@@ -8,7 +8,6 @@ A distributed test keeps its worker code in the test module itself and calls `ru
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import signal
@@ -137,10 +136,10 @@ class _Zygote:
         folder = tempfile.mkdtemp(prefix="hpc_rlhf_zygote_")  # mode 0700: no one else may connect
         self.path = os.path.join(folder, "socket")
         self.env = worker_env()
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: nothing may be imported after fork
+        # It ends when this process does (it watches its parent): not by PR_SET_PDEATHSIG, which would end it with
+        # the thread that started it (the first request may come from a thread of tests/background.py).
         self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py"), self.path], cwd=REPO,
-                                     env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
-                                     preexec_fn=lambda: prctl(1, int(signal.SIGKILL)))  # PR_SET_PDEATHSIG
+                                     env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             self.proc.kill()

@@ -5,11 +5,13 @@ children; an environment a library reads at import time gets a fresh interpreter
 import json
 import os
 import subprocess
+import threading
 import time
 
 import pytest
 
-from tests.distributed import FRESH_VAR, REPO, _ZYGOTE, run_python, worker_env
+from tests.cli_zygote import PARENT_POLL_S
+from tests.distributed import FRESH_VAR, REPO, _ZYGOTE, _Zygote, run_python, worker_env
 
 PROBE = """
 import json, os, sys
@@ -80,3 +82,17 @@ def test_an_environment_read_at_import_time_gets_a_fresh_interpreter(variable):
 def test_the_zygote_socket_is_private():
     _ZYGOTE.forkable(worker_env())  # started
     assert os.stat(os.path.dirname(_ZYGOTE.path)).st_mode & 0o077 == 0
+
+
+def test_a_zygote_started_by_a_thread_outlives_that_thread():
+    """The shared models' background threads make the first requests: the zygote must not end with them."""
+    zygote = _Zygote()
+    starter = threading.Thread(target=zygote.forkable, args=(worker_env(),))
+    starter.start()
+    starter.join()
+    time.sleep(2 * PARENT_POLL_S)
+    try:
+        proc = zygote.run("hpc_rlhf", None, ["no-such-mode"], worker_env(), timeout=60, priority=0)
+        assert proc.returncode == 2 and "unknown mode" in proc.stderr
+    finally:
+        zygote.stop()
