@@ -10,7 +10,7 @@ interpreter would: the request's environment, working folder, standard streams a
 `sys.path[0]` as Python sets them, and an exit through the interpreter's own shutdown (atexit handlers, flushed
 streams) with the code of the `SystemExit`. What a library reads from the environment when it is imported cannot
 change after the fork, so the client sends here only requests whose environment differs from this process's in
-no such variable (tests/distributed.py `_forkable`); the others start a fresh interpreter.
+no such variable (tests/distributed.py `zygote_for`: one zygote per set of them).
 
 Protocol, on a Unix socket of messages (SOCK_SEQPACKET) in a folder only this user can open: the client sends one JSON object (module or script,
 argv, env, cwd, nice) with three file descriptors (stdin, stdout, stderr); a handler process forked for the
@@ -34,11 +34,10 @@ PARENT_POLL_S = 1.0
 def _warm_up() -> None:
     """Import what the suite's command lines import before their own code runs."""
     import hpc_rlhf  # noqa: F401  (pins the CPU kernels before torch loads, as in every rank)
-    import torch
+    import torch  # noqa: F401  (its threads follow OMP_NUM_THREADS, as in a fresh interpreter)
 
     from hpc_rlhf.launch.local import import_what_ranks_use
 
-    torch.set_num_threads(1)
     import_what_ranks_use()
     import transformers.models.llama.modeling_llama  # noqa: F401  (the tiny models' architecture)
 

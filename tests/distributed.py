@@ -112,39 +112,42 @@ def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: 
     return proc
 
 
-# ------------------------------------------------------------------------------------------ the zygote
-# The tests' command lines fork from a pre-imported interpreter (tests/cli_zygote.py says why and how). A request
-# whose environment differs from the zygote's in a variable a library may read when it is imported (threads,
-# kernels, accelerators, offline switches) starts a fresh interpreter instead, as does every request when
-# HPC_RLHF_TEST_FRESH_INTERPRETERS=1.
+# ------------------------------------------------------------------------------------------ the zygotes
+# The tests' command lines fork from a pre-imported interpreter (tests/cli_zygote.py says why and how). What a
+# library reads from the environment when it is imported (threads, kernels, accelerators, offline switches) is
+# fixed in a zygote, so each set of such variables has a zygote of its own, started by its first request (up to
+# MAX_ZYGOTES; further sets start fresh interpreters, as every request does with
+# HPC_RLHF_TEST_FRESH_INTERPRETERS=1).
 IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "ATEN_", "ONEDNN", "DNNL", "TORCH", "PYTORCH",
                         "DS_", "DEEPSPEED", "HF_", "TRANSFORMERS", "TOKENIZERS", "DATASETS", "CUDA", "NCCL", "VLLM",
                         "PYTHON", "LD_", "MALLOC", "HPC_RLHF_CPU_KERNELS")
 FRESH_VAR = "HPC_RLHF_TEST_FRESH_INTERPRETERS"
+MAX_ZYGOTES = 4
+
+
+def import_time_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The variables of `env` that a library may read when it is imported, sorted."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
 
 
 class _Zygote:
-    """The zygote of this process: started at the first request, stopped when this process exits."""
+    """One zygote: started by `start(env)`, stopped by `stop()` (at the latest when this process exits)."""
 
     def __init__(self):
-        self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
-        self.env: dict[str, str] = {}
         self.path = ""
 
-    def start(self) -> None:
+    def start(self, env: dict[str, str]) -> None:
         folder = tempfile.mkdtemp(prefix="hpc_rlhf_zygote_")  # mode 0700: no one else may connect
         self.path = os.path.join(folder, "socket")
-        self.env = worker_env()
         # It ends when this process does (it watches its parent): not by PR_SET_PDEATHSIG, which would end it with
         # the thread that started it (the first request may come from a thread of tests/background.py).
         self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py"), self.path], cwd=REPO,
-                                     env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             self.proc.kill()
-            raise RuntimeError(f"tests/cli_zygote.py did not start (exit {self.proc.wait()}); set {FRESH_VAR}=1 "
-                               "to run the tests' command lines as fresh interpreters")
+            raise RuntimeError(f"tests/cli_zygote.py did not start (exit {self.proc.wait()})")
         atexit.register(self.stop)
 
     def stop(self) -> None:
@@ -157,15 +160,6 @@ class _Zygote:
                     os.unlink(leftover) if leftover == self.path else os.rmdir(leftover)
                 except OSError:
                     pass
-
-    def forkable(self, env: dict[str, str]) -> bool:
-        if os.environ.get(FRESH_VAR, "") == "1":
-            return False
-        with self.lock:
-            if self.proc is None:
-                self.start()
-        changed = {k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k)}
-        return not any(k.startswith(IMPORT_TIME_PREFIXES) for k in changed)
 
     def run(self, module: str | None, script: str | None, argv: list[str], env: dict[str, str], timeout: float,
             priority: int) -> subprocess.CompletedProcess:
@@ -191,7 +185,28 @@ class _Zygote:
             return subprocess.CompletedProcess(_command(module, script, argv), code, _read(out), _read(err))
 
 
-_ZYGOTE = _Zygote()
+_ZYGOTES: dict[tuple[tuple[str, str], ...], _Zygote | None] = {}
+_ZYGOTES_LOCK = threading.Lock()
+
+
+def zygote_for(env: dict[str, str]) -> _Zygote | None:
+    """The zygote that serves requests with this environment (started now if need be), or None: fresh interpreter."""
+    if os.environ.get(FRESH_VAR, "") == "1":
+        return None
+    if env.get("OMP_NUM_THREADS", "1") != "1":
+        return None  # OpenMP's threads do not survive a fork (libgomp): one thread per zygote, as in the ranks
+    key = import_time_environment(env)
+    with _ZYGOTES_LOCK:
+        if key not in _ZYGOTES:
+            if len(_ZYGOTES) >= MAX_ZYGOTES:
+                return None
+            zygote = _Zygote()
+            try:
+                zygote.start(env)
+            except RuntimeError:
+                zygote = None  # e.g. a variable its imports refuse: the fresh interpreter shows the command's error
+            _ZYGOTES[key] = zygote
+        return _ZYGOTES[key]
 
 
 def _kill_group(pid: int) -> None:
@@ -213,8 +228,9 @@ def _command(module: str | None, script: str | None, argv: list[str]) -> list[st
 def run_python(module: str | None, script: str | None, argv: list[str], env: dict[str, str], timeout: float,
                priority: int = 0) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGV` (or `python SCRIPT ARGV`) from the repository, its output captured as text: forked
-    from the zygote when the environment allows it, else a fresh interpreter."""
-    if _ZYGOTE.forkable(env):
-        return _ZYGOTE.run(module, script, argv, env, timeout, priority)
+    from the zygote of its environment where there is one, else a fresh interpreter."""
+    zygote = zygote_for(env)
+    if zygote is not None:
+        return zygote.run(module, script, argv, env, timeout, priority)
     return subprocess.run(_command(module, script, argv), cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout, preexec_fn=_raise_priority(priority) if priority else None)

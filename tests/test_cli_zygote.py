@@ -1,6 +1,6 @@
 """The tests' command lines forked from the pre-imported interpreter (tests/cli_zygote.py) behave as fresh
 interpreters: the same arguments, environment, folder, streams and exit codes; a timeout ends the run with its
-children; an environment a library reads at import time gets a fresh interpreter."""
+children; an environment a library reads at import time gets a zygote of its own."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.cli_zygote import PARENT_POLL_S
-from tests.distributed import FRESH_VAR, REPO, _ZYGOTE, _Zygote, run_python, worker_env
+from tests.distributed import FRESH_VAR, REPO, _Zygote, run_python, worker_env, zygote_for
 
 PROBE = """
 import json, os, sys
@@ -23,6 +23,7 @@ sys.exit(int(sys.argv[1]))
 
 
 def both_ways(script, argv, env, monkeypatch):
+    assert zygote_for(env) is not None
     forked = run_python(None, str(script), argv, env=env, timeout=60)
     monkeypatch.setenv(FRESH_VAR, "1")
     fresh = run_python(None, str(script), argv, env=env, timeout=60)
@@ -45,7 +46,6 @@ def test_a_forked_script_sees_what_a_fresh_interpreter_sees(tmp_path, monkeypatc
 def test_a_forked_module_run_exits_as_python_m_does():
     proc = run_python("hpc_rlhf", None, ["no-such-mode"], env=worker_env(), timeout=60)
     assert proc.returncode == 2 and "unknown mode 'no-such-mode'" in proc.stderr
-    assert _ZYGOTE.forkable(worker_env())  # it ran in the zygote
 
 
 def test_a_timeout_kills_the_run_and_its_children(tmp_path):
@@ -55,6 +55,7 @@ def test_a_timeout_kills_the_run_and_its_children(tmp_path):
                       f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
                       f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
                       "time.sleep(600)\n")
+    assert zygote_for(worker_env()) is not None
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         run_python(None, str(script), [], env=worker_env(), timeout=3)
@@ -70,24 +71,36 @@ def test_a_timeout_kills_the_run_and_its_children(tmp_path):
         raise AssertionError(f"the timed-out run's child {child} is still running")
 
 
-@pytest.mark.parametrize("variable", ["OMP_NUM_THREADS", "HF_HUB_OFFLINE", "DS_ACCELERATOR", "HPC_RLHF_CPU_KERNELS"])
-def test_an_environment_read_at_import_time_gets_a_fresh_interpreter(variable):
-    env = worker_env()
-    assert _ZYGOTE.forkable(env)
-    env[variable] = "changed"
-    assert not _ZYGOTE.forkable(env)
-    assert _ZYGOTE.forkable({**worker_env(), "HPC_RLHF_SOMETHING_READ_LATER": "1", "LOCAL_RANK": "0"})
+@pytest.mark.parametrize("variable, value", [("HF_HUB_OFFLINE", "0"), ("HPC_RLHF_CPU_KERNELS", "native"),
+                                             ("PYTHONHASHSEED", "7")])
+def test_an_environment_read_at_import_time_gets_a_zygote_of_its_own(variable, value):
+    zygote = zygote_for(worker_env())
+    assert zygote is not None
+    assert zygote_for({**worker_env(), "HPC_RLHF_SOMETHING_READ_LATER": "1", "LOCAL_RANK": "0"}) is zygote
+    assert zygote_for({**worker_env(), variable: value}) not in (zygote, None)
+
+
+def test_an_environment_the_imports_refuse_gets_a_fresh_interpreter_and_its_error(tmp_path):
+    env = {**worker_env(), "DS_ACCELERATOR": "no-such-accelerator"}
+    assert zygote_for(env) is None
+    script = tmp_path / "accelerator.py"
+    script.write_text("from deepspeed.accelerator import get_accelerator\nget_accelerator()\n")
+    proc = run_python(None, str(script), [], env=env, timeout=120)
+    assert proc.returncode == 1 and "no-such-accelerator" in proc.stderr
+
+
+def test_more_than_one_thread_gets_a_fresh_interpreter():
+    assert zygote_for(worker_env({"OMP_NUM_THREADS": "2"})) is None
 
 
 def test_the_zygote_socket_is_private():
-    _ZYGOTE.forkable(worker_env())  # started
-    assert os.stat(os.path.dirname(_ZYGOTE.path)).st_mode & 0o077 == 0
+    assert os.stat(os.path.dirname(zygote_for(worker_env()).path)).st_mode & 0o077 == 0
 
 
 def test_a_zygote_started_by_a_thread_outlives_that_thread():
     """The shared models' background threads make the first requests: the zygote must not end with them."""
     zygote = _Zygote()
-    starter = threading.Thread(target=zygote.forkable, args=(worker_env(),))
+    starter = threading.Thread(target=zygote.start, args=(worker_env(),))
     starter.start()
     starter.join()
     time.sleep(2 * PARENT_POLL_S)
