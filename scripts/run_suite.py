@@ -170,6 +170,7 @@ def main(argv: list[str]) -> int:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1", HPC_RLHF_TEST_GATES=str(root / "gates"),
                                          HPC_RLHF_TEST_TIMELINE=str(root / f"{name}.timeline")))
+        (root / f"{name}.pid").write_text(str(proc.pid))  # for scripts/suite_cpu.py
         thread = threading.Thread(target=_pipe, args=(name, proc.stdout, root / f"{name}.log", lock), daemon=True)
         thread.start()
         procs[name], threads = proc, [*threads, thread]
