@@ -5,9 +5,10 @@ ranks) loses one rank of each role in turn (kill -9) at a different phase, and o
 (SIGSTOP). The faults come from HPC_RLHF_FAULT, so every run fails at the same point. Two jobs run under
 torchrun, whose agent hosts the store and SIGTERMs the survivors: rank 0 killed while it checkpoints, and the
 frozen rank, which ignores that SIGTERM. The others run as a user starts them on one machine (`python -m
-hpc_rlhf ppo`: the local launcher forks the ranks, rank 0 forks the store's process), at a third of torchrun's
-CPU time (six fresh interpreters). The models are one random-init Llama of ~60K parameters, used as actor and ref
-and, with a new value head, as critic and reward model. The job must end non-zero soon after the failure, and
+hpc_rlhf ppo`, forked from the tests' zygote, tests/cli_zygote.py: the local launcher forks the ranks, rank 0
+forks the store's process), at a fraction of torchrun's CPU time (six fresh interpreters). The models are one
+random-init Llama of ~60K parameters, used as actor and ref and, with a new value head, as critic and reward
+model. The job must end non-zero soon after the failure, and
 every surviving rank must say which rank was lost, its role and its phase.
 
 Non-finite losses: a GRPO job started the way a user starts it on a laptop (`python -m hpc_rlhf grpo ...`, the
@@ -35,7 +36,7 @@ from hpc_rlhf.dist.watchdog import HEARTBEAT_TIMEOUT_ENV
 from hpc_rlhf.utils import checkpoint as ckpt
 from hpc_rlhf.utils.faults import FAULT_ENV, InjectedFault
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.distributed import REPO, worker_env
+from tests.distributed import REPO, run_python, worker_env
 from tests.recipes import QUIET
 
 HEARTBEAT_TIMEOUT_S = 8  # 6 ranks on 2 cores: a busy rank must not look like a frozen one
@@ -85,12 +86,13 @@ def lost_rank_ppo(launcher: str, model: Path, out: Path, fault: str,
     # The causal-LM folder serves as critic and reward model too: each gets a new value head.
     args = [f"output_dir={out}", f"actor.path={model}", f"critic.path={model}", f"reward.models=[{model}]",
             f"placement={PPO_PLACEMENT}", "checkpoint.every_steps=1", *SMALL_RL_STEP, *overrides]
-    start = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=6",
-                          "--max_restarts=0", "-m", "hpc_rlhf"],
-             "local": [sys.executable, "-m", "hpc_rlhf"]}[launcher]
     env = worker_env({FAULT_ENV: fault, HEARTBEAT_TIMEOUT_ENV: str(HEARTBEAT_TIMEOUT_S)})
-    proc = subprocess.run([*start, "ppo", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=JOB_LIMIT_S)
+    if launcher == "local":
+        proc = run_python("hpc_rlhf", None, ["ppo", *args], env=env, timeout=JOB_LIMIT_S)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=6",
+                               "--max_restarts=0", "-m", "hpc_rlhf", "ppo", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=JOB_LIMIT_S)
     return proc, time.time()
 
 
@@ -99,8 +101,7 @@ def grpo(model: Path, out: Path, fault: str, *overrides: str) -> subprocess.Comp
     args = [f"output_dir={out}", f"actor.path={model}", "placement=actor=1,ref=1,rollout=2", *SMALL_RL_STEP,
             *overrides]
     env = worker_env({FAULT_ENV: fault, HEARTBEAT_TIMEOUT_ENV: str(HEARTBEAT_TIMEOUT_S)})
-    return subprocess.run([sys.executable, "-m", "hpc_rlhf", "grpo", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=JOB_LIMIT_S)
+    return run_python("hpc_rlhf", None, ["grpo", *args], env=env, timeout=JOB_LIMIT_S)
 
 
 def watchdog_lines(stderr: str) -> list[str]:
