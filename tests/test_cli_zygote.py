@@ -10,8 +10,21 @@ import time
 
 import pytest
 
+from tests import distributed
 from tests.cli_zygote import PARENT_POLL_S
 from tests.distributed import FRESH_VAR, REPO, _Zygote, run_python, worker_env, zygote_for
+
+@pytest.fixture(autouse=True, scope="module")
+def own_zygotes():
+    """This module's zygotes, apart from the session's (which may already hold their maximum): stopped after it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(distributed, "_ZYGOTES", {})
+        patch.setattr(distributed, "MAX_ZYGOTES", 8)
+        yield
+        for zygote in distributed._ZYGOTES.values():
+            if zygote is not None:
+                zygote.stop()
+
 
 PROBE = """
 import json, os, sys
