@@ -98,7 +98,8 @@ def _raise_priority(by: int):
 
 def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: int = 1,
                  env: dict[str, str] | None = None, priority: int = 0) -> subprocess.CompletedProcess:
-    """`python -m hpc_rlhf ARGS` as a user types it (the local launcher starts the ranks the placement needs).
+    """`python -m hpc_rlhf ARGS` as a user types it (the local launcher starts the ranks the placement needs), forked
+    from the zygote of its environment (below), which runs it as a fresh interpreter would.
     `priority` > 0 lowers the job's niceness by that much where allowed (tests/recipes.py says why)."""
     # The thread count fixes the order of float sums, and the learning tests were measured with theirs (the PPO
     # test's reward model: 0.97 held-out accuracy on 2 threads, 0.80 on 1). Threads spin while they wait
@@ -167,9 +168,16 @@ class _Zygote:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 open(os.devnull, "rb") as stdin, socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
             conn.connect(self.path)
-            socket.send_fds(conn, [json.dumps(request).encode()], [stdin.fileno(), out.fileno(), err.fileno()])
             conn.settimeout(60)
-            pid = json.loads(conn.recv(4096))["pid"]
+            try:
+                socket.send_fds(conn, [json.dumps(request).encode()], [stdin.fileno(), out.fileno(), err.fileno()])
+                started = conn.recv(4096)
+            except ConnectionError:
+                started = b""
+            if not started:
+                raise RuntimeError(f"tests/cli_zygote.py ({self.path}) closed the connection before starting "
+                                   f"{_command(module, script, argv)} (its stderr is in the lane's log)")
+            pid = json.loads(started)["pid"]
             conn.settimeout(timeout)
             try:
                 reply = conn.recv(4096)

@@ -122,3 +122,20 @@ def test_a_zygote_started_by_a_thread_outlives_that_thread():
         assert proc.returncode == 2 and "unknown mode" in proc.stderr
     finally:
         zygote.stop()
+
+
+def test_a_zygote_that_hangs_up_is_named_not_a_json_error(tmp_path):
+    import socket
+
+    path = str(tmp_path / "socket")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(1)
+    hang_up = threading.Thread(target=lambda: server.accept()[0].close())
+    hang_up.start()
+    zygote = _Zygote()
+    zygote.path = path
+    with pytest.raises(RuntimeError, match="closed the connection before starting"):
+        zygote.run("hpc_rlhf", None, ["sft"], worker_env(), timeout=10, priority=0)
+    hang_up.join()
+    server.close()
