@@ -433,7 +433,8 @@ def save_config(obj, path: str | Path) -> None:
 
 
 # ===================================================================================== sections shared by modes
-# Each mode's config is a dataclass made of these sections plus its own (see hpc_rlhf/trainers/*.py).
+# Each mode's config is a dataclass made of these sections plus its own (see hpc_rlhf/trainers/config.py and
+# hpc_rlhf/rl/config.py).
 from dataclasses import dataclass  # noqa: E402
 
 TINY_ASSETS = "examples/tiny/assets"
@@ -539,3 +540,16 @@ class DistSection:
     nproc: int = field(1, help="ranks to start on this machine when no launcher started us", min=1)
     heartbeat_timeout_s: float = field(45.0, min=0,
                                        help="a rank silent this long ends the whole job (0 = no watchdog)")
+
+
+# The frozen reference of the direct preference modes; its keys are here, beside the other shared sections, so that
+# those modes' configs load without torch (the reference itself is runtime/reference.py).
+REFERENCE_MODES = ("colocated", "precompute")
+
+
+@dataclass
+class ReferenceSection:
+    """The frozen reference model of DPO/IPO/cDPO/KTO."""
+    mode: str = field("colocated", choices=REFERENCE_MODES,
+                      help="colocated: a frozen copy scores each batch; precompute: score all data once, then free it")
+    path: str | None = field(None, help="reference model folder (default: model.path, the initial policy)")

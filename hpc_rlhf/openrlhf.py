@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -34,12 +33,11 @@ from typing import Any, Callable
 import yaml
 
 from hpc_rlhf.config import ConfigError, all_keys, from_dict, parse_override
+from hpc_rlhf.launch.modes import mode_config
 
 PROG = "hpc-rlhf from-openrlhf"
 MODES = ("ppo", "dpo", "rm", "sft")
 SCRIPTS = {"ppo": "train_ppo_ray", "dpo": "train_dpo", "rm": "train_rm", "sft": "train_sft"}
-HPC_MODULES = {"ppo": "hpc_rlhf.rl.ppo", "dpo": "hpc_rlhf.trainers.dpo", "rm": "hpc_rlhf.trainers.rm",
-               "sft": "hpc_rlhf.trainers.sft"}
 ALL = MODES
 ONE_MODEL = ("dpo", "rm", "sft")
 ROLE_DEFAULT_NODES, ROLE_DEFAULT_GPUS = 1, 8  # OpenRLHF's default for every role's --*_num_nodes/--*_num_gpus_per_node
@@ -862,7 +860,7 @@ def convert(mode: str, argv: list[str], sets: dict[str, Any] | None = None) -> t
     """The hpc_rlhf config (a nested dict, checked against the mode's Config) of OpenRLHF flags `argv`."""
     if mode not in MODES:
         raise ConversionError(f"--mode {mode}: one of {', '.join(MODES)}")
-    config_class = importlib.import_module(HPC_MODULES[mode]).Config
+    config_class = mode_config(mode)
     known = set(all_keys(config_class))
     sets = dict(sets or {})
     for key in sets:
@@ -913,7 +911,7 @@ def nest(keys: dict[str, Any], config_class) -> dict[str, Any]:
 
 def render(mode: str, argv: list[str], tree: dict[str, Any], conv: Conversion) -> str:
     """The YAML with a header: where it came from, what was ignored, and which keys keep hpc_rlhf's defaults."""
-    config_class = importlib.import_module(HPC_MODULES[mode]).Config
+    config_class = mode_config(mode)
     defaults = config_class()
     command = textwrap.wrap(" ".join(argv), 112, break_long_words=False, break_on_hyphens=False) or ["(no flags)"]
     lines = [f"# hpc-rlhf {mode} config converted from OpenRLHF's {SCRIPTS[mode]} flags by `{PROG}`:",

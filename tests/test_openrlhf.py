@@ -3,7 +3,6 @@ exact equivalent, and unknown ones, refused by name in one line (exit code 2).""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,8 @@ import yaml
 
 from hpc_rlhf.cli import main
 from hpc_rlhf.config import load_config
-from hpc_rlhf.openrlhf import FLAGS, HPC_MODULES, MODES, EXAMPLE_70B, flag_table, flags_of
+from hpc_rlhf.launch.modes import mode_config
+from hpc_rlhf.openrlhf import EXAMPLE_70B, FLAGS, MODES, flag_table, flags_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def converted(tmp_path: Path, capsys, mode: str, flags: list[str], sets: list[st
         return code, None, err
     path = tmp_path / f"{mode}.yaml"
     path.write_text(out)
-    return code, load_config(importlib.import_module(HPC_MODULES[mode]).Config, path), err
+    return code, load_config(mode_config(mode), path), err
 
 
 def test_the_70b_ppo_command_converts_to_the_layout_of_sbatch_ppo_70b(tmp_path, capsys):
@@ -33,7 +33,7 @@ def test_the_70b_ppo_command_converts_to_the_layout_of_sbatch_ppo_70b(tmp_path, 
     mode, flags, sets = EXAMPLE_70B
     code, cfg, err = converted(tmp_path, capsys, mode, flags, sets)
     assert code == 0, err
-    ours = load_config(importlib.import_module(HPC_MODULES["ppo"]).Config, REPO / "examples/cluster/ppo_70b.yaml")
+    ours = load_config(mode_config("ppo"), REPO / "examples/cluster/ppo_70b.yaml")
     same = ["placement", "actor.path", "actor.gradient_checkpointing", "critic.path", "reward.models",
             "rollout.backend", "rollout.gpu_memory_utilization", "rollout.prompts_per_step", "rollout.n_samples",
             "rollout.max_new_tokens", "rollout.temperature", "rl.advantage", "rl.kl_coef", "rl.kl_estimator",

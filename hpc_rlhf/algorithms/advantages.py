@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import torch
 
+from hpc_rlhf.algorithms.choices import ESTIMATORS
 from hpc_rlhf.algorithms.kl import kl_estimate, kl_penalized_rewards
 from hpc_rlhf.algorithms.logprobs import _check_shapes, masked_whiten
 
-ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ Stability: Demystifying RL Collapse from the Training-Inference Mismatch"). The 
 makes the sequence-level policy gradient unbiased; its spread grows with the response length, so its bounds are
 looser in practice than token bounds.
 
-Modes (`IS_CORRECTIONS`); w are constant per-token weights for the loss's `token_weights`:
+Modes (`IS_CORRECTIONS`; `choices.resolve_is_correction` picks one from the config's keys); w are constant
+per-token weights for the loss's `token_weights`:
     none       no weights, nothing dropped
     tis_token  w_t = min(rho_t, cap): token-level truncated IS (Yao et al. 2025, "Your Efficient RL Framework
                Secretly Brings You Off-Policy RL Training")
@@ -35,13 +36,9 @@ from typing import NamedTuple
 
 import torch
 
+from hpc_rlhf.algorithms.choices import IS_CORRECTIONS
 from hpc_rlhf.algorithms.logprobs import _check_shapes
 
-IS_CORRECTIONS = ("none", "tis_token", "tis_seq", "mis_token", "mis_seq")
-# The truncation cap, and masked IS's upper bound, when the config sets none: 2 is the usual bound of truncated and
-# masked IS in other RL systems; it bounds what one token or answer of a stale batch can weigh and leaves weights
-# near 1 as they are.
-DEFAULT_IS_CAP = 2.0
 
 
 class ISCorrection(NamedTuple):
@@ -131,49 +128,3 @@ def off_policy_correction(old_logps: torch.Tensor, rollout_logps: torch.Tensor, 
         # The clamp changes no kept value (they are <= log is_high); it keeps exp finite where the token is dropped.
         weights = torch.exp(log_rho.clamp(max=high)).to(dtype).masked_fill(~kept, 0)
         return ISCorrection(weights, kept, _share(~inside, valid, dtype), nothing)
-
-
-def resolve_is_correction(is_correction: str, tis_cap: float | None = None, max_staleness: int = 0,
-                          is_low: float | None = None, is_high: float | None = None) -> tuple[str, dict[str, float]]:
-    """The mode and the keyword arguments of `off_policy_correction` that the RL config keys select:
-
-        auto       today's behaviour: tis_token with rl.tis_cap when set, else with DEFAULT_IS_CAP when batches
-                   may come from older weights (rl.max_staleness >= 1), else none
-        none       no correction
-        tis_token, tis_seq    truncation at rl.tis_cap (DEFAULT_IS_CAP when unset)
-        mis_token, mis_seq    rejection outside [rl.is_low, rl.is_high]; is_high defaults to DEFAULT_IS_CAP and
-                              is_low to 1 / is_high (symmetric in log space: a ratio and its inverse are equally
-                              far off-policy)
-
-    A key that the chosen mode does not use is refused, naming both keys, rather than silently ignored.
-    Returns (mode, params) for `off_policy_correction(old, rollout, mask, mode, **params)`.
-    """
-    choices = ("auto",) + IS_CORRECTIONS
-    if is_correction not in choices:
-        raise ValueError(f"rl.is_correction must be one of {', '.join(choices)}, got {is_correction!r}")
-    if max_staleness < 0:
-        raise ValueError(f"rl.max_staleness must be >= 0, got {max_staleness}")
-    if tis_cap is not None and not 0 < tis_cap < math.inf:
-        raise ValueError(f"rl.tis_cap must be > 0 and finite, got {tis_cap}")
-    masking = is_correction.startswith("mis_")
-    if tis_cap is not None and (masking or is_correction == "none"):
-        raise ValueError(f"rl.tis_cap={tis_cap} truncates importance weights, which rl.is_correction={is_correction} "
-                         f"does not do: unset rl.tis_cap, or use rl.is_correction=tis_token or tis_seq")
-    if (is_low is not None or is_high is not None) and not masking:
-        raise ValueError(f"rl.is_low/rl.is_high bound masked importance sampling, which "
-                         f"rl.is_correction={is_correction} does not do: unset them, or use rl.is_correction=mis_token "
-                         f"or mis_seq")
-    if is_correction == "auto":
-        if tis_cap is not None:
-            return "tis_token", {"cap": float(tis_cap)}
-        return ("tis_token", {"cap": DEFAULT_IS_CAP}) if max_staleness >= 1 else ("none", {})
-    if is_correction == "none":
-        return "none", {}
-    if not masking:
-        return is_correction, {"cap": DEFAULT_IS_CAP if tis_cap is None else float(tis_cap)}
-    high = DEFAULT_IS_CAP if is_high is None else float(is_high)
-    low = 1.0 / high if is_low is None else float(is_low)
-    if not 0 <= low < 1 < high < math.inf:
-        raise ValueError(f"rl.is_correction={is_correction} needs 0 <= rl.is_low < 1 < rl.is_high (finite), got "
-                         f"rl.is_low={low}, rl.is_high={high}")
-    return is_correction, {"is_low": low, "is_high": high}

@@ -12,20 +12,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hpc_rlhf.algorithms.choices import DPO_LOSS_TYPES, GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH, GSPO_LOSS_AGGREGATIONS
 from hpc_rlhf.algorithms.kl import kl_estimate
 from hpc_rlhf.algorithms.logprobs import _check_shapes, masked_mean, masked_sum, token_logprobs
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
 # |log pi/pi_old| beyond this is clamped in the policy loss: exp(20) = 4.9e8 is finite in fp32 and bf16, and any
 # ratio that far from 1 is clipped away anyway.
 LOG_RATIO_LIMIT = 20.0
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
-# GSPO's clip range (Zheng et al. 2025, their experiments): the sequence ratio is a geometric mean of token ratios,
-# so it stays much closer to 1 than a token ratio does, and PPO's 0.2 would clip nothing.
-GSPO_CLIP_EPS = 3e-4
-GSPO_CLIP_EPS_HIGH = 4e-4
-GSPO_LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
 
 
 # ------------------------------------------------------------------------------------------------------- SFT

@@ -88,7 +88,9 @@ ZERO3_GRADIENT_BUCKET_MAX = 5 * 10**8  # elements (reduce_bucket_size)
 KINDS = ("actor", "critic", "ref", "teacher", "reward", "rollout")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # config.LoraSection's default
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # engines/rollout/vllm.py (no torch here)
+# The LoRA ranks vLLM 0.32 accepts as `max_lora_rank` (vllm/config/lora.py, MaxLoRARanks); an adapter of a rank up
+# to it loads. Kept here, without importing vLLM, because it is checked before any rank starts (rl/config.py).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class ModelShapeError(ValueError):

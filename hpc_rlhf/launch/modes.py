@@ -2,11 +2,13 @@
 calls, and what a Slurm task runs in submitit's process (launch/slurm.py), so the launch library never needs the
 command line.
 
-Training modes live in `hpc_rlhf/trainers/<mode>.py` (the RL modes in `hpc_rlhf/rl/`); each defines a `Config`
-dataclass and `run(cfg)`. Other commands (plan, assets, demo, ...) define `main(argv) -> int`. Those modules are
-imported by name only when their command runs (importlib), so `hpc-rlhf plan` on a login node imports neither
-torch nor transformers. What this module imports itself (the config loader, the local launcher, the dry run)
-imports no torch.
+Training modes live in `hpc_rlhf/trainers/<mode>.py` (the RL modes in `hpc_rlhf/rl/`); each defines `run(cfg)`
+and names its `Config` dataclass, which lives in a module that imports no torch (MODE_CONFIGS: trainers/config.py,
+rl/config.py). Other commands (plan, assets, demo, ...) define `main(argv) -> int`. Those modules are imported by
+name only when their command runs (importlib), so `hpc-rlhf plan`, `hpc-rlhf MODE --help` and `--dry-run` (on a
+login node, or in a Slurm batch step before any rank starts) import neither torch nor transformers: the recipe's
+module is imported only to run it. What this module imports itself (the config loader, the local launcher, the dry
+run) imports no torch.
 """
 
 from __future__ import annotations
@@ -33,6 +35,19 @@ TRAINING_MODES = {
     "rs": "hpc_rlhf.trainers.rejection",
     "csft": "hpc_rlhf.trainers.conditional",
     "idpo": "hpc_rlhf.trainers.iterative_dpo",
+}
+# mode -> its Config class, "module:Class" in a module that imports no torch (the recipe module's `Config` is it)
+MODE_CONFIGS = {
+    "sft": "hpc_rlhf.trainers.config:SFTConfig",
+    "rm": "hpc_rlhf.trainers.config:RMConfig",
+    "dpo": "hpc_rlhf.trainers.config:DPOConfig",
+    "kto": "hpc_rlhf.trainers.config:KTOConfig",
+    "ppo": "hpc_rlhf.rl.config:Config",
+    "grpo": "hpc_rlhf.rl.config:GRPOConfig",
+    "generate": "hpc_rlhf.trainers.config:GenerateConfig",
+    "rs": "hpc_rlhf.trainers.config:RejectionConfig",
+    "csft": "hpc_rlhf.trainers.config:ConditionalConfig",
+    "idpo": "hpc_rlhf.trainers.config:IterativeDPOConfig",
 }
 # command -> module defining main(argv) -> int
 COMMANDS = {
@@ -80,8 +95,14 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def mode_config(mode: str) -> type:
+    """The Config dataclass of a training mode, without importing its recipe (nor torch)."""
+    module, _, name = MODE_CONFIGS[mode].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def run_training_mode(mode: str, argv: list[str]) -> int:
-    module = importlib.import_module(TRAINING_MODES[mode])
+    config_class = mode_config(mode)
     parser = argparse.ArgumentParser(prog=f"hpc-rlhf {mode}", description=DESCRIPTIONS.get(mode),
                                      add_help=False)
     parser.add_argument("--config", "-c", default=None, help="YAML config file")
@@ -92,7 +113,7 @@ def run_training_mode(mode: str, argv: list[str]) -> int:
         print(f"usage: hpc-rlhf {mode} [--config FILE.yaml] [key=value ...]\n"
               f"       hpc-rlhf {mode} --config FILE.yaml --dry-run --world-size N --gpus-per-node G [--model PRESET] "
               f"[--gpu-memory-gb GB] [key=value ...]\n\n{DESCRIPTIONS.get(mode, '')}\n\n"
-              f"keys (default, meaning):\n{format_help(module.Config)}")
+              f"keys (default, meaning):\n{format_help(config_class)}")
         return 0
     dry_only = [flag for flag, given in (("--world-size", args.world_size is not None),
                                          ("--gpus-per-node", args.gpus_per_node is not None),
@@ -107,7 +128,7 @@ def run_training_mode(mode: str, argv: list[str]) -> int:
               f"see hpc-rlhf {mode} --help)", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(module.Config, args.config, overrides)
+        cfg = load_config(config_class, args.config, overrides)
     except ConfigError as exc:
         if not args.dry_run:
             print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
@@ -126,7 +147,7 @@ def run_training_mode(mode: str, argv: list[str]) -> int:
         except AllocationError as exc:
             print(f"hpc-rlhf {mode}: {exc}", file=sys.stderr)
             return 2
-    return run_or_spawn(mode, cfg, module.run, argv)
+    return run_or_spawn(mode, cfg, importlib.import_module(TRAINING_MODES[mode]).run, argv)
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hpc_rlhf.dist.allocation import AllocationError
+from hpc_rlhf.models.folders import ModelFolderError, check_model_folder, tokenizer_folder_problem
 
 PEEK_ROWS = 5
 CHECKPOINTS_OF_ROOM = 2
@@ -64,8 +65,6 @@ def data_files(cfg: Any, prefix: str = "") -> dict[str, list[str]]:
 
 
 def _check_model_folder(key: str, folder: str) -> str:
-    from hpc_rlhf.models.builders import ModelFolderError, check_model_folder  # torch: only the in-job check needs it
-
     if not Path(folder).exists():
         raise AllocationError(key, f"model folder '{folder}' does not exist (a placeholder, or a typo?); compute nodes "
                                    f"cannot download from the hub")
@@ -77,8 +76,6 @@ def _check_model_folder(key: str, folder: str) -> str:
 
 
 def _check_tokenizer(key: str, folder: str) -> str:
-    from hpc_rlhf.models.builders import tokenizer_folder_problem  # torch: only the in-job check needs it
-
     path = Path(folder)
     if not path.is_dir():
         raise AllocationError(key, f"tokenizer folder '{folder}' does not exist")

@@ -1,5 +1,6 @@
 """The configuration of the RL modes (`hpc-rlhf ppo`, `hpc-rlhf grpo`): sections, defaults and the checks that
 run before any rank starts (batch sizes against the placement, roles the config needs, option combinations).
+It imports no torch: `--help` and `--dry-run` read it on a login node or in a Slurm batch step.
 """
 
 from __future__ import annotations
@@ -7,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hpc_rlhf.algorithms.advantages import ESTIMATORS
-from hpc_rlhf.algorithms.importance import DEFAULT_IS_CAP, IS_CORRECTIONS, resolve_is_correction
-from hpc_rlhf.algorithms.losses import GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH, GSPO_LOSS_AGGREGATIONS, POLICY_LOSSES
+from hpc_rlhf.algorithms.choices import (DEFAULT_IS_CAP, ESTIMATORS, GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH,
+                                         GSPO_LOSS_AGGREGATIONS, IS_CORRECTIONS, POLICY_LOSSES, resolve_is_correction)
 from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
                              ModelSection, TrainSection, field, section)
+from hpc_rlhf.dist.memory import VLLM_MAX_LORA_RANKS
 from hpc_rlhf.dist.placement import PlacementError, make_plan, role_kind, world_size_of
-from hpc_rlhf.engines.rollout.vllm import VLLM_MAX_LORA_RANKS
 from hpc_rlhf.envs.config import EnvSection
 from hpc_rlhf.envs.loading import episode_bound_s
 from hpc_rlhf.rewards import longest_remote_call_s
@@ -365,6 +365,17 @@ class Config:
 
     def model_weights_given_wrong(self) -> bool:
         return bool(self.reward.model_weights) and len(self.reward.model_weights) != len(self.reward.models)
+
+
+@dataclass
+class GRPOConfig(Config):
+    """`hpc-rlhf grpo`: the keys of `hpc-rlhf ppo` with the critic-free defaults (rl/grpo.py says which)."""
+    output_dir: str = field("runs/grpo")
+    placement: str = field("actor=1,ref=1,rollout=2", help="roles on ranks (no critic)")
+    reward: RewardSection = dataclasses.field(
+        default_factory=lambda: RewardSection(models=[], functions=["exact_match"]))
+    rl: RLSection = dataclasses.field(
+        default_factory=lambda: RLSection(advantage="grpo", kl_in_reward=False, kl_estimator="k3"))
 
 
 def is_correction(rl: RLSection) -> tuple[str, dict[str, float]]:

@@ -7,22 +7,10 @@ Only the defaults differ from `hpc-rlhf ppo` (rl/ppo.py): no critic in the place
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from hpc_rlhf.rl import step
+from hpc_rlhf.rl.config import GRPOConfig as Config  # the mode's keys, torch-free for --help and --dry-run
 
-from hpc_rlhf.config import field
-from hpc_rlhf.rl import config, step
-from hpc_rlhf.rl.config import RewardSection, RLSection
-
-
-@dataclass
-class Config(config.Config):
-    output_dir: str = field("runs/grpo")
-    placement: str = field("actor=1,ref=1,rollout=2", help="roles on ranks (no critic)")
-    reward: RewardSection = dataclasses.field(
-        default_factory=lambda: RewardSection(models=[], functions=["exact_match"]))
-    rl: RLSection = dataclasses.field(
-        default_factory=lambda: RLSection(advantage="grpo", kl_in_reward=False, kl_estimator="k3"))
+__all__ = ["Config", "run"]
 
 
 def run(cfg: Config) -> dict[str, float]:

@@ -27,14 +27,13 @@ import dataclasses
 import gc
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hpc_rlhf.algorithms.logprobs import sequence_logprob, token_logprobs
-from hpc_rlhf.config import ConfigError, ModelSection, TrainSection, field
+from hpc_rlhf.config import ConfigError, ModelSection, ReferenceSection, TrainSection
 from hpc_rlhf.data.examples import IGNORE_INDEX, pad_collate
 from hpc_rlhf.engines import deepspeed_compat
 from hpc_rlhf.engines.train import resolve_dtype, zero3_window
@@ -42,16 +41,7 @@ from hpc_rlhf.models.builders import build_causal_lm
 
 log = logging.getLogger("hpc_rlhf")
 
-REFERENCE_MODES = ("colocated", "precompute")
 SUM, MEAN = 0, 1  # columns of a log-prob table
-
-
-@dataclass
-class ReferenceSection:
-    """The frozen reference model of DPO/IPO/cDPO/KTO."""
-    mode: str = field("colocated", choices=REFERENCE_MODES,
-                      help="colocated: a frozen copy scores each batch; precompute: score all data once, then free it")
-    path: str | None = field(None, help="reference model folder (default: model.path, the initial policy)")
 
 
 # --------------------------------------------------------------------------------------------- pure maths

@@ -18,14 +18,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from hpc_rlhf.config import (CheckpointSection, ConfigError, DataSection, DistSection, LogSection, ModelSection,
-                             TrainSection, field, section)
 from hpc_rlhf.data.examples import prompt_example
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.data.synthetic import exact_match
@@ -34,53 +31,13 @@ from hpc_rlhf.models.builders import load_tokenizer
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_accuracy, load_eval_prompts
 from hpc_rlhf.trainers import sft
-from hpc_rlhf.trainers.generate import (GenerateSection, ScoreSection, Scorer, _prompt_data, load_policy,
-                                        load_prompt_rows)
-from hpc_rlhf.trainers.rejection import _rs_score, sft_config_for
+from hpc_rlhf.trainers.config import (ConditionalSection,  # noqa: F401  (API: imported from here)
+                                      ConditionalConfig as Config)  # the mode's keys, torch-free for --help/--dry-run
+from hpc_rlhf.trainers.generate import Scorer, load_policy, load_prompt_rows
+from hpc_rlhf.trainers.rejection import sft_config_for
 from hpc_rlhf.trainers.rounds import copy_final, open_round_logger, sample_round
-from hpc_rlhf.trainers.sft import GenerationEvalSection
 
 CONDITIONAL_FILE = "conditional.json"
-
-
-@dataclass
-class ConditionalSection:
-    """How scores enter the prompt."""
-    template: str = field("<score:{score}> {prompt}", help="must contain {score} and {prompt}")
-    bucket_edges: list[float] = field([0.5], help="ascending score edges; len(edges)+1 buckets")
-    ask_bucket: int | None = field(None, min=0, help="bucket asked for at evaluation (default: the highest)")
-    response_files: list[str] = field([], help="score and label these prompt/response rows instead of sampling "
-                                               "(data.prompt_key, data.response_key, optional data.answer_key)")
-
-    def validate(self) -> None:
-        for name in ("{score}", "{prompt}"):
-            if name not in self.template:
-                raise ConfigError(f"csft.template must contain {name}, got {self.template!r}")
-        if list(self.bucket_edges) != sorted(self.bucket_edges) or len(set(self.bucket_edges)) != len(
-                self.bucket_edges):
-            raise ConfigError(f"csft.bucket_edges must be strictly ascending, got {self.bucket_edges}")
-        if self.ask_bucket is not None and self.ask_bucket > len(self.bucket_edges):
-            raise ConfigError(f"csft.ask_bucket={self.ask_bucket} but csft.bucket_edges={self.bucket_edges} make "
-                              f"only buckets 0..{len(self.bucket_edges)}")
-
-    @property
-    def highest(self) -> int:
-        return len(self.bucket_edges)
-
-
-@dataclass
-class Config:
-    output_dir: str = field("runs/csft", help="where data/, sft/, metrics.jsonl and final/ go")
-    model: ModelSection = section(ModelSection)
-    data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
-    generate: GenerateSection = section(GenerateSection)
-    score: ScoreSection = field(default_factory=_rs_score)
-    csft: ConditionalSection = section(ConditionalSection)
-    train: TrainSection = section(TrainSection)
-    eval: GenerationEvalSection = section(GenerationEvalSection)
-    log: LogSection = section(LogSection)
-    checkpoint: CheckpointSection = section(CheckpointSection)
-    dist: DistSection = section(DistSection)
 
 
 # ------------------------------------------------------------------------------------------------ pure parts

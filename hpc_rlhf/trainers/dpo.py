@@ -15,54 +15,19 @@ greedy answers (eval_exact_match).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from hpc_rlhf.algorithms.losses import DPO_LOSS_TYPES, dpo_loss
-from hpc_rlhf.config import (CheckpointSection, ConfigError, DistSection, LogSection, ModelSection, TrainSection,
-                             field, section)
+from hpc_rlhf.algorithms.losses import dpo_loss
 from hpc_rlhf.data.examples import pair_collate
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.runtime import loop
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
-from hpc_rlhf.runtime.reference import (MEAN, SUM, Reference, ReferenceSection, balanced_chunks, response_logps)
-from hpc_rlhf.trainers.rm import PreferenceDataSection, load_preference_examples
-from hpc_rlhf.trainers.sft import GenerationEvalSection
-
-
-@dataclass
-class DPOSection:
-    """The direct preference loss."""
-    loss_type: str = field("sigmoid", choices=DPO_LOSS_TYPES, help="sigmoid = DPO (cDPO with label_smoothing); "
-                                                                   "ipo = IPO on length-averaged log-probs")
-    beta: float = field(0.1, min=1e-9, help="strength of the pull towards the reference")
-    label_smoothing: float = field(0.0, min=0, max=0.5, help="cDPO: assumed share of flipped labels, in [0, 0.5)")
-    sft_weight: float = field(0.0, min=0, help="add this multiple of the chosen responses' NLL to the loss")
-
-    def validate(self) -> None:
-        if self.label_smoothing >= 0.5:
-            raise ConfigError(f"dpo.label_smoothing must be below 0.5 (at 0.5 the labels carry no information), "
-                              f"got {self.label_smoothing}")
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ConfigError(f"dpo.label_smoothing (cDPO) applies to dpo.loss_type=sigmoid only, not "
-                              f"{self.loss_type}")
-
-
-@dataclass
-class Config:
-    output_dir: str = field("runs/dpo", help="where metrics, TensorBoard, checkpoints and final/ go")
-    model: ModelSection = section(ModelSection)
-    ref: ReferenceSection = section(ReferenceSection)
-    dpo: DPOSection = section(DPOSection)
-    data: PreferenceDataSection = section(PreferenceDataSection)
-    train: TrainSection = section(TrainSection)
-    eval: GenerationEvalSection = section(GenerationEvalSection)
-    log: LogSection = section(LogSection)
-    checkpoint: CheckpointSection = section(CheckpointSection)
-    dist: DistSection = section(DistSection)
+from hpc_rlhf.runtime.reference import MEAN, SUM, Reference, balanced_chunks, response_logps
+from hpc_rlhf.trainers.config import (DPOSection,  # noqa: F401  (API: imported from here)
+                                      DPOConfig as Config)  # the mode's keys, torch-free for --help and --dry-run
+from hpc_rlhf.trainers.rm import load_preference_examples
 
 
 def pair_sequences(example: dict) -> list[dict]:

@@ -21,14 +21,13 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.config import TINY_ASSETS, ConfigError, DataSection, DistSection, ModelSection, field, section
+from hpc_rlhf.config import ConfigError, DataSection, ModelSection
 from hpc_rlhf.data.examples import pad_collate, prompt_example
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.dist.agree import decided_by
@@ -38,53 +37,13 @@ from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores
 from hpc_rlhf.rewards import call_reward_function, load_reward_function
 from hpc_rlhf.runtime import run as run_setup
+from hpc_rlhf.trainers.config import (GenerateSection, ScoreSection,
+                                      GenerateConfig as Config)  # the mode's keys, torch-free for --help and --dry-run
 
 log = logging.getLogger("hpc_rlhf")
 
 CHUNK_DIR = "chunks"
 MANIFEST = "manifest.json"
-
-
-@dataclass
-class GenerateSection:
-    """Sampling and resumable output."""
-    n: int = field(4, min=1, help="samples per prompt")
-    temperature: float = field(1.0, min=0, help="0 = greedy (then n must be 1)")
-    top_p: float = field(1.0, min=0, max=1)
-    top_k: int = field(0, min=0, help="0 = off")
-    max_new_tokens: int = field(8, min=1)
-    seed: int = field(0, help="sampling seed; each prompt index gets its own stream from it")
-    chunk_size: int = field(64, min=1, help="prompts per resumable chunk (one done marker each)")
-    max_chunks_per_job: int = field(0, min=0, help="stop after generating this many chunks on a rank (0 = no "
-                                                  "limit): walltime slicing; the next job resumes")
-    output_file: str = field("", help="merged JSONL (default: output_dir/generations.jsonl)")
-
-
-@dataclass
-class ScoreSection:
-    """Optional scoring of each response in the same job."""
-    functions: list[str] = field([], help="rule rewards: exact_match, path/file.py:fn or package.module:fn")
-    reward_models: list[str] = field([], help="reward model folders (same tokenizer as the policy)")
-    normalize: bool = field(False, help="reward models: apply the reward_mean/reward_std of their config")
-    micro_batch_size: int = field(64, min=1, help="sequences per reward model forward pass")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.functions or self.reward_models)
-
-
-def _prompt_data() -> DataSection:
-    return DataSection(train_files=[f"{TINY_ASSETS}/data/prompts_train.jsonl"], max_eval_rows=None)
-
-
-@dataclass
-class Config:
-    output_dir: str = field("runs/generate", help="where chunks/, config.yaml and generations.jsonl go")
-    model: ModelSection = section(ModelSection)
-    data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
-    generate: GenerateSection = section(GenerateSection)
-    score: ScoreSection = section(ScoreSection)
-    dist: DistSection = section(DistSection)
 
 
 # ------------------------------------------------------------------------------------------------ pure parts

@@ -30,50 +30,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from hpc_rlhf.config import (CheckpointSection, DataSection, DistSection, LogSection, ModelSection, TrainSection,
-                             field, section)
-from hpc_rlhf.runtime.reference import ReferenceSection
+from hpc_rlhf.config import DataSection
 from hpc_rlhf.trainers import dpo, rounds
-from hpc_rlhf.trainers.dpo import DPOSection
-from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data
-from hpc_rlhf.trainers.rejection import _rs_generate, _rs_score
-from hpc_rlhf.trainers.rm import PreferenceDataSection
-from hpc_rlhf.trainers.sft import GenerationEvalSection
-
-
-@dataclass
-class PairSection:
-    """How preference pairs are made from scored samples."""
-    min_gap: float = field(0.0, min=0, help="drop prompts whose best and worst scores differ by no more than this")
-
-
-def _idpo_dpo() -> DPOSection:
-    # With the NLL term on by default: without it a good policy collapsed in one round (module docstring).
-    return DPOSection(sft_weight=1.0)
-
-
-@dataclass
-class Config:
-    output_dir: str = field("runs/idpo", help="where rounds, metrics.jsonl and final/ go")
-    rounds: int = field(2, min=1, help="generate -> pair -> DPO rounds")
-    model: ModelSection = section(ModelSection)
-    ref: ReferenceSection = section(ReferenceSection)
-    dpo: DPOSection = field(default_factory=_idpo_dpo, help="the DPO loss of each round (NLL term on by default)")
-    data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
-    generate: GenerateSection = field(default_factory=_rs_generate)
-    score: ScoreSection = field(default_factory=_rs_score)
-    pairs: PairSection = section(PairSection)
-    train: TrainSection = section(TrainSection)
-    eval: GenerationEvalSection = section(GenerationEvalSection)
-    log: LogSection = section(LogSection)
-    checkpoint: CheckpointSection = section(CheckpointSection)
-    dist: DistSection = section(DistSection)
+from hpc_rlhf.trainers.config import (PairSection, PreferenceDataSection,  # noqa: F401  (API: imported from here)
+                                      IterativeDPOConfig as Config)  # the mode's keys, torch-free for --help/--dry-run
 
 
 def preference_pairs(records: Sequence[dict], min_gap: float = 0.0) -> list[dict]:

@@ -19,14 +19,12 @@ Logged: loss, kl (z0), the mean implied rewards beta * r of desirable and undesi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hpc_rlhf.algorithms.losses import kto_loss
-from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, DataSection, DistSection, LogSection, ModelSection,
-                             TrainSection, field, section)
+from hpc_rlhf.config import DataSection
 from hpc_rlhf.data.examples import kto_example, pad_collate
 from hpc_rlhf.data.loading import DataError, load_rows
 from hpc_rlhf.engines.train import TrainEngine
@@ -34,38 +32,9 @@ from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.runtime import loop
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
-from hpc_rlhf.runtime.reference import SUM, Reference, ReferenceSection, balanced_chunks, response_logps
-from hpc_rlhf.trainers.sft import GenerationEvalSection
-
-
-@dataclass
-class KTODataSection(DataSection):
-    """Labelled completions: prompt, completion and a desirable (true) / undesirable (false) label."""
-    train_files: list[str] = field([f"{TINY_ASSETS}/data/kto_train.jsonl"], help="training data files or folders")
-    eval_files: list[str] = field([f"{TINY_ASSETS}/data/kto_eval.jsonl"], help="held-out data files or folders")
-    response_key: str = field("completion", help="column with the completion text")
-
-
-@dataclass
-class KTOSection:
-    """The KTO loss."""
-    beta: float = field(0.1, min=1e-9, help="scale of the implied reward beta * log(pi / ref)")
-    desirable_weight: float = field(1.0, min=0, help="lambda_D: weight of desirable rows")
-    undesirable_weight: float = field(1.0, min=0, help="lambda_U: weight of undesirable rows")
-
-
-@dataclass
-class Config:
-    output_dir: str = field("runs/kto", help="where metrics, TensorBoard, checkpoints and final/ go")
-    model: ModelSection = section(ModelSection)
-    ref: ReferenceSection = section(ReferenceSection)
-    kto: KTOSection = section(KTOSection)
-    data: KTODataSection = section(KTODataSection)
-    train: TrainSection = section(TrainSection)
-    eval: GenerationEvalSection = section(GenerationEvalSection)
-    log: LogSection = section(LogSection)
-    checkpoint: CheckpointSection = section(CheckpointSection)
-    dist: DistSection = section(DistSection)
+from hpc_rlhf.runtime.reference import SUM, Reference, balanced_chunks, response_logps
+from hpc_rlhf.trainers.config import (KTODataSection, KTOSection,  # noqa: F401  (API: imported from here)
+                                      KTOConfig as Config)  # the mode's keys, torch-free for --help and --dry-run
 
 
 def load_kto_examples(paths, data: DataSection, tokenizer, where: str, max_rows) -> list[dict]:

@@ -17,53 +17,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from hpc_rlhf.config import (CheckpointSection, DataSection, DistSection, LogSection, ModelSection, TrainSection,
-                             field, section)
 from hpc_rlhf.trainers import rounds, sft
-from hpc_rlhf.trainers.generate import GenerateSection, ScoreSection, _prompt_data
-from hpc_rlhf.trainers.sft import GenerationEvalSection
-
-STRATEGIES = ("best", "top_k", "threshold")
-
-
-@dataclass
-class SelectSection:
-    """Which scored samples become training data."""
-    strategy: str = field("best", choices=STRATEGIES, help="best per prompt, top k per prompt, or all >= threshold")
-    k: int = field(1, min=1, help="top_k: samples kept per prompt")
-    threshold: float = field(0.0, help="threshold: keep every sample scoring at least this")
-    min_score: float | None = field(None, help="drop kept samples scoring below this (e.g. 1 = only correct ones)")
-
-
-def _rs_generate() -> GenerateSection:
-    return GenerateSection(n=8, temperature=1.0)
-
-
-def _rs_score() -> ScoreSection:
-    return ScoreSection(functions=["exact_match"])
-
-
-@dataclass
-class Config:
-    output_dir: str = field("runs/rs", help="where rounds, metrics.jsonl and final/ go")
-    rounds: int = field(1, min=1, help="generate -> select -> fine-tune rounds")
-    sft_after: bool = field(True, help="fine-tune on the kept samples in the same job (false: only write the data)")
-    model: ModelSection = section(ModelSection)
-    data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
-    generate: GenerateSection = field(default_factory=_rs_generate)
-    score: ScoreSection = field(default_factory=_rs_score)
-    select: SelectSection = section(SelectSection)
-    train: TrainSection = section(TrainSection)
-    eval: GenerationEvalSection = section(GenerationEvalSection)
-    log: LogSection = section(LogSection)
-    checkpoint: CheckpointSection = section(CheckpointSection)
-    dist: DistSection = section(DistSection)
+from hpc_rlhf.trainers.config import (STRATEGIES, SelectSection,  # noqa: F401  (API: imported from here)
+                                      RejectionConfig as Config)  # the mode's keys, torch-free for --help/--dry-run
 
 
 # ------------------------------------------------------------------------------------------------ pure parts

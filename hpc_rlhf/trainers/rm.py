@@ -14,13 +14,10 @@ the constants the model was saved with; `final/` loads with `AutoModelForTokenCl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from hpc_rlhf.algorithms.losses import pairwise_reward_loss
-from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
-                             ModelSection, TrainSection, field, section)
+from hpc_rlhf.config import DataSection
 from hpc_rlhf.data.examples import pair_collate, preference_example
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.dist import watchdog
@@ -31,36 +28,8 @@ from hpc_rlhf.models.value_model import build_value_model, sequence_scores, set_
 from hpc_rlhf.runtime import loop
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.reference import balanced_chunks
-
-
-@dataclass
-class PreferenceDataSection(DataSection):
-    """Preference pairs: prompt, chosen and rejected responses."""
-    train_files: list[str] = field([f"{TINY_ASSETS}/data/pref_train.jsonl"], help="training data files or folders")
-    eval_files: list[str] = field([f"{TINY_ASSETS}/data/pref_eval.jsonl"], help="held-out data files or folders")
-
-
-@dataclass
-class RewardSection:
-    """The reward-model loss."""
-    margin_key: str | None = field(None, help="column with a per-pair margin subtracted inside the loss "
-                                              "(Llama 2); none = no margin")
-
-    def validate(self) -> None:
-        if self.margin_key is not None and not self.margin_key.strip():
-            raise ConfigError("rm.margin_key is empty; give a column name, or null for no margin")
-
-
-@dataclass
-class Config:
-    output_dir: str = field("runs/rm", help="where metrics, TensorBoard, checkpoints and final/ go")
-    model: ModelSection = section(ModelSection)
-    rm: RewardSection = section(RewardSection)
-    data: PreferenceDataSection = section(PreferenceDataSection)
-    train: TrainSection = section(TrainSection)
-    log: LogSection = section(LogSection)
-    checkpoint: CheckpointSection = section(CheckpointSection)
-    dist: DistSection = section(DistSection)
+from hpc_rlhf.trainers.config import (PreferenceDataSection, RewardSection,  # noqa: F401  (API: imported from here)
+                                      RMConfig as Config)  # the mode's keys, torch-free for --help and --dry-run
 
 
 def load_preference_examples(paths, data: DataSection, tokenizer, where: str, max_rows, margin_key: str | None = None):

@@ -7,14 +7,9 @@ exact-match accuracy of greedy answers against the reference answers.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 
 from hpc_rlhf.algorithms.losses import sft_loss
-from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, DataSection, DistSection, LogSection, ModelSection,
-                             TrainSection, field, section)
 from hpc_rlhf.data.examples import pad_collate, sft_example
 from hpc_rlhf.data.loading import Messages, load_rows
 from hpc_rlhf.data.packing import pack_examples, packed_collate, packed_model_kwargs
@@ -25,32 +20,8 @@ from hpc_rlhf.runtime import loop
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.runtime.reference import balanced_chunks
-
-
-@dataclass
-class GenerationEvalSection:
-    """Held-out accuracy by greedy generation (rows with a prompt and a reference answer)."""
-    prompt_files: list[str] = field([f"{TINY_ASSETS}/data/prompts_eval.jsonl"],
-                                    help="rows with data.prompt_key and data.answer_key ([] = off)")
-    max_rows: int = field(200, min=1, help="evaluate on at most this many prompts")
-    max_new_tokens: int = field(8, min=1)
-
-
-def _sft_data() -> DataSection:
-    return DataSection(train_files=[f"{TINY_ASSETS}/data/sft_train.jsonl"],
-                       eval_files=[f"{TINY_ASSETS}/data/sft_eval.jsonl"])
-
-
-@dataclass
-class Config:
-    output_dir: str = field("runs/sft", help="where metrics, TensorBoard, checkpoints and final/ go")
-    model: ModelSection = section(ModelSection)
-    data: DataSection = dataclasses.field(default_factory=_sft_data)
-    train: TrainSection = section(TrainSection)
-    eval: GenerationEvalSection = section(GenerationEvalSection)
-    log: LogSection = section(LogSection)
-    checkpoint: CheckpointSection = section(CheckpointSection)
-    dist: DistSection = section(DistSection)
+from hpc_rlhf.trainers.config import (GenerationEvalSection,  # noqa: F401  (API: imported from here)
+                                      SFTConfig as Config)  # the mode's keys, torch-free for --help and --dry-run
 
 
 def load_sft_examples(paths, cfg: Config, tokenizer, where: str, max_rows):

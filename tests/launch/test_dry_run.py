@@ -4,18 +4,23 @@ exit code 2 and one line naming the key; the memory figures are those of `hpc-rl
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from hpc_rlhf.cli import main
-from hpc_rlhf.config import load_config
+from hpc_rlhf.config import TINY_ASSETS, load_config
 from hpc_rlhf.dist.allocation import AllocationError
 from hpc_rlhf.dist.memory import ModelShape
 from hpc_rlhf.launch.dry_run import check_config, check_stop_lead
+from hpc_rlhf.launch.modes import TRAINING_MODES, mode_config
 from hpc_rlhf.rl import ppo
+from tests.distributed import worker_env
 from tests.launch.test_sbatch_scripts import GPU_SCRIPTS, default_of, directives
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,3 +237,37 @@ def test_a_sequence_block_that_does_not_divide_the_models_heads_is_refused_namin
     code, out, err = dry_run(capsys, "ppo", "examples/long_context/ppo_70b_32k.yaml", 32, 8, "--model", "70b",
                              f"critic.path={model}", f"placement={SP_32K}")  # critic_sp=4: 12 heads, 2 key/value heads
     assert code == 0, err
+
+
+def test_each_mode_names_its_recipes_config():
+    for mode, module in TRAINING_MODES.items():
+        assert importlib.import_module(module).Config is mode_config(mode), mode
+
+
+# Run in a fresh interpreter: what --help and the dry run import is the point (the test process has torch).
+NO_TORCH_CHECK = """
+import sys
+from hpc_rlhf.cli import main
+for mode in {modes!r}:
+    assert main([mode, "--help"]) == 0, mode
+codes = [main([mode, "--config", config, "--dry-run", "--world-size", str(world), "--gpus-per-node", str(world),
+               "--check-files", *extra]) for mode, config, world, extra in {dry_runs!r}]
+loaded = [name for name in ("torch", "transformers", "deepspeed", "datasets") if name in sys.modules]
+print("CODES", codes, "LOADED", loaded)
+"""
+
+
+def test_help_and_the_dry_run_with_its_file_checks_import_no_torch(tmp_path):
+    """What an sbatch script's check runs in the batch step (sbatch/common.sh) costs a second, not torch's
+    import: the configs, the plan and the file checks need none of it."""
+    from hpc_rlhf.data.assets import ensure_assets  # the tiny model folder the dry runs check
+
+    ensure_assets(TINY_ASSETS)
+    model = f"{TINY_ASSETS}/models/llama-tiny"
+    dry_runs = [("sft", "examples/tiny/sft.yaml", 2, ["dist.nproc=2", f"output_dir={tmp_path / 'sft'}"]),
+                ("grpo", "examples/tiny/grpo.yaml", 4, [f"actor.path={model}", f"output_dir={tmp_path / 'grpo'}"])]
+    code = NO_TORCH_CHECK.format(modes=list(TRAINING_MODES), dry_runs=dry_runs)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=worker_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "CODES [0, 0] LOADED []", proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from hpc_rlhf.algorithms.importance import DEFAULT_IS_CAP
+from hpc_rlhf.algorithms.choices import DEFAULT_IS_CAP
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, format_help, load_config
 from hpc_rlhf.rl import grpo, ppo
 from hpc_rlhf.rl.config import is_correction

@@ -63,6 +63,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from hpc_rlhf.dist.memory import VLLM_MAX_LORA_RANKS
 from hpc_rlhf.engines.rollout.base import (RolloutBatch, RolloutEngine, RolloutError, SamplingParams,
                                            check_prompts, cut_at_stop)
 from hpc_rlhf.engines.rollout.reaper import Reaper, descendants
@@ -77,9 +78,6 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
                   "TORCHELASTIC_USE_AGENT_STORE")
 _OUR_PREFIX = "HPC_RLHF_"  # fault injection, error files, the local launcher's flag: for our ranks only
 _OURS_TO_KEEP = ("HPC_RLHF_CPU_KERNELS",)  # the worker imports hpc_rlhf, which pins CPU kernels unless told not to
-# The LoRA ranks vLLM 0.32 accepts as `max_lora_rank` (vllm/config/lora.py, MaxLoRARanks); an adapter of a rank up
-# to it loads. Checked before any rank starts (rl/config.py), so kept here without importing vLLM.
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 log = logging.getLogger("hpc_rlhf")
 

@@ -1,0 +1,286 @@
+"""The configuration of the one-model modes (`sft`, `rm`, `dpo`, `kto`, `generate`, `rs`, `csft`, `idpo`): each
+mode's `Config` with the sections and defaults of its own, beside the shared ones of hpc_rlhf/config.py. It imports
+no torch: `--help` and `--dry-run` read these keys on a login node or in a Slurm batch step, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hpc_rlhf.algorithms.choices import DPO_LOSS_TYPES
+from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
+                             ModelSection, ReferenceSection, TrainSection, field, section)
+
+STRATEGIES = ("best", "top_k", "threshold")  # rejection sampling's selections (rejection.select_samples)
+
+
+# ------------------------------------------------------------------------------------------------------- sft
+@dataclass
+class GenerationEvalSection:
+    """Held-out accuracy by greedy generation (rows with a prompt and a reference answer)."""
+    prompt_files: list[str] = field([f"{TINY_ASSETS}/data/prompts_eval.jsonl"],
+                                    help="rows with data.prompt_key and data.answer_key ([] = off)")
+    max_rows: int = field(200, min=1, help="evaluate on at most this many prompts")
+    max_new_tokens: int = field(8, min=1)
+
+
+def _sft_data() -> DataSection:
+    return DataSection(train_files=[f"{TINY_ASSETS}/data/sft_train.jsonl"],
+                       eval_files=[f"{TINY_ASSETS}/data/sft_eval.jsonl"])
+
+
+@dataclass
+class SFTConfig:
+    output_dir: str = field("runs/sft", help="where metrics, TensorBoard, checkpoints and final/ go")
+    model: ModelSection = section(ModelSection)
+    data: DataSection = dataclasses.field(default_factory=_sft_data)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+# -------------------------------------------------------------------------------------------------------- rm
+@dataclass
+class PreferenceDataSection(DataSection):
+    """Preference pairs: prompt, chosen and rejected responses."""
+    train_files: list[str] = field([f"{TINY_ASSETS}/data/pref_train.jsonl"], help="training data files or folders")
+    eval_files: list[str] = field([f"{TINY_ASSETS}/data/pref_eval.jsonl"], help="held-out data files or folders")
+
+
+@dataclass
+class RewardSection:
+    """The reward-model loss."""
+    margin_key: str | None = field(None, help="column with a per-pair margin subtracted inside the loss "
+                                              "(Llama 2); none = no margin")
+
+    def validate(self) -> None:
+        if self.margin_key is not None and not self.margin_key.strip():
+            raise ConfigError("rm.margin_key is empty; give a column name, or null for no margin")
+
+
+@dataclass
+class RMConfig:
+    output_dir: str = field("runs/rm", help="where metrics, TensorBoard, checkpoints and final/ go")
+    model: ModelSection = section(ModelSection)
+    rm: RewardSection = section(RewardSection)
+    data: PreferenceDataSection = section(PreferenceDataSection)
+    train: TrainSection = section(TrainSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+# ------------------------------------------------------------------------------------------------------- dpo
+@dataclass
+class DPOSection:
+    """The direct preference loss."""
+    loss_type: str = field("sigmoid", choices=DPO_LOSS_TYPES, help="sigmoid = DPO (cDPO with label_smoothing); "
+                                                                   "ipo = IPO on length-averaged log-probs")
+    beta: float = field(0.1, min=1e-9, help="strength of the pull towards the reference")
+    label_smoothing: float = field(0.0, min=0, max=0.5, help="cDPO: assumed share of flipped labels, in [0, 0.5)")
+    sft_weight: float = field(0.0, min=0, help="add this multiple of the chosen responses' NLL to the loss")
+
+    def validate(self) -> None:
+        if self.label_smoothing >= 0.5:
+            raise ConfigError(f"dpo.label_smoothing must be below 0.5 (at 0.5 the labels carry no information), "
+                              f"got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ConfigError(f"dpo.label_smoothing (cDPO) applies to dpo.loss_type=sigmoid only, not "
+                              f"{self.loss_type}")
+
+
+@dataclass
+class DPOConfig:
+    output_dir: str = field("runs/dpo", help="where metrics, TensorBoard, checkpoints and final/ go")
+    model: ModelSection = section(ModelSection)
+    ref: ReferenceSection = section(ReferenceSection)
+    dpo: DPOSection = section(DPOSection)
+    data: PreferenceDataSection = section(PreferenceDataSection)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+# ------------------------------------------------------------------------------------------------------- kto
+@dataclass
+class KTODataSection(DataSection):
+    """Labelled completions: prompt, completion and a desirable (true) / undesirable (false) label."""
+    train_files: list[str] = field([f"{TINY_ASSETS}/data/kto_train.jsonl"], help="training data files or folders")
+    eval_files: list[str] = field([f"{TINY_ASSETS}/data/kto_eval.jsonl"], help="held-out data files or folders")
+    response_key: str = field("completion", help="column with the completion text")
+
+
+@dataclass
+class KTOSection:
+    """The KTO loss."""
+    beta: float = field(0.1, min=1e-9, help="scale of the implied reward beta * log(pi / ref)")
+    desirable_weight: float = field(1.0, min=0, help="lambda_D: weight of desirable rows")
+    undesirable_weight: float = field(1.0, min=0, help="lambda_U: weight of undesirable rows")
+
+
+@dataclass
+class KTOConfig:
+    output_dir: str = field("runs/kto", help="where metrics, TensorBoard, checkpoints and final/ go")
+    model: ModelSection = section(ModelSection)
+    ref: ReferenceSection = section(ReferenceSection)
+    kto: KTOSection = section(KTOSection)
+    data: KTODataSection = section(KTODataSection)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+# -------------------------------------------------------------------------------------------------- generate
+@dataclass
+class GenerateSection:
+    """Sampling and resumable output."""
+    n: int = field(4, min=1, help="samples per prompt")
+    temperature: float = field(1.0, min=0, help="0 = greedy (then n must be 1)")
+    top_p: float = field(1.0, min=0, max=1)
+    top_k: int = field(0, min=0, help="0 = off")
+    max_new_tokens: int = field(8, min=1)
+    seed: int = field(0, help="sampling seed; each prompt index gets its own stream from it")
+    chunk_size: int = field(64, min=1, help="prompts per resumable chunk (one done marker each)")
+    max_chunks_per_job: int = field(0, min=0, help="stop after generating this many chunks on a rank (0 = no "
+                                                  "limit): walltime slicing; the next job resumes")
+    output_file: str = field("", help="merged JSONL (default: output_dir/generations.jsonl)")
+
+
+@dataclass
+class ScoreSection:
+    """Optional scoring of each response in the same job."""
+    functions: list[str] = field([], help="rule rewards: exact_match, path/file.py:fn or package.module:fn")
+    reward_models: list[str] = field([], help="reward model folders (same tokenizer as the policy)")
+    normalize: bool = field(False, help="reward models: apply the reward_mean/reward_std of their config")
+    micro_batch_size: int = field(64, min=1, help="sequences per reward model forward pass")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.functions or self.reward_models)
+
+
+def _prompt_data() -> DataSection:
+    return DataSection(train_files=[f"{TINY_ASSETS}/data/prompts_train.jsonl"], max_eval_rows=None)
+
+
+@dataclass
+class GenerateConfig:
+    output_dir: str = field("runs/generate", help="where chunks/, config.yaml and generations.jsonl go")
+    model: ModelSection = section(ModelSection)
+    data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
+    generate: GenerateSection = section(GenerateSection)
+    score: ScoreSection = section(ScoreSection)
+    dist: DistSection = section(DistSection)
+
+
+# -------------------------------------------------------------------------------------------------------- rs
+@dataclass
+class SelectSection:
+    """Which scored samples become training data."""
+    strategy: str = field("best", choices=STRATEGIES, help="best per prompt, top k per prompt, or all >= threshold")
+    k: int = field(1, min=1, help="top_k: samples kept per prompt")
+    threshold: float = field(0.0, help="threshold: keep every sample scoring at least this")
+    min_score: float | None = field(None, help="drop kept samples scoring below this (e.g. 1 = only correct ones)")
+
+
+def _rs_generate() -> GenerateSection:
+    return GenerateSection(n=8, temperature=1.0)
+
+
+def _rs_score() -> ScoreSection:
+    return ScoreSection(functions=["exact_match"])
+
+
+@dataclass
+class RejectionConfig:
+    output_dir: str = field("runs/rs", help="where rounds, metrics.jsonl and final/ go")
+    rounds: int = field(1, min=1, help="generate -> select -> fine-tune rounds")
+    sft_after: bool = field(True, help="fine-tune on the kept samples in the same job (false: only write the data)")
+    model: ModelSection = section(ModelSection)
+    data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
+    generate: GenerateSection = field(default_factory=_rs_generate)
+    score: ScoreSection = field(default_factory=_rs_score)
+    select: SelectSection = section(SelectSection)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+# ------------------------------------------------------------------------------------------------------ csft
+@dataclass
+class ConditionalSection:
+    """How scores enter the prompt."""
+    template: str = field("<score:{score}> {prompt}", help="must contain {score} and {prompt}")
+    bucket_edges: list[float] = field([0.5], help="ascending score edges; len(edges)+1 buckets")
+    ask_bucket: int | None = field(None, min=0, help="bucket asked for at evaluation (default: the highest)")
+    response_files: list[str] = field([], help="score and label these prompt/response rows instead of sampling "
+                                               "(data.prompt_key, data.response_key, optional data.answer_key)")
+
+    def validate(self) -> None:
+        for name in ("{score}", "{prompt}"):
+            if name not in self.template:
+                raise ConfigError(f"csft.template must contain {name}, got {self.template!r}")
+        if list(self.bucket_edges) != sorted(self.bucket_edges) or len(set(self.bucket_edges)) != len(
+                self.bucket_edges):
+            raise ConfigError(f"csft.bucket_edges must be strictly ascending, got {self.bucket_edges}")
+        if self.ask_bucket is not None and self.ask_bucket > len(self.bucket_edges):
+            raise ConfigError(f"csft.ask_bucket={self.ask_bucket} but csft.bucket_edges={self.bucket_edges} make "
+                              f"only buckets 0..{len(self.bucket_edges)}")
+
+    @property
+    def highest(self) -> int:
+        return len(self.bucket_edges)
+
+
+@dataclass
+class ConditionalConfig:
+    output_dir: str = field("runs/csft", help="where data/, sft/, metrics.jsonl and final/ go")
+    model: ModelSection = section(ModelSection)
+    data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
+    generate: GenerateSection = section(GenerateSection)
+    score: ScoreSection = field(default_factory=_rs_score)
+    csft: ConditionalSection = section(ConditionalSection)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
+
+
+# ------------------------------------------------------------------------------------------------------ idpo
+@dataclass
+class PairSection:
+    """How preference pairs are made from scored samples."""
+    min_gap: float = field(0.0, min=0, help="drop prompts whose best and worst scores differ by no more than this")
+
+
+def _idpo_dpo() -> DPOSection:
+    # With the NLL term on by default: without it a good policy collapsed in one round (iterative_dpo.py's docstring).
+    return DPOSection(sft_weight=1.0)
+
+
+@dataclass
+class IterativeDPOConfig:
+    output_dir: str = field("runs/idpo", help="where rounds, metrics.jsonl and final/ go")
+    rounds: int = field(2, min=1, help="generate -> pair -> DPO rounds")
+    model: ModelSection = section(ModelSection)
+    ref: ReferenceSection = section(ReferenceSection)
+    dpo: DPOSection = field(default_factory=_idpo_dpo, help="the DPO loss of each round (NLL term on by default)")
+    data: DataSection = field(default_factory=_prompt_data, help="data.train_files are the prompts")
+    generate: GenerateSection = field(default_factory=_rs_generate)
+    score: ScoreSection = field(default_factory=_rs_score)
+    pairs: PairSection = section(PairSection)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
