@@ -2,7 +2,7 @@
 parent, included (the lanes' timelines count only what their own processes reaped).
 
     touch /tmp/suite.acct && accton /tmp/suite.acct      # root; Debian's `acct` package
-    make test; accton off
+    make test; sleep 5; accton off                          # the lanes' zygotes end a second after their pytest
     python scripts/suite_cpu.py /tmp/suite.acct /tmp/hpc_rlhf_suite_XXXX
 
 Prints the whole run's CPU-seconds, then for each lane (its pytest process is found by its command line's
@@ -112,15 +112,23 @@ def report(procs: dict[int, Process], suite: Path) -> str:
         tests = sorted(s for s in spans if not s[2].startswith("background "))
         background = [s for s in spans if s[2].startswith("background ")]
         by_what: dict[str, float] = collections.defaultdict(float)
-        for child in procs[pid].children:
-            tree = subtree(procs, child)
-            inside.update(p.pid for p in tree)
-            proc = procs[child]
+        todo = list(procs[pid].children)
+        while todo:
+            proc = procs[todo.pop()]
             # A background job is marked from when it was asked for (it may wait for another): matched by its end.
             what = next((w for b, e, w, _ in background if abs(e - (proc.start + proc.wall_s)) < 3), None)
+            running = [(w.split("::")[0], e) for b, e, w, _ in tests if b - 1 <= proc.start <= e + 1]
+            if what is None and proc.children and running and proc.start + proc.wall_s > running[-1][1] + 3:
+                # A server that outlived the test that started it (a zygote the tests' command lines fork from,
+                # tests/cli_zygote.py): its children are counted each by when it started.
+                inside.add(proc.pid)
+                by_what["(servers of the tests: their own CPU)"] += proc.cpu_s
+                todo.extend(proc.children)
+                continue
             if what is None:
-                running = [w.split("::")[0] for b, e, w, _ in tests if b - 1 <= proc.start <= e + 1]
-                what = running[-1] if running else "(between tests)"
+                what = running[-1][0] if running else "(between tests)"
+            tree = subtree(procs, proc.pid)
+            inside.update(p.pid for p in tree)
             by_what[what] += sum(p.cpu_s for p in tree)
         inside.add(pid)
         lines.append(f"lane {lane}: pytest {procs[pid].cpu_s:.0f} CPU-s, its children {sum(by_what.values()):.0f}")

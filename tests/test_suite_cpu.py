@@ -47,3 +47,20 @@ def test_each_test_file_gets_the_cpu_of_every_descendant_and_a_background_job_is
     assert "lane rest: pytest 8 CPU-s, its children 2" in text
     assert "outside the lanes: 4 CPU-s: slurmstepd 3, python 1" in text
     assert "python processes of >= 3.5 CPU-s (each paid the imports): 6, 50 CPU-s" in text
+
+
+def test_the_runs_a_zygote_forks_are_counted_by_when_each_started(tmp_path):
+    timeline(tmp_path / "rest.timeline",
+             (1000.0, "start", "tests/test_a.py::one"), (1020.0, "end", "tests/test_a.py::one"),
+             (1021.0, "start", "tests/test_b.py::two"), (1090.0, "end", "tests/test_b.py::two"))
+    timeline(tmp_path / "learning.timeline")
+    (tmp_path / "rest.pid").write_text("30")
+    procs = accounting(
+        (30, 1, "python", 8.0, 97.0, 999.0),  # the lane
+        (31, 30, "python", 2.0, 95.0, 1002.0),  # a zygote, started by test_a's first command line: lives on
+        (32, 31, "python", 0.0, 10.0, 1003.0), (33, 32, "python", 6.0, 10.0, 1003.0),  # test_a's run
+        (34, 31, "python", 0.0, 30.0, 1030.0), (35, 34, "python", 9.0, 30.0, 1030.0))  # test_b's run
+    text = suite_cpu.report(procs, tmp_path)
+    assert "lane rest: pytest 8 CPU-s, its children 17" in text
+    assert "      9.0  tests/test_b.py" in text and "      6.0  tests/test_a.py" in text
+    assert "outside the lanes: 0 CPU-s" in text
