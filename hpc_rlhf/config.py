@@ -501,6 +501,8 @@ class TrainSection:
     max_steps: int = field(100, help="optimizer steps to run", min=1)
     micro_batch_size: int = field(16, help="sequences per rank per forward pass", min=1)
     batch_size: int = field(32, help="sequences per optimizer step over all ranks of the role", min=1)
+    group_by_length: bool = field(False, help="one-model modes: sort each rank's rows of a step by length before "
+                                  "cutting them into micro-batches (the same rows and gradient, less padding)")
     weight_decay: float = field(0.0, min=0)
     adam_beta1: float = field(0.9, min=0, max=1)
     adam_beta2: float = field(0.95, min=0, max=1)

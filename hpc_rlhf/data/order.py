@@ -7,7 +7,7 @@ see exactly the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -32,12 +32,17 @@ def step_indices(num_rows: int, batch_size: int, step: int, seed: int) -> list[i
     return out
 
 
-def rank_micro_batches(indices: Sequence[int], rank: int, world: int, micro_batch_size: int) -> list[list[int]]:
-    """This rank's share of a global batch, cut into micro-batches (contiguous shares, in order)."""
+def rank_micro_batches(indices: Sequence[int], rank: int, world: int, micro_batch_size: int,
+                       length: Callable[[int], int] | None = None) -> list[list[int]]:
+    """This rank's share of a global batch, cut into micro-batches (contiguous shares, in order). With `length`
+    (row index -> tokens), the share is sorted by length first (stable: ties keep their order), so that each
+    micro-batch pads to a length near its rows' own: the same rows and the same number of micro-batches."""
     if len(indices) % world:
         raise ValueError(f"a batch of {len(indices)} does not divide over {world} ranks")
     per_rank = len(indices) // world
     mine = list(indices[rank * per_rank:(rank + 1) * per_rank])
+    if length is not None:
+        mine.sort(key=length)
     return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
 
 

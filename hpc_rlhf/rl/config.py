@@ -226,6 +226,10 @@ class Config:
             if samples % train.batch_size:
                 raise ConfigError(f"{name}.batch_size={train.batch_size} must divide the samples of a step "
                                   f"(rollout.prompts_per_step x rollout.n_samples = {samples})")
+        for name, train in (("train", self.train), ("critic_train", self.critic_train)):
+            if train.group_by_length:
+                raise ConfigError(f"{name}.group_by_length sorts a one-model mode's rows; an RL step's micro-batches "
+                                  "are cut from its samples: rl.padding_free packs them into rows of real tokens")
         if self.rl.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline") and self.rollout.n_samples < 2:
             raise ConfigError(f"rl.advantage={self.rl.advantage} compares samples of one prompt: "
                               f"rollout.n_samples must be at least 2")

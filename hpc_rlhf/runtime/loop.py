@@ -33,12 +33,15 @@ def start_training(run: Run, engines: dict) -> tuple["NonFiniteGuard", "StopSign
     return bad_steps, stop
 
 
-def step_micro_batches(run: Run, num_rows: int, step: int) -> list[list[int]]:
+def step_micro_batches(run: Run, num_rows: int, step: int,
+                       row_length: Callable[[int], int] | None = None) -> list[list[int]]:
     """This rank's micro-batches (row indices) of optimizer step `step` over `num_rows` rows, with the sizes and
-    seed of run.cfg.train and the whole world as one data-parallel group."""
+    seed of run.cfg.train and the whole world as one data-parallel group; with train.group_by_length, sorted by
+    `row_length` (row index -> tokens) before they are cut."""
     train = run.cfg.train
     indices = step_indices(num_rows, train.batch_size, step, train.seed)
-    return rank_micro_batches(indices, run.rank, run.world_size, train.micro_batch_size)
+    length = row_length if train.group_by_length else None
+    return rank_micro_batches(indices, run.rank, run.world_size, train.micro_batch_size, length)
 
 
 def finish_training(run: Run, engine, tokenizer) -> None:
@@ -109,7 +112,8 @@ def step_share(micro_tokens: int, step_tokens: int, micro_batches_in_step: int) 
 
 def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callable[[list[int]], MicroBatch],
                     window: FigureWindow, evaluate: Callable[[], dict[str, float]], bad_steps: NonFiniteGuard,
-                    stop: StopSignal, loss_tokens_of: Callable[[list[int]], int] | None = None) -> dict[str, float]:
+                    stop: StopSignal, loss_tokens_of: Callable[[list[int]], int] | None = None,
+                    row_length: Callable[[int], int] | None = None) -> dict[str, float]:
     """The training loop of a one-model mode, the whole world one data-parallel group; returns the last
     evaluation's figures.
 
@@ -118,6 +122,10 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
     over all loss tokens of the optimizer step, so a 2-token and a 100-token answer weigh alike per token whatever
     micro-batch or rank they land in. Every rank counts the whole step itself (the rows are known everywhere):
     no communication.
+
+    `row_length(row index)`: the tokens of a training row (of a pair: its longer side), by which
+    train.group_by_length sorts a rank's rows of a step before cutting its micro-batches. A step's loss is a mean
+    over all its rows (or loss tokens), so the order changes no gradient but the order of float sums.
 
     Per optimizer step: this rank's micro-batches of `num_rows` training rows (step_micro_batches), each one's
     `micro_batch_loss(row indices)` trained on; on a logging step the window's figures, the step figures and,
@@ -136,7 +144,7 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
         done = step + 1  # steps are counted from 1, as in metrics.jsonl and checkpoint names
         watchdog.set_step(done)
         with watchdog.phase("training"):
-            micro_batches = step_micro_batches(run, num_rows, step)
+            micro_batches = step_micro_batches(run, num_rows, step, row_length)
             step_loss_tokens = (loss_tokens_of(step_indices(num_rows, cfg.train.batch_size, step, cfg.train.seed))
                                 if loss_tokens_of is not None else None)
             for rows in micro_batches:

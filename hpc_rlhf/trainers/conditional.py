@@ -31,8 +31,7 @@ from hpc_rlhf.models.builders import load_tokenizer
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_accuracy, load_eval_prompts
 from hpc_rlhf.trainers import sft
-from hpc_rlhf.trainers.config import (ConditionalSection,  # noqa: F401  (API: imported from here)
-                                      ConditionalConfig as Config)  # the mode's keys, torch-free for --help/--dry-run
+from hpc_rlhf.trainers.config import ConditionalConfig as Config  # the mode's keys, torch-free for --help and --dry-run
 from hpc_rlhf.trainers.generate import Scorer, load_policy, load_prompt_rows
 from hpc_rlhf.trainers.rejection import sft_config_for
 from hpc_rlhf.trainers.rounds import copy_final, open_round_logger, sample_round

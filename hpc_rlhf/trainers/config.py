@@ -136,6 +136,12 @@ class KTOConfig:
     checkpoint: CheckpointSection = section(CheckpointSection)
     dist: DistSection = section(DistSection)
 
+    def validate(self) -> None:
+        if self.train.group_by_length:
+            raise ConfigError("train.group_by_length would change KTO's loss, not only its padding: the reference "
+                              "point z0 is a mean over each micro-batch's mismatched pairs, so it depends on which "
+                              "rows share a micro-batch")
+
 
 # -------------------------------------------------------------------------------------------------- generate
 @dataclass

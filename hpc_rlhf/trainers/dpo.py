@@ -25,8 +25,7 @@ from hpc_rlhf.runtime import loop
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.runtime.reference import MEAN, SUM, Reference, balanced_chunks, response_logps
-from hpc_rlhf.trainers.config import (DPOSection,  # noqa: F401  (API: imported from here)
-                                      DPOConfig as Config)  # the mode's keys, torch-free for --help and --dry-run
+from hpc_rlhf.trainers.config import DPOConfig as Config  # the mode's keys, torch-free for --help and --dry-run
 from hpc_rlhf.trainers.rm import load_preference_examples
 
 
@@ -109,10 +108,16 @@ class DPORecipe:
             "accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean(),
             "chosen_reward": chosen.mean(), "rejected_reward": rejected.mean()})
 
+    def _pair_length(self, row: int) -> int:
+        """A pair's padded length in a micro-batch (train.group_by_length): its longer side."""
+        pair = self.train_examples[row]
+        return max(len(pair["chosen_input_ids"]), len(pair["rejected_input_ids"]))
+
     def train(self) -> dict[str, float]:
         last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                            micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
-                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
+                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
+                                           row_length=self._pair_length)
         loop.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 

@@ -37,8 +37,8 @@ from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores
 from hpc_rlhf.rewards import call_reward_function, load_reward_function
 from hpc_rlhf.runtime import run as run_setup
-from hpc_rlhf.trainers.config import (GenerateSection, ScoreSection,
-                                      GenerateConfig as Config)  # the mode's keys, torch-free for --help and --dry-run
+from hpc_rlhf.trainers.config import GenerateConfig as Config  # the mode's keys, torch-free for --help and --dry-run
+from hpc_rlhf.trainers.config import GenerateSection, ScoreSection
 
 log = logging.getLogger("hpc_rlhf")
 

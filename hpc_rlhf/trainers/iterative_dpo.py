@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from hpc_rlhf.config import DataSection
 from hpc_rlhf.trainers import dpo, rounds
-from hpc_rlhf.trainers.config import (PairSection, PreferenceDataSection,  # noqa: F401  (API: imported from here)
-                                      IterativeDPOConfig as Config)  # the mode's keys, torch-free for --help/--dry-run
+from hpc_rlhf.trainers.config import PreferenceDataSection
+from hpc_rlhf.trainers.config import IterativeDPOConfig as Config  # the mode's keys, torch-free for --dry-run
 
 
 def preference_pairs(records: Sequence[dict], min_gap: float = 0.0) -> list[dict]:

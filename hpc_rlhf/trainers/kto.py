@@ -33,8 +33,7 @@ from hpc_rlhf.runtime import loop
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.runtime.reference import SUM, Reference, balanced_chunks, response_logps
-from hpc_rlhf.trainers.config import (KTODataSection, KTOSection,  # noqa: F401  (API: imported from here)
-                                      KTOConfig as Config)  # the mode's keys, torch-free for --help and --dry-run
+from hpc_rlhf.trainers.config import KTOConfig as Config  # the mode's keys, torch-free for --help and --dry-run
 
 
 def load_kto_examples(paths, data: DataSection, tokenizer, where: str, max_rows) -> list[dict]:

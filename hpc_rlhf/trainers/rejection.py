@@ -23,8 +23,8 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 from hpc_rlhf.trainers import rounds, sft
-from hpc_rlhf.trainers.config import (STRATEGIES, SelectSection,  # noqa: F401  (API: imported from here)
-                                      RejectionConfig as Config)  # the mode's keys, torch-free for --help/--dry-run
+from hpc_rlhf.trainers.config import STRATEGIES
+from hpc_rlhf.trainers.config import RejectionConfig as Config  # the mode's keys, torch-free for --help and --dry-run
 
 
 # ------------------------------------------------------------------------------------------------ pure parts

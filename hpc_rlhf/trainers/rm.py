@@ -28,8 +28,7 @@ from hpc_rlhf.models.value_model import build_value_model, sequence_scores, set_
 from hpc_rlhf.runtime import loop
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.reference import balanced_chunks
-from hpc_rlhf.trainers.config import (PreferenceDataSection, RewardSection,  # noqa: F401  (API: imported from here)
-                                      RMConfig as Config)  # the mode's keys, torch-free for --help and --dry-run
+from hpc_rlhf.trainers.config import RMConfig as Config  # the mode's keys, torch-free for --help and --dry-run
 
 
 def load_preference_examples(paths, data: DataSection, tokenizer, where: str, max_rows, margin_key: str | None = None):
@@ -149,10 +148,16 @@ class RewardModelRecipe:
         loss, accuracy, margin, tokens = self._loss([self.train_examples[i] for i in rows])
         return loop.MicroBatch(loss, tokens, {"accuracy": accuracy, "margin": margin})
 
+    def _pair_length(self, row: int) -> int:
+        """A pair's padded length in a micro-batch (train.group_by_length): its longer side."""
+        pair = self.train_examples[row]
+        return max(len(pair["chosen_input_ids"]), len(pair["rejected_input_ids"]))
+
     def train(self) -> dict[str, float]:
         last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                            micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
-                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
+                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
+                                           row_length=self._pair_length)
         with watchdog.phase("eval"):
             mean, std = self.normalization_constants()
         set_reward_normalization(self.engine.module, mean, std)

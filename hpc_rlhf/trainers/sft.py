@@ -20,8 +20,7 @@ from hpc_rlhf.runtime import loop
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.runtime.reference import balanced_chunks
-from hpc_rlhf.trainers.config import (GenerationEvalSection,  # noqa: F401  (API: imported from here)
-                                      SFTConfig as Config)  # the mode's keys, torch-free for --help and --dry-run
+from hpc_rlhf.trainers.config import SFTConfig as Config  # the mode's keys, torch-free for --help and --dry-run
 
 
 def load_sft_examples(paths, cfg: Config, tokenizer, where: str, max_rows):
@@ -124,7 +123,8 @@ class SFTRecipe:
         last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                            micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
                                            evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
-                                           loss_tokens_of=self._loss_tokens)
+                                           loss_tokens_of=self._loss_tokens,
+                                           row_length=lambda row: len(self.train_examples[row]["input_ids"]))
         loop.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 

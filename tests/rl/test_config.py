@@ -43,6 +43,8 @@ def test_the_reference_of_a_lora_actor_needs_no_ref_role():
     ([*LORA, "ref_mode=model", NO_REF], "the placement has no 'ref' role, which this config needs"),
     (["actor.lora.rank=600", NO_REF, "rollout.backend=vllm"], "actor.lora.rank=600 is larger than the vllm rollout "
                                                              "engine allows (LoRA rank at most 512"),
+    (["train.group_by_length=true"], "train.group_by_length sorts a one-model mode's rows; an RL step's "
+                                     "micro-batches are cut from its samples: rl.padding_free"),
 ])
 def test_contradictions_are_refused_at_configuration(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -21,6 +21,25 @@ def test_step_micro_batches_share_the_step_between_ranks(tmp_path):
     assert loop.step_micro_batches(a_run(tmp_path, *settings, rank=0, world_size=2), 20, 4) != ranks[0]
 
 
+def test_grouped_by_length_each_rank_cuts_its_own_rows_sorted_by_length(tmp_path):
+    """train.group_by_length: the same rows on each rank and as many micro-batches of the same size, sorted by
+    length, so that each pads to less; without the key the lengths are not read."""
+    lengths = {row: (row * 7) % 11 + 1 for row in range(40)}
+    settings = ("train.batch_size=16", "train.micro_batch_size=2")
+    for rank in (0, 1):
+        plain = loop.step_micro_batches(a_run(tmp_path, *settings, rank=rank, world_size=2), 40, 3, lengths.get)
+        assert plain == loop.step_micro_batches(a_run(tmp_path, *settings, rank=rank, world_size=2), 40, 3)
+        grouped = loop.step_micro_batches(a_run(tmp_path, *settings, "train.group_by_length=true", rank=rank,
+                                                world_size=2), 40, 3, lengths.get)
+        assert sorted(sum(grouped, [])) == sorted(sum(plain, [])) and [len(m) for m in grouped] == [2] * 4
+        assert [lengths[row] for row in sum(grouped, [])] == sorted(lengths[row] for row in sum(plain, []))
+
+        def padded(micro_batches):
+            return sum(len(m) * max(lengths[row] for row in m) for m in micro_batches)
+
+        assert padded(grouped) < padded(plain)
+
+
 def test_step_figures():
     guard = checkpointing.NonFiniteGuard(max_in_a_row=5)
     guard.update(True, 1)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hpc_rlhf.config import load_config
+from hpc_rlhf.config import ConfigError, load_config
 from hpc_rlhf.trainers.kto import kl_partners, mismatched_example
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.recipes import QUIET, Curve, learning, record_figures
@@ -101,3 +101,10 @@ if __name__ == "__main__":
         "data.max_train_rows=33", "data.max_eval_rows=9", "eval.max_rows=6"]))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def test_grouping_rows_by_length_is_refused_for_it_would_change_the_reference_point():
+    from hpc_rlhf.trainers import kto
+
+    with pytest.raises(ConfigError, match="train.group_by_length would change KTO's loss"):
+        load_config(kto.Config, None, ["train.group_by_length=true"])

@@ -102,6 +102,22 @@ def test_bad_margin_and_bad_key_are_named(world, tmp_path, capfd):
     assert f"{bad}, line 1: key 'margin' must be float, got str" in capfd.readouterr().err
 
 
+def test_pairs_grouped_by_length_train_as_one_micro_batch_does(world, tmp_path):
+    """train.group_by_length cuts a step's pairs sorted by their longer side: a mean over the step's pairs, so the
+    same loss and gradient as the whole step in one micro-batch (RM's loss is a mean over rows)."""
+    from hpc_rlhf.trainers import rm
+
+    settings = ["train.max_steps=1", "train.batch_size=8", "train.warmup_steps=0", "log.every_steps=1",
+                "log.eval_every_steps=0", "data.max_train_rows=64", "data.max_eval_rows=8"]
+    figures = {}
+    for name, extra in (("one", ["train.micro_batch_size=8"]),
+                        ("grouped", ["train.micro_batch_size=2", "train.group_by_length=true"])):
+        rm.run(rm_config(tmp_path / name, *settings, *extra))
+        figures[name] = read_metrics(tmp_path / name)[-1]
+    assert figures["grouped"]["loss"] == pytest.approx(figures["one"]["loss"], rel=1e-5)
+    assert figures["grouped"]["grad_norm"] == pytest.approx(figures["one"]["grad_norm"], rel=1e-4)
+
+
 def test_two_ranks_zero3(tmp_path):
     from transformers import AutoModelForTokenClassification
 

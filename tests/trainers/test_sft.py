@@ -47,25 +47,28 @@ def test_sft_learns_and_final_model_generates(world, tmp_path):
 
 
 def test_the_loss_is_a_token_mean_over_the_whole_step_whatever_the_micro_batches(world, tmp_path):
-    """8 answers of different lengths in one optimizer step: cut into 8 micro-batches of one row or trained as
-    one micro-batch, the step's loss and gradient are the same (each response token weighs 1 / the step's
-    tokens). A mean of per-micro-batch means would weigh a short answer's tokens more."""
+    """8 answers of different lengths in one optimizer step: cut into 8 micro-batches of one row, trained as
+    one micro-batch, or sorted by length into 4 (train.group_by_length), the step's loss and gradient are the
+    same (each response token weighs 1 / the step's tokens). A mean of per-micro-batch means would weigh a short
+    answer's tokens more."""
     from hpc_rlhf.trainers import sft
 
     settings = ["train.max_steps=1", "train.batch_size=8", "train.warmup_steps=0", "log.every_steps=1",
                 "log.eval_every_steps=0", "data.max_eval_rows=8", "eval.prompt_files=[]", "checkpoint.every_steps=0",
                 "checkpoint.resume=false"]
     figures = {}
-    for micro in (8, 1):
-        recipe = sft.SFTRecipe(sft_config(tmp_path / f"micro{micro}", *settings, f"train.micro_batch_size={micro}"))
+    for name, extra in (("one", ["train.micro_batch_size=8"]), ("each", ["train.micro_batch_size=1"]),
+                        ("grouped", ["train.micro_batch_size=2", "train.group_by_length=true"])):
+        recipe = sft.SFTRecipe(sft_config(tmp_path / name, *settings, *extra))
         recipe.setup()
         rows = order.step_indices(len(recipe.train_examples), 8, 0, recipe.cfg.train.seed)
         lengths = [recipe._loss_tokens([i]) for i in rows]
         recipe.train()
-        figures[micro] = read_metrics(tmp_path / f"micro{micro}")[-1]
+        figures[name] = read_metrics(tmp_path / name)[-1]
     assert len(set(lengths)) > 1, f"the step's answers must differ in length for this test to mean anything: {lengths}"
-    assert figures[1]["loss"] == pytest.approx(figures[8]["loss"], rel=1e-5)
-    assert figures[1]["grad_norm"] == pytest.approx(figures[8]["grad_norm"], rel=1e-4)
+    for name in ("each", "grouped"):
+        assert figures[name]["loss"] == pytest.approx(figures["one"]["loss"], rel=1e-5), name
+        assert figures[name]["grad_norm"] == pytest.approx(figures["one"]["grad_norm"], rel=1e-4), name
 
 
 def test_packing_gives_the_same_loss_on_a_fixed_batch(world, tmp_path):
