@@ -162,13 +162,15 @@ def test_a_hanging_environment_ends_the_job_or_its_episode_within_its_timeout(tm
 
 # ------------------------------------------------------------------------------------------------ learning
 # Calibrated over train.seed 0-4 (scripts/calibrate_learning_tests.py --seeds 0 1 2 3 4 -k calculator, each seed
-# with its own SFT base and tool base (tests/recipes.py TOOL_SFT_BASE), 300 held-out prompts, an AMD EPYC,
-# 2026-11-26): after 30 steps exact match 0.563 -> 0.907, 0.630 -> 0.907, 0.550 -> 0.900, 0.660 -> 0.993,
-# 0.677 -> 0.850 (gains +0.343, +0.277, +0.350, +0.333, +0.173), tool calls per greedy episode 0.050 -> 0.963,
-# 0.147 -> 0.933, 0.003 -> 0.813, 0.057 -> 0.997, 0.153 -> 0.787. The control (train.lr=0) keeps the tool base's
-# accuracy and tool calls (gain 0) and fails. Continued tool SFT from seed 0's tool base (200 more steps) stays near
-# 0.70 with about 0.01 tool calls: the plateau, under the accuracy bar. Cost: ~60 CPU-seconds of RL and evaluation
-# here, ~320 for the tool base in the background.
+# with its own SFT base and tool base (tests/recipes.py TOOL_SFT_BASE: micro-batches of 32 rows grouped by length),
+# 300 held-out prompts, an AMD EPYC, 2026-11-27): after 30 steps exact match 0.733 -> 0.920, 0.730 -> 0.907,
+# 0.577 -> 0.833, 0.730 -> 0.997, 0.660 -> 0.850 (gains +0.187, +0.177, +0.257, +0.267, +0.190), tool calls per
+# greedy episode 0.190 -> 0.923, 0.053 -> 0.880, 0.003 -> 0.317, 0.083 -> 1.000, 0.047 -> 0.707. The control
+# (train.lr=0) keeps the tool base's accuracy and tool calls (gain 0) and fails. With the tool base trained in one
+# micro-batch of 128 (2026-11-26; the same gradient, other float sums) the gains were +0.173 to +0.350 and the tool
+# calls 0.787-0.997 at the end. Continued tool SFT from seed 0's tool base (200 more steps) stayed near 0.70 with
+# about 0.01 tool calls: the plateau. Cost: ~60 CPU-seconds of RL and evaluation here, ~210 for the tool base in
+# the background.
 CALCULATOR_GAIN = 0.15
 CALCULATOR_ACCURACY = 0.75
 CALCULATOR_TOOL_USE = 0.3
