@@ -86,7 +86,7 @@ def _check_tokenizer(key: str, folder: str) -> str:
 
 
 def _check_teacher_tokenizer(cfg: Any) -> str:
-    from hpc_rlhf.models.builders import same_tokenizer_problem  # transformers: only the in-job check needs it
+    from hpc_rlhf.models.builders import same_tokenizer_problem  # transformers: only a teacher's check loads it
 
     [(key, folder)] = tokenizer_folders(cfg).items()
     problem = same_tokenizer_problem(folder, cfg.distill.teacher, key)
