@@ -18,8 +18,13 @@ TRL: a callback at every optimizer step, two per RL step). Rates are medians ove
 median of the per-round ratios, since runs of the same round saw about the same load.
 Note the disjoint layout uses 4 processes against TRL's one: on a 2-core machine they compete for the cores.
 
+`--task long-tailed`: both sides read the length-varied task instead (benchlib.write_long_tailed_prompts: sums of
+2-24 numbers, prompts of 5-72 tokens; its prompt and response limits, benchlib.LONG_TAILED, with up to 48 new
+tokens); `--set KEY=VALUE` adds a setting to hpc_rlhf's runs (e.g. rl.padding_free=true).
+
     .venv/bin/python benchmarks/grpo_vs_trl.py                       # GRPO, 3 rounds
     .venv/bin/python benchmarks/grpo_vs_trl.py --algos grpo rloo --rounds 3 --steps 20
+    .venv/bin/python benchmarks/grpo_vs_trl.py --task long-tailed --set rl.padding_free=true
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ LAYOUTS = {"disjoint": "actor=1,ref=1,rollout=2", "hybrid": "actor+ref=1,rollout
 
 
 # ------------------------------------------------------------------------------------------- hpc_rlhf side
-def hpc_overrides(algo: str, placement: str, model_dir: Path, out_dir: Path, rl_steps: int, rows: int) -> list[str]:
+def hpc_overrides(algo: str, placement: str, model_dir: Path, out_dir: Path, rl_steps: int, rows: int,
+                  task: list[str]) -> list[str]:
+    """The run's settings; `task`: its prompt file and length limits (task_settings)."""
     kl = (["rl.advantage=grpo", "rl.kl_estimator=k3", "rl.kl_in_reward=false"] if algo == "grpo" else
           ["rl.advantage=rloo", "rl.kl_estimator=k1", "rl.kl_in_reward=true"])
     return [f"output_dir={out_dir}", f"placement={placement}", f"actor.path={model_dir}", "actor.dtype=float32",
@@ -56,16 +63,25 @@ def hpc_overrides(algo: str, placement: str, model_dir: Path, out_dir: Path, rl_
             f"rollout.max_new_tokens={MAX_NEW_TOKENS}", "rollout.temperature=1.0", *kl, f"rl.kl_coef={BETA}",
             "rl.loss_agg=token-mean", "rl.clip_eps=0.2", "rl.ppo_epochs=1", f"train.lr={LR}",
             f"train.batch_size={OPT_BATCH}", f"train.micro_batch_size={MICRO}", f"train.max_steps={rl_steps}",
-            "train.warmup_steps=0", f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]",
-            f"data.max_train_rows={rows}", "data.eval_files=[]", "log.every_steps=1", "log.eval_every_steps=0",
-            "log.tensorboard=false", "log.progress=false", "checkpoint.resume=false"]
+            "train.warmup_steps=0", *task, f"data.max_train_rows={rows}", "data.eval_files=[]",
+            "log.every_steps=1", "log.eval_every_steps=0", "log.tensorboard=false", "log.progress=false",
+            "checkpoint.resume=false"]
+
+
+def task_settings(task: str, tmp: Path, rows: int) -> tuple[Path, list[str], int]:
+    """(the prompt file, hpc_rlhf's settings for it, the most new tokens) of `--task`."""
+    if task == "tiny":
+        prompts = benchlib.DATA / "prompts_train.jsonl"
+        return prompts, [f"data.train_files=[{prompts}]"], MAX_NEW_TOKENS
+    prompts = benchlib.write_long_tailed_prompts(tmp / "long_tailed_prompts.jsonl", rows)
+    return prompts, benchlib.long_tailed_settings(prompts), benchlib.LONG_TAILED["rollout.max_new_tokens"]
 
 
 def run_hpc(algo: str, layout: str, model_dir: Path, out_dir: Path, steps: int, warmup: int,
-            rows: int) -> float:
+            rows: int, task: list[str]) -> float:
     """Completions per second of `hpc-rlhf grpo` in `layout`: 128 / the median RL step time after `warmup`."""
     cmd = [sys.executable, "-m", "hpc_rlhf", "grpo",
-           *hpc_overrides(algo, LAYOUTS[layout], model_dir, out_dir, warmup + steps, rows)]
+           *hpc_overrides(algo, LAYOUTS[layout], model_dir, out_dir, warmup + steps, rows, task)]
     benchlib.run_command(cmd, what=f"hpc_rlhf {algo} ({layout})", timeout=900)
     times = benchlib.rl_step_times_from_metrics(benchlib.read_jsonl(out_dir / "metrics.jsonl"), warmup)
     return PROMPTS_PER_STEP * GROUP / benchlib.median(times)
@@ -79,7 +95,8 @@ def exact_match_reward(completions, answer, **_):
     return [exact_match(c, a) for c, a in zip(completions, answer)]
 
 
-def run_trl(algo: str, model_dir: Path, out_dir: Path, steps: int, warmup: int, rows: int) -> float:
+def run_trl(algo: str, model_dir: Path, out_dir: Path, steps: int, warmup: int, rows: int, prompts: Path,
+            max_new_tokens: int) -> float:
     """Completions per second of TRL's trainer: 128 / the median RL step (2 optimizer steps, one generation
     round) time after `warmup` RL steps."""
     import torch
@@ -96,14 +113,14 @@ def run_trl(algo: str, model_dir: Path, out_dir: Path, steps: int, warmup: int, 
     common = dict(output_dir=str(out_dir), per_device_train_batch_size=MICRO,
                   gradient_accumulation_steps=OPT_BATCH // MICRO,
                   steps_per_generation=PROMPTS_PER_STEP * GROUP // MICRO, num_generations=GROUP,
-                  max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, beta=BETA,
+                  max_completion_length=max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=BETA,
                   epsilon=0.2, num_iterations=1, learning_rate=LR, lr_scheduler_type="constant",
                   max_steps=(warmup + steps) * updates_per_rl_step, adam_beta2=0.95, max_grad_norm=1.0,
                   use_cpu=True, bf16=False, fp16=False, report_to="none",
                   logging_strategy="no", save_strategy="no", seed=0, disable_tqdm=True, use_vllm=False,
                   dataloader_num_workers=0, **benchlib.no_recomputation(TrainingArguments))
     data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]}
-                              for r in benchlib.read_jsonl(benchlib.DATA / "prompts_train.jsonl")[:rows]])
+                              for r in benchlib.read_jsonl(prompts)[:rows]])
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
     if algo == "grpo":
@@ -141,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed RL steps (128 completions each) per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed RL steps at the start of every run")
     parser.add_argument("--rows", type=int, default=1024, help="prompts loaded (set-up cost only)")
+    parser.add_argument("--task", choices=("tiny", "long-tailed"), default="tiny",
+                        help="the prompts: the tiny addition task, or the length-varied one")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of hpc_rlhf's runs, e.g. rl.padding_free=true (repeatable)")
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1")
@@ -155,19 +176,23 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = benchlib.make_bench_model(tmp / "bench-llama")
-        print(f"   model: Llama h128 x 2 layers, {benchlib.count_params(model_dir):,} parameters, fp32; "
-              f"{PROMPTS_PER_STEP} prompts x {GROUP} samples, {MAX_NEW_TOKENS} new tokens, beta {BETA}; "
-              f"{args.steps} timed RL steps after {args.warmup}; {args.rounds} rounds", flush=True)
+        prompts, task, max_new_tokens = task_settings(args.task, tmp, args.rows)
+        task += args.set
+        print(f"   model: Llama h128 x 2 layers, {benchlib.count_params(model_dir):,} parameters, fp32; task "
+              f"{args.task}: {PROMPTS_PER_STEP} prompts x {GROUP} samples, {max_new_tokens} new tokens, beta {BETA}; "
+              f"{args.steps} timed RL steps after {args.warmup}; {args.rounds} rounds; hpc_rlhf "
+              f"{' '.join(args.set) or 'as configured'}", flush=True)
         for r in range(args.rounds):
             for algo in args.algos:
                 order = sides[r % len(sides):] + sides[:r % len(sides)]  # rotate who goes first
                 for side in order:
                     out = tmp / f"{algo}-{side.replace(' ', '-')}-{r}"
                     if side == "trl":
-                        value = run_trl(algo, model_dir, out, args.steps, args.warmup, args.rows)
+                        value = run_trl(algo, model_dir, out, args.steps, args.warmup, args.rows, prompts,
+                                        max_new_tokens)
                     else:
                         value = run_hpc(algo, side.split()[1], model_dir, out, args.steps, args.warmup,
-                                        args.rows)
+                                        args.rows, task)
                     results.setdefault((algo, side), []).append(value)
                     print(f"   round {r + 1} {algo} {side:<18} {value:7.1f} completions/s", flush=True)
     print(f"   machine after: {benchlib.machine_state()}\n")
