@@ -92,6 +92,15 @@ class DPOSection:
                               f"{self.loss_type}")
 
 
+def check_grouping_with_nll(train: TrainSection, dpo: DPOSection) -> None:
+    """train.group_by_length keeps DPO's loss (a mean over the step's pairs) but not its NLL term, which is a mean
+    over each micro-batch's chosen tokens: sorted micro-batches would weigh short answers' tokens more."""
+    if train.group_by_length and dpo.sft_weight:
+        raise ConfigError(f"train.group_by_length with dpo.sft_weight={dpo.sft_weight}: the NLL term is a mean over "
+                          "each micro-batch's chosen tokens, so micro-batches sorted by length would change it; "
+                          "set dpo.sft_weight=0 or train.group_by_length=false")
+
+
 @dataclass
 class DPOConfig:
     output_dir: str = field("runs/dpo", help="where metrics, TensorBoard, checkpoints and final/ go")
@@ -104,6 +113,9 @@ class DPOConfig:
     log: LogSection = section(LogSection)
     checkpoint: CheckpointSection = section(CheckpointSection)
     dist: DistSection = section(DistSection)
+
+    def validate(self) -> None:
+        check_grouping_with_nll(self.train, self.dpo)
 
 
 # ------------------------------------------------------------------------------------------------------- kto
@@ -290,3 +302,6 @@ class IterativeDPOConfig:
     log: LogSection = section(LogSection)
     checkpoint: CheckpointSection = section(CheckpointSection)
     dist: DistSection = section(DistSection)
+
+    def validate(self) -> None:
+        check_grouping_with_nll(self.train, self.dpo)

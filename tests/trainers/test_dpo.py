@@ -169,3 +169,14 @@ if __name__ == "__main__":
         "log.eval_every_steps=4", "data.max_train_rows=64", "data.max_eval_rows=9", "eval.max_rows=6"]))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def test_grouping_rows_by_length_is_refused_with_the_nll_term_it_would_change():
+    """DPO's loss is a mean over the step's pairs (grouping keeps it); the NLL term is a mean over each
+    micro-batch's chosen tokens (grouping would weigh short answers more): both modes name both keys."""
+    from hpc_rlhf.trainers import dpo, iterative_dpo
+
+    load_config(dpo.Config, None, ["train.group_by_length=true"])  # no NLL term: allowed
+    for config_class, extra in ((dpo.Config, ["dpo.sft_weight=0.5"]), (iterative_dpo.Config, [])):
+        with pytest.raises(ConfigError, match="train.group_by_length with dpo.sft_weight=.*set dpo.sft_weight=0"):
+            load_config(config_class, None, ["train.group_by_length=true", *extra])
