@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from hpc_rlhf.data.templates import (TemplateError, as_messages, check_messages, encode, prompt_text,
+from hpc_rlhf.data.templates import (TemplateError, as_messages, check_messages, encode_many, prompt_text,
                                      render_chat, tokenize_chat, tokenizer_name)
 
 IGNORE_INDEX = -100
@@ -58,14 +58,15 @@ def _assemble(prompt_ids: list[int], rest_ids: list[int], rest_labels: list[int]
     }
 
 
-def _prompt_and_response_ids(tokenizer, prompt: str | Sequence[dict], response: str, chat_template: bool,
-                             where: str) -> tuple[list[int], list[int]]:
+def _prompt_and_response_texts(tokenizer, prompt: str | Sequence[dict], response: str, chat_template: bool,
+                               where: str) -> tuple[str, str]:
+    """The prompt's text and the response's, tokenised apart (plain: as they are; chat: the prompt's render and
+    what the response adds to it)."""
     if not chat_template:
         if not isinstance(prompt, str):
             raise TemplateError(f"{_at(where)}a list of messages needs the chat template "
                                 f"(data.apply_chat_template=true)")
-        prompt_ids = encode(tokenizer, prompt, add_special_tokens=True)
-        return prompt_ids, encode(tokenizer, response, add_special_tokens=False) + [_eos_id(tokenizer, where)]
+        return prompt, response
     # Tokenising the prompt render on its own keeps its ids identical to what `prompt_example` gives generation.
     head = prompt_text(tokenizer, prompt, chat_template=True, where=where)
     full = render_chat(tokenizer, as_messages(prompt, response), where=where)
@@ -73,8 +74,33 @@ def _prompt_and_response_ids(tokenizer, prompt: str | Sequence[dict], response: 
         raise TemplateError(f"{_at(where)}the chat template of tokenizer '{tokenizer_name(tokenizer)}' renders "
                             f"the prompt differently once the response is added, so the response cannot be "
                             f"separated from it")
-    return (encode(tokenizer, head, add_special_tokens=False),
-            encode(tokenizer, full[len(head):], add_special_tokens=False))
+    return head, full[len(head):]
+
+
+def _wheres(wheres: Sequence[str] | None, rows: int) -> Sequence[str]:
+    if wheres is None:
+        return [""] * rows
+    if len(wheres) != rows:
+        raise ValueError(f"{len(wheres)} row places for {rows} rows")
+    return wheres
+
+
+def sft_examples(tokenizer, prompts: Sequence[str | Sequence[dict]], responses: Sequence[str], *, max_len: int,
+                 max_prompt_len: int, chat_template: bool = False,
+                 wheres: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """`sft_example` of many prompt/response rows (`wheres`: each row's place, for messages), the texts tokenised
+    many at a time: the same examples as one call per row."""
+    _check_limits(max_len, max_prompt_len)
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+    wheres = _wheres(wheres, len(prompts))
+    texts = [_prompt_and_response_texts(tokenizer, prompt, response, chat_template, where)
+             for prompt, response, where in zip(prompts, responses, wheres)]
+    # Plain text: the prompt with the tokenizer's special tokens (BOS), the response without, then EOS.
+    heads = encode_many(tokenizer, [head for head, _ in texts], add_special_tokens=not chat_template)
+    tails = encode_many(tokenizer, [tail for _, tail in texts], add_special_tokens=False)
+    end = [] if chat_template or not texts else [_eos_id(tokenizer, wheres[0])]
+    return [_assemble(head, tail + end, tail + end, max_len, max_prompt_len) for head, tail in zip(heads, tails)]
 
 
 def sft_example(tokenizer, *, prompt: str | Sequence[dict] | None = None, response: str | None = None,
@@ -100,45 +126,69 @@ def sft_example(tokenizer, *, prompt: str | Sequence[dict] | None = None, respon
         return _assemble(ids[:first], ids[first:], labels[first:], max_len, max_prompt_len)
     if prompt is None or response is None:
         raise ValueError(f"{_at(where)}an SFT example needs prompt and response, or messages")
-    prompt_ids, response_ids = _prompt_and_response_ids(tokenizer, prompt, response, chat_template, where)
-    return _assemble(prompt_ids, response_ids, list(response_ids), max_len, max_prompt_len)
+    return sft_examples(tokenizer, [prompt], [response], max_len=max_len, max_prompt_len=max_prompt_len,
+                        chat_template=chat_template, wheres=[where])[0]
+
+
+def preference_examples(tokenizer, prompts: Sequence[str | Sequence[dict]], chosen: Sequence[str],
+                        rejected: Sequence[str], *, max_len: int, max_prompt_len: int, chat_template: bool = False,
+                        wheres: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """`preference_example` of many rows, tokenised many at a time (see sft_examples)."""
+    sides = [sft_examples(tokenizer, prompts, texts, max_len=max_len, max_prompt_len=max_prompt_len,
+                          chat_template=chat_template, wheres=wheres) for texts in (chosen, rejected)]
+    return [{
+        "chosen_input_ids": good["input_ids"],
+        "chosen_labels": good["labels"],
+        "rejected_input_ids": bad["input_ids"],
+        "rejected_labels": bad["labels"],
+        "prompt_len": good["prompt_len"],
+    } for good, bad in zip(*sides)]
 
 
 def preference_example(tokenizer, *, prompt: str | Sequence[dict], chosen: str, rejected: str, max_len: int,
                        max_prompt_len: int, chat_template: bool = False, where: str = "") -> dict[str, Any]:
     """A preference pair -> {"chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels",
     "prompt_len"}; both share the same (truncated) prompt, and labels cover the response tokens only."""
-    pair = {
-        name: sft_example(tokenizer, prompt=prompt, response=text, max_len=max_len, max_prompt_len=max_prompt_len,
-                          chat_template=chat_template, where=where)
-        for name, text in (("chosen", chosen), ("rejected", rejected))
-    }
-    return {
-        "chosen_input_ids": pair["chosen"]["input_ids"],
-        "chosen_labels": pair["chosen"]["labels"],
-        "rejected_input_ids": pair["rejected"]["input_ids"],
-        "rejected_labels": pair["rejected"]["labels"],
-        "prompt_len": pair["chosen"]["prompt_len"],
-    }
+    return preference_examples(tokenizer, [prompt], [chosen], [rejected], max_len=max_len,
+                               max_prompt_len=max_prompt_len, chat_template=chat_template, wheres=[where])[0]
+
+
+def kto_examples(tokenizer, prompts: Sequence[str | Sequence[dict]], responses: Sequence[str],
+                 labels: Sequence[bool | int], *, max_len: int, max_prompt_len: int, chat_template: bool = False,
+                 wheres: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """`kto_example` of many rows, tokenised many at a time (see sft_examples)."""
+    wheres = _wheres(wheres, len(prompts))
+    for label, where in zip(labels, wheres):
+        if not (isinstance(label, bool) or label in (0, 1)):
+            raise ValueError(f"{_at(where)}a KTO label must be true/false (or 1/0), got {label!r}")
+    examples = sft_examples(tokenizer, prompts, responses, max_len=max_len, max_prompt_len=max_prompt_len,
+                            chat_template=chat_template, wheres=wheres)
+    for example, label in zip(examples, labels):
+        example["label"] = bool(label)
+    return examples
 
 
 def kto_example(tokenizer, *, prompt: str | Sequence[dict], response: str, label: bool | int, max_len: int,
                 max_prompt_len: int, chat_template: bool = False, where: str = "") -> dict[str, Any]:
     """A KTO example -> the SFT fields plus "label" (True = desirable response)."""
-    if isinstance(label, bool) or label in (0, 1):
-        example = sft_example(tokenizer, prompt=prompt, response=response, max_len=max_len,
-                              max_prompt_len=max_prompt_len, chat_template=chat_template, where=where)
-        example["label"] = bool(label)
-        return example
-    raise ValueError(f"{_at(where)}a KTO label must be true/false (or 1/0), got {label!r}")
+    return kto_examples(tokenizer, [prompt], [response], [label], max_len=max_len, max_prompt_len=max_prompt_len,
+                        chat_template=chat_template, wheres=[where])[0]
+
+
+def prompt_examples(tokenizer, prompts: Sequence[str | Sequence[dict]], *, max_prompt_len: int,
+                    chat_template: bool = False, wheres: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """`prompt_example` of many prompts, tokenised many at a time (see sft_examples)."""
+    texts = [prompt_text(tokenizer, prompt, chat_template=chat_template, where=where)
+             for prompt, where in zip(prompts, _wheres(wheres, len(prompts)))]
+    kept = [ids[-max_prompt_len:] for ids in encode_many(tokenizer, texts, add_special_tokens=not chat_template)]
+    return [{"input_ids": ids, "prompt_len": len(ids)} for ids in kept]
 
 
 def prompt_example(tokenizer, *, prompt: str | Sequence[dict], max_prompt_len: int, chat_template: bool = False,
                    where: str = "") -> dict[str, Any]:
     """A prompt for generation -> {"input_ids", "prompt_len"}, keeping its last `max_prompt_len` tokens."""
-    text = prompt_text(tokenizer, prompt, chat_template=chat_template, where=where)
-    ids = encode(tokenizer, text, add_special_tokens=not chat_template)[-max_prompt_len:]
-    return {"input_ids": ids, "prompt_len": len(ids)}
+    return prompt_examples(tokenizer, [prompt], max_prompt_len=max_prompt_len, chat_template=chat_template,
+                           wheres=[where])[0]
 
 
 # ------------------------------------------------------------------------------------------------ collators

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from hpc_rlhf.data.examples import prompt_example
+from hpc_rlhf.data.examples import prompt_examples
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.data.order import step_indices
 from hpc_rlhf.envs.transcript import Transcript
@@ -20,17 +20,19 @@ def load_prompts(cfg: Config, tokenizer, paths, where: str, max_rows) -> list[di
     data = cfg.data
     rows, _ = load_rows(paths, required={data.prompt_key: str}, where=where, on_bad_row=data.on_bad_row,
                         max_rows=max_rows)
-    transcript = (Transcript(tokenizer, chat=True, observation_role=cfg.env.observation_role)
-                  if cfg.env.enabled and data.apply_chat_template else None)
+    rows = rows.to_list()  # dicts: iterating a dataset converts one value at a time
+    texts = [row[data.prompt_key] for row in rows]
+    if cfg.env.enabled and data.apply_chat_template:
+        transcript = Transcript(tokenizer, chat=True, observation_role=cfg.env.observation_role)
+        ids = [transcript.prompt_ids(text, data.max_prompt_len) for text in texts]
+    else:
+        ids = [example["input_ids"] for example in prompt_examples(
+            tokenizer, texts, max_prompt_len=data.max_prompt_len, chat_template=data.apply_chat_template,
+            wheres=[row["_source"] for row in rows])]
     out = []
-    for row in rows:
-        if transcript is not None:
-            ids = transcript.prompt_ids(row[data.prompt_key], data.max_prompt_len)
-        else:
-            ids = prompt_example(tokenizer, prompt=row[data.prompt_key], max_prompt_len=data.max_prompt_len,
-                                 chat_template=data.apply_chat_template, where=row["_source"])["input_ids"]
+    for row, text, prompt_ids in zip(rows, texts, ids):
         answer = row.get(data.answer_key)
-        out.append({"input_ids": ids, "text": row[data.prompt_key], "answer": None if answer is None else str(answer),
+        out.append({"input_ids": prompt_ids, "text": text, "answer": None if answer is None else str(answer),
                     "row": row})
     return out
 

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hpc_rlhf.data.examples import prompt_example
+from hpc_rlhf.data.examples import prompt_examples
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.data.synthetic import exact_match
 from hpc_rlhf.dist.exchange import comm_device
@@ -35,8 +35,8 @@ def generation_accuracy(model, tokenizer, rows: Sequence[dict], *, prompt_key: s
     if mine:
         was_training = model.training
         model.eval()
-        prompts = [prompt_example(tokenizer, prompt=r[prompt_key], max_prompt_len=max_prompt_len,
-                                  chat_template=chat_template)["input_ids"] for r in mine]
+        prompts = [example["input_ids"] for example in prompt_examples(
+            tokenizer, [r[prompt_key] for r in mine], max_prompt_len=max_prompt_len, chat_template=chat_template)]
         engine = HFRolloutEngine(model, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
         out = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens,
                                                       stop_token_ids=(tokenizer.eos_token_id,)))
@@ -57,7 +57,7 @@ def load_eval_prompts(cfg) -> list[dict]:
         return []
     rows, _ = load_rows(cfg.eval.prompt_files, required={cfg.data.prompt_key: str, cfg.data.answer_key: str},
                         where="eval.prompt_files", on_bad_row=cfg.data.on_bad_row, max_rows=cfg.eval.max_rows)
-    return list(rows)
+    return rows.to_list()  # dicts: iterating a dataset converts one value at a time
 
 
 def generation_exact_match(engine, tokenizer, rows: Sequence[dict], cfg) -> float:

@@ -23,10 +23,10 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from hpc_rlhf.data.examples import prompt_example
+from hpc_rlhf.data.examples import prompt_examples
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.data.synthetic import exact_match
-from hpc_rlhf.data.templates import encode
+from hpc_rlhf.data.templates import encode_many
 from hpc_rlhf.models.builders import load_tokenizer
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_accuracy, load_eval_prompts
@@ -68,17 +68,18 @@ def score_existing(cfg: Config, run: run_setup.Run) -> list[dict]:
     rows, _ = load_rows(cfg.csft.response_files, required={data.prompt_key: str, data.response_key: str},
                         where="csft.response_files", on_bad_row=data.on_bad_row, max_rows=data.max_train_rows)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    rows = rows.to_list()  # dicts: iterating a dataset converts one value at a time
+    prompts = prompt_examples(tokenizer, [row[data.prompt_key] for row in rows], max_prompt_len=data.max_prompt_len,
+                              chat_template=data.apply_chat_template, wheres=[row["_source"] for row in rows])
+    responses = encode_many(tokenizer, [row[data.response_key] for row in rows], add_special_tokens=False)
     records, with_specials, sequences = [], [], []
-    for index, row in enumerate(rows):
+    for index, (row, prompt, response_ids) in enumerate(zip(rows, prompts, responses)):
         record = {"prompt": row[data.prompt_key], "response": row[data.response_key], "index": index, "sample": 0}
         if row.get(data.answer_key) is not None:
             record["answer"] = row[data.answer_key]
         records.append(record)
         with_specials.append(row[data.response_key] + (tokenizer.eos_token or ""))
-        prompt_ids = prompt_example(tokenizer, prompt=row[data.prompt_key], max_prompt_len=data.max_prompt_len,
-                                    chat_template=data.apply_chat_template, where=row["_source"])["input_ids"]
-        sequences.append(prompt_ids + encode(tokenizer, row[data.response_key], add_special_tokens=False)
-                         + [tokenizer.eos_token_id])
+        sequences.append(prompt["input_ids"] + response_ids + [tokenizer.eos_token_id])
     Scorer(cfg.score, cfg.model, run.device).score(records, with_specials, sequences, tokenizer.pad_token_id)
     return records
 

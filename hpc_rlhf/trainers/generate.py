@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config import ConfigError, DataSection, ModelSection
-from hpc_rlhf.data.examples import pad_collate, prompt_example
+from hpc_rlhf.data.examples import pad_collate, prompt_examples
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.dist.agree import decided_by
 from hpc_rlhf.engines.rollout.base import SamplingParams
@@ -141,9 +141,9 @@ def check_manifest(work_dir: Path, settings: dict[str, Any]) -> None:
 def generate_chunk(engine: HFRolloutEngine, tokenizer, rows: Sequence[dict], first_index: int,
                    gen: GenerateSection, data: DataSection, scorer: Scorer | None) -> list[dict]:
     """Rows of one chunk of prompts (prompt-major, sample-minor)."""
-    prompts = [prompt_example(tokenizer, prompt=row[data.prompt_key], max_prompt_len=data.max_prompt_len,
-                              chat_template=data.apply_chat_template, where=row.get("_source", ""))["input_ids"]
-               for row in rows]
+    prompts = [example["input_ids"] for example in prompt_examples(
+        tokenizer, [row[data.prompt_key] for row in rows], max_prompt_len=data.max_prompt_len,
+        chat_template=data.apply_chat_template, wheres=[row.get("_source", "") for row in rows])]
     sampling = sampling_params(gen, tokenizer.eos_token_id)
     if sampling.greedy:
         out = engine.generate(prompts, sampling)
@@ -175,7 +175,7 @@ def generate_chunk(engine: HFRolloutEngine, tokenizer, rows: Sequence[dict], fir
 def load_prompt_rows(data: DataSection, where: str = "data.train_files") -> list[dict]:
     rows, _ = load_rows(data.train_files, required={data.prompt_key: (str, list)}, where=where,
                         on_bad_row=data.on_bad_row, max_rows=data.max_train_rows)
-    return list(rows)
+    return rows.to_list()  # dicts: iterating a dataset converts one value at a time
 
 
 def generate_to_file(model, tokenizer, rows: Sequence[dict], gen: GenerateSection, data: DataSection,

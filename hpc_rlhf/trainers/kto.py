@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hpc_rlhf.algorithms.losses import kto_loss
 from hpc_rlhf.config import DataSection
-from hpc_rlhf.data.examples import kto_example, pad_collate
+from hpc_rlhf.data.examples import kto_examples, pad_collate
 from hpc_rlhf.data.loading import DataError, load_rows
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
@@ -40,10 +40,10 @@ def load_kto_examples(paths, data: DataSection, tokenizer, where: str, max_rows)
     """Rows with prompt/completion/label -> tokenised examples with a bool "label", each bad row named."""
     required = {data.prompt_key: str, data.response_key: str, data.label_key: (bool, int)}
     rows, _ = load_rows(paths, required=required, where=where, on_bad_row=data.on_bad_row, max_rows=max_rows)
-    return [kto_example(tokenizer, prompt=row[data.prompt_key], response=row[data.response_key],
-                        label=row[data.label_key], max_len=data.max_len, max_prompt_len=data.max_prompt_len,
-                        chat_template=data.apply_chat_template, where=row["_source"])
-            for row in rows]
+    columns = rows.to_dict()  # lists: iterating a dataset's rows or columns converts one value at a time
+    return kto_examples(tokenizer, columns[data.prompt_key], columns[data.response_key], columns[data.label_key],
+                        max_len=data.max_len, max_prompt_len=data.max_prompt_len,
+                        chat_template=data.apply_chat_template, wheres=columns["_source"])
 
 
 def kl_partners(num_rows: int, seed: int) -> list[int]:

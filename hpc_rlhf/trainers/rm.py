@@ -18,7 +18,7 @@ import torch
 
 from hpc_rlhf.algorithms.losses import pairwise_reward_loss
 from hpc_rlhf.config import DataSection
-from hpc_rlhf.data.examples import pair_collate, preference_example
+from hpc_rlhf.data.examples import pair_collate, preference_examples
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.dist import watchdog
 from hpc_rlhf.engines.train import TrainEngine
@@ -38,15 +38,13 @@ def load_preference_examples(paths, data: DataSection, tokenizer, where: str, ma
     if margin_key:
         required[margin_key] = float
     rows, _ = load_rows(paths, required=required, where=where, on_bad_row=data.on_bad_row, max_rows=max_rows)
-    examples = []
-    for row in rows:
-        example = preference_example(tokenizer, prompt=row[data.prompt_key], chosen=row[data.chosen_key],
-                                     rejected=row[data.rejected_key], max_len=data.max_len,
-                                     max_prompt_len=data.max_prompt_len, chat_template=data.apply_chat_template,
-                                     where=row["_source"])
-        if margin_key:
-            example["margin"] = float(row[margin_key])
-        examples.append(example)
+    columns = rows.to_dict()  # lists: iterating a dataset's rows or columns converts one value at a time
+    examples = preference_examples(tokenizer, columns[data.prompt_key], columns[data.chosen_key],
+                                   columns[data.rejected_key], max_len=data.max_len, max_prompt_len=data.max_prompt_len,
+                                   chat_template=data.apply_chat_template, wheres=columns["_source"])
+    if margin_key:
+        for example, margin in zip(examples, columns[margin_key]):
+            example["margin"] = float(margin)
     return examples
 
 

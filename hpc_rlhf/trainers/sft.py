@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hpc_rlhf.algorithms.losses import sft_loss
-from hpc_rlhf.data.examples import pad_collate, sft_example
+from hpc_rlhf.data.examples import pad_collate, sft_example, sft_examples
 from hpc_rlhf.data.loading import Messages, load_rows
 from hpc_rlhf.data.packing import pack_examples, packed_collate, packed_model_kwargs
 from hpc_rlhf.dist.exchange import comm_device
@@ -31,17 +31,13 @@ def load_sft_examples(paths, cfg: Config, tokenizer, where: str, max_rows):
     uses_messages = data.messages_key in probe.column_names and data.prompt_key not in probe.column_names
     required = {data.messages_key: Messages} if uses_messages else {data.prompt_key: str, data.response_key: str}
     rows, _ = load_rows(paths, required=required, where=where, on_bad_row=data.on_bad_row, max_rows=max_rows)
-    examples = []
-    for row in rows:
-        if uses_messages:
-            ex = sft_example(tokenizer, messages=row[data.messages_key], max_len=data.max_len,
-                             max_prompt_len=data.max_prompt_len, chat_template=chat, where=row["_source"])
-        else:
-            ex = sft_example(tokenizer, prompt=row[data.prompt_key], response=row[data.response_key],
-                             max_len=data.max_len, max_prompt_len=data.max_prompt_len, chat_template=chat,
-                             where=row["_source"])
-        examples.append(ex)
-    return examples
+    columns = rows.to_dict()  # lists: iterating a dataset's rows or columns converts one value at a time
+    if uses_messages:
+        return [sft_example(tokenizer, messages=messages, max_len=data.max_len, max_prompt_len=data.max_prompt_len,
+                            chat_template=chat, where=where)
+                for messages, where in zip(columns[data.messages_key], columns["_source"])]
+    return sft_examples(tokenizer, columns[data.prompt_key], columns[data.response_key], max_len=data.max_len,
+                        max_prompt_len=data.max_prompt_len, chat_template=chat, wheres=columns["_source"])
 
 
 def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

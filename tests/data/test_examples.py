@@ -1,9 +1,11 @@
 import pytest
 import torch
 
-from hpc_rlhf.data.examples import (IGNORE_INDEX, kto_example, pad_collate, pair_collate, preference_example,
-                                    prompt_example, sft_example)
-from hpc_rlhf.data.templates import TemplateError
+from hpc_rlhf.data import templates
+from hpc_rlhf.data.examples import (IGNORE_INDEX, kto_example, kto_examples, pad_collate, pair_collate,
+                                    preference_example, preference_examples, prompt_example, prompt_examples,
+                                    sft_example, sft_examples)
+from hpc_rlhf.data.templates import TemplateError, encode, encode_many
 from tests.data.conftest import CHAT, SPECIALS, char_ids, tiny_tokenizer
 
 BOS, EOS, END = SPECIALS.index("<s>"), SPECIALS.index("</s>"), SPECIALS.index("<|end|>")
@@ -112,6 +114,46 @@ def test_prompt_ids_for_generation_match_the_training_prompt(tok, chat):
     prompt = prompt_example(tok, prompt="7+8", max_prompt_len=32, chat_template=chat)
     train = sft_example(tok, prompt="7+8", response="15", max_len=64, max_prompt_len=32, chat_template=chat)
     assert train["input_ids"][:train["prompt_len"]] == prompt["input_ids"]
+
+
+ROWS = [("1+2=", "3"), ("", "0"), ("99+1=", ""), ("a long prompt that is cut", "and a long answer cut too")]
+
+
+def test_many_texts_per_tokenizer_call_give_the_ids_of_one_call_each(tok, monkeypatch):
+    monkeypatch.setattr(templates, "ENCODE_BATCH_TEXTS", 3)  # the rows span two calls
+    texts = [text for row in ROWS for text in row] + ["<s>x</s>"]
+    for specials in (True, False):
+        assert encode_many(tok, texts, add_special_tokens=specials) == [
+            encode(tok, text, add_special_tokens=specials) for text in texts]
+    assert encode_many(tok, [], add_special_tokens=True) == []
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_examples_of_many_rows_are_those_of_one_row_at_a_time(tok, chat, monkeypatch):
+    """The loaders build every mode's examples many rows at a time (the texts tokenised in few calls): each row
+    comes out as it would alone, truncation included."""
+    monkeypatch.setattr(templates, "ENCODE_BATCH_TEXTS", 3)
+    prompts, responses = [p for p, _ in ROWS], [r for _, r in ROWS]
+    limits = dict(max_len=20, max_prompt_len=8, chat_template=chat)
+    assert sft_examples(tok, prompts, responses, **limits) == [
+        sft_example(tok, prompt=p, response=r, **limits) for p, r in ROWS]
+    rejected = responses[::-1]
+    assert preference_examples(tok, prompts, responses, rejected, **limits) == [
+        preference_example(tok, prompt=p, chosen=c, rejected=r, **limits)
+        for p, c, r in zip(prompts, responses, rejected)]
+    labels = [True, 0, 1, False]
+    assert kto_examples(tok, prompts, responses, labels, **limits) == [
+        kto_example(tok, prompt=p, response=r, label=label, **limits) for (p, r), label in zip(ROWS, labels)]
+    assert prompt_examples(tok, prompts, max_prompt_len=8, chat_template=chat) == [
+        prompt_example(tok, prompt=p, max_prompt_len=8, chat_template=chat) for p in prompts]
+
+
+def test_a_bad_row_among_many_is_named(tok):
+    with pytest.raises(TemplateError, match="f.jsonl, line 2: a list of messages needs the chat template"):
+        sft_examples(tok, ["1+1=", CHAT], ["2", "x"], max_len=16, max_prompt_len=8,
+                     wheres=["f.jsonl, line 1", "f.jsonl, line 2"])
+    with pytest.raises(ValueError, match="line 2: a KTO label must be true/false"):
+        kto_examples(tok, ["q", "q"], ["a", "b"], [1, 2], max_len=8, max_prompt_len=4, wheres=["line 1", "line 2"])
 
 
 def test_pad_collate_right_pads_ids_mask_and_labels():
