@@ -419,6 +419,11 @@ def load_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], required: 
     import datasets
 
     datasets.disable_progress_bars()
+    # Every file is local, so no request to the hub: by default load_dataset first pings the hub's download
+    # counter (an HTTP HEAD with a 3-second timeout) from every rank for every file, and on a compute node whose
+    # outgoing traffic is dropped each rank waits out that timeout.
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    datasets.config.HF_HUB_OFFLINE = True
     parts, reports = [], []
     for path in paths:
         dataset, report = _load_one(path, where, required, on_bad_row, cache_dir)

@@ -45,6 +45,26 @@ def test_jsonl_rows_load_with_their_source(tmp_path, cache):
     assert (report.rows_read, report.rows_kept, report.skipped) == (2, 2, 0)
 
 
+def test_local_files_load_without_a_request_to_the_hub(tmp_path, cache, monkeypatch):
+    """datasets pings the hub's download counter from load_dataset (a 3-second timeout where outgoing traffic is
+    dropped, as on compute nodes) unless told not to: no session may be opened."""
+    import datasets
+    import datasets.load
+
+    requests = []
+
+    def no_network(*args, **kwargs):
+        requests.append(args)
+        raise AssertionError("load_rows opened an HTTP session")
+
+    monkeypatch.setattr(datasets.load, "get_session", no_network)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)  # datasets' defaults
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    path = write_lines(tmp_path / "a.jsonl", ['{"prompt": "1+1=", "response": "2"}'])
+    ds, _ = load_rows([str(path)], SFT, cache_dir=cache)
+    assert len(ds) == 1 and requests == []
+
+
 def test_json_array_rows_are_numbered_as_items(tmp_path, cache):
     path = tmp_path / "a.json"
     path.write_text(json.dumps([{"prompt": "a", "response": "b"}, {"prompt": "c", "response": ""}], indent=2))
