@@ -30,7 +30,7 @@ if [ ! -x .venv-trl112/bin/python ] && ! make_trl112; then
 fi
 
 failed=0
-for bench in weight_sync packing rl_packing sequence_parallel multi_turn hf_generation sft_dpo_vs_trl grpo_vs_trl rl_phases memory_scaling lora_rl \
+for bench in weight_sync packing rl_packing sequence_parallel multi_turn hf_generation data_setup sft_dpo_vs_trl grpo_vs_trl rl_phases memory_scaling lora_rl \
              rollout_engines async_rl ppo_vs_trl; do
     if [ "$bench" = ppo_vs_trl ] && [ ! -x .venv-trl112/bin/python ]; then
         echo "== ppo_vs_trl skipped: no .venv-trl112" | tee -a "$OUT/results.txt"

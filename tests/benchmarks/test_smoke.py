@@ -51,6 +51,7 @@ COMMANDS = {
     "sequence_parallel": ["--smoke"],
     "multi_turn": ["--prompts", "2", "--n", "2", "--turns", "2", "--new-tokens", "2", "--repeats", "1"],
     "hf_generation": ["--prompts", "2", "--n", "2", "--new-tokens", "2", "--repeats", "1"],
+    "data_setup": ["--rows", "64", "--repeats", "1"],
 }
 VLLM = {"rollout_engines": ["--smoke"]}
 TRL = {
