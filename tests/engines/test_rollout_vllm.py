@@ -69,7 +69,7 @@ def _rank_main(out: str) -> None:
     os.environ["HPC_RLHF_MARK"] = "our-rank-only"
     engine = vr.VLLMRolloutEngine(TINY, EOS, dtype="float32", enforce_eager=True, max_model_len=64, kv_cache_mb=64,
                                   seed=0)
-    result = {"pids": engine.worker_pids()}
+    result = {"pids": engine.worker_pids(), "children": sorted(engine.reaper.watched), "rank_pid": os.getpid()}
 
     result["worker"] = engine.worker_info(OUR_VARS)[0]
     result["our_master_port"] = os.environ["MASTER_PORT"]
@@ -124,9 +124,10 @@ def run(tmp_path_factory):
 
 
 def test_vllm_processes_stay_out_of_our_world(run):
-    assert len(run["pids"]) >= 2, "vLLM's engine core and worker were not seen"
     worker = run["worker"]
-    assert worker["pid"] in run["pids"]
+    # On CPU without thread binding the worker runs inside vLLM's engine core (engine_kwargs): a child of our rank
+    # that vLLM spawned, not our rank's own process.
+    assert worker["pid"] in run["children"] and worker["pid"] in run["pids"] and worker["pid"] != run["rank_pid"]
     assert all(value is None for value in worker["env"].values()), worker["env"]
     assert worker["world_size"] == 1  # vLLM's own torch world (its worker alone), not our 2 ranks
 
@@ -241,7 +242,23 @@ def test_engine_kwargs_name_an_importable_worker_extension_and_our_transport():
     single = vr.engine_kwargs("/m", tensor_parallel_size=1, dtype="float32", gpu_memory_utilization=0.3, seed=0,
                               enable_sleep_mode=False, max_model_len=512, enforce_eager=True,
                               weight_backend=SHM_BACKEND, kv_cache_bytes=64 << 20, on_cpu=True)
-    assert "distributed_executor_backend" not in single and single["max_model_len"] == 512
+    assert single["max_model_len"] == 512
+    # On CPU the worker runs in the engine core's process unless the user pins vLLM's threads (that needs a
+    # process per worker); the name is a class vLLM resolves.
+    assert single["distributed_executor_backend"] == vr.WORKER_IN_ENGINE_CORE
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    module, cls = vr.WORKER_IN_ENGINE_CORE.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), cls) is UniProcExecutor
+    pinned = vr.engine_kwargs("/m", tensor_parallel_size=1, dtype="float32", gpu_memory_utilization=0.3, seed=0,
+                              enable_sleep_mode=False, max_model_len=512, enforce_eager=True,
+                              weight_backend=SHM_BACKEND, on_cpu=True, cpu_thread_binding=True)
+    on_gpu = vr.engine_kwargs("/m", tensor_parallel_size=1, dtype="bfloat16", gpu_memory_utilization=0.3, seed=0,
+                              enable_sleep_mode=True, max_model_len=512, enforce_eager=False,
+                              weight_backend=CUDA_IPC_BACKEND)
+    assert "distributed_executor_backend" not in pinned and "distributed_executor_backend" not in on_gpu
+    assert not vr.cpu_thread_binding({}) and not vr.cpu_thread_binding({"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    assert vr.cpu_thread_binding({"VLLM_CPU_OMP_THREADS_BIND": "auto"})
     assert single["enable_chunked_prefill"] is False  # a split prefill of a seeded request kills vLLM's CPU build
     assert single["kv_cache_memory_bytes"] == 64 << 20
 

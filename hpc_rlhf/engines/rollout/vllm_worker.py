@@ -175,7 +175,8 @@ class _RotaryCacheIsNotAWeight(logging.Filter):
 logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryCacheIsNotAWeight())
 
 def _wait_for_work_without_spinning() -> None:
-    """On CPU, the worker waits for its next order from vLLM's engine core by sleeping, not by spinning.
+    """On CPU, a worker in a process of its own (when the user pins vLLM's threads: `vllm.engine_kwargs`) waits for
+    its next order from vLLM's engine core by sleeping, not by spinning.
 
     After each order it reads, vLLM's worker busy-loops (sched_yield) for a second on the shared-memory queue
     before it sleeps on its notification socket (`shm_broadcast.SpinCondition`, `busy_loop_s=1`). On a GPU node
