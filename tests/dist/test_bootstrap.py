@@ -164,17 +164,26 @@ def test_mpi_launch_without_mpi4py_says_so_and_rank_0_ends_its_store_process(cle
 
 def _join_by_hand(ranks: list[tuple[int, int]], timeout_s: float) -> list[subprocess.CompletedProcess]:
     """Start one process per (RANK, WORLD_SIZE) with hand-made launch variables (as a wrong launch script would
-    set them); each calls init_distributed with `timeout_s` and prints what happened."""
+    set them); each calls init_distributed with `timeout_s` and prints what happened.
+
+    Each process first imports what it needs and says so, and the rendezvous starts only once all have: on a busy
+    machine one interpreter's imports took longer than the others' wait (rank 0 then saw 0 ranks arrive, not 1).
+    The other ranks are released first, so that they are already knocking when rank 0 opens its store."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "join", str(timeout_s)], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env=worker_env(dict(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                                   MASTER_PORT=str(port))))
              for rank, world in ranks]
+    early = [proc.stdout.readline() for proc in procs]  # "imported", or the first line of a failed start
+    for _, proc in sorted(zip(ranks, procs), key=lambda item: item[0][0] == 0):
+        if proc.poll() is None:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
     results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=timeout_s + 90)  # interpreter start-up on a busy machine, then the wait
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
+    for proc, first in zip(procs, early):
+        out, _ = proc.communicate(timeout=timeout_s + 90)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, first + out))
     return results
 
 
@@ -190,9 +199,9 @@ def test_ranks_started_with_different_world_sizes_say_so():
 
 def test_rank_0_names_the_ranks_that_never_arrived():
     # WORLD_SIZE=4 but only ranks 0 and 2 are started.
-    rank0, rank2 = _join_by_hand([(0, 4), (2, 4)], timeout_s=3)
+    rank0, rank2 = _join_by_hand([(0, 4), (2, 4)], timeout_s=10)
     assert rank0.returncode == 3, rank0.stdout[-3000:]
-    assert "BootstrapError: rank 0 of 4 waited 3 s at the rendezvous store at 127.0.0.1:" in rank0.stdout
+    assert "BootstrapError: rank 0 of 4 waited 10 s at the rendezvous store at 127.0.0.1:" in rank0.stdout
     assert "rank(s) 1,3 never arrived (1 of 3 did)" in rank0.stdout, rank0.stdout[-3000:]
     assert rank2.returncode != 0 and "joined" not in rank2.stdout  # its world is gone with rank 0
 
@@ -209,6 +218,9 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     case = sys.argv[1]
     if case == "join":
+        print("imported", flush=True)  # _join_by_hand starts the rendezvous once every rank got here
+        if sys.stdin.readline().strip() != "go":
+            sys.exit(4)
         try:
             init_distributed("gloo", timeout_s=float(sys.argv[2]))
         except BootstrapError as exc:
