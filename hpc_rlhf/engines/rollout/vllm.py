@@ -185,8 +185,8 @@ def engine_kwargs(model_path: str, *, tensor_parallel_size: int, dtype: str, gpu
     chunking a prompt that does not fit waits for the next step whole, and vLLM raises the budget to at least
     max_model_len so that every prompt fits one step.
 
-    On CPU without thread binding (`cpu_thread_binding`: the user set VLLM_CPU_OMP_THREADS_BIND, see
-    `worker_environment`) the one worker runs inside the engine core's process, as vLLM does on a GPU with one
+    On CPU without thread binding (`cpu_thread_binding`: the user set VLLM_CPU_OMP_THREADS_BIND to pin them,
+    see `worker_environment`) the one worker runs inside the engine core's process, as vLLM does on a GPU with one
     worker, instead of a process of its own: the same kernels and bits, one vLLM import less per engine and no
     shared-memory queue between the two (tiny model, 2-core VM, 2026-11-28: an engine's start 45 -> 30 CPU-s, 43 ->
     29 s; greedy and seeded outputs and the weights read back identical)."""
