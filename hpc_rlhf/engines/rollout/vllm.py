@@ -166,6 +166,9 @@ def vllm_max_lora_rank(rank: int) -> int:
                        f"{VLLM_MAX_LORA_RANKS[-1]})")
 
 
+# vLLM's CPU thread binding: off unless the user sets the variable (worker_environment, cpu_thread_binding).
+CPU_BINDING_VAR, NO_CPU_BINDING = "VLLM_CPU_OMP_THREADS_BIND", "nobind"
+
 # vLLM's executor that runs the worker inside the engine core's process, named by its class: vLLM's CPU platform turns
 # the name "uni" into "mp" (a process per worker, which its OpenMP thread binding needs), and leaves a class alone.
 WORKER_IN_ENGINE_CORE = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
@@ -220,13 +223,13 @@ def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int | str] | N
     env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # an in-process engine core would sit inside our torch world
     if on_cpu:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault(CPU_BINDING_VAR, NO_CPU_BINDING)
     return env
 
 
 def cpu_thread_binding(environ: dict[str, str]) -> bool:
     """Whether vLLM's CPU worker pins its threads (the user asked for it; `worker_environment` turns it off)."""
-    return environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") != "nobind"
+    return environ.get(CPU_BINDING_VAR, NO_CPU_BINDING) != NO_CPU_BINDING
 
 
 @contextlib.contextmanager
