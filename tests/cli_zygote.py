@@ -12,10 +12,15 @@ streams) with the code of the `SystemExit`. What a library reads from the enviro
 change after the fork, so the client sends here only requests whose environment differs from this process's in
 no such variable (tests/distributed.py `zygote_for`: one zygote per set of them).
 
-Protocol, on a Unix socket of messages (SOCK_SEQPACKET) in a folder only this user can open: the client sends one JSON object (module or script,
-argv, env, cwd, nice) with three file descriptors (stdin, stdout, stderr); a handler process forked for the
-connection forks the run, answers `{"pid": PID}` (the run leads a process group of its own, which the client kills
-on a timeout), waits for it and answers `{"returncode": CODE}` (minus the signal's number when a signal ended it).
+Protocol, on a Unix socket of messages (SOCK_SEQPACKET) in a folder only this user can open: the client sends one
+JSON object (module or script, argv, env, cwd, nice; optionally the CPUs it may run on and its umask) with three
+file descriptors (stdin, stdout, stderr); a handler process forked for the connection forks the run, answers
+`{"pid": PID}` (the run leads a process group of its own, which the client kills on a timeout), waits for it and
+answers `{"returncode": CODE}` (minus the signal's number when a signal ended it). A client that hangs up first
+takes the run with it: the handler kills the run's process group (tests/zygote_python.py stands in for a rank's
+python under srun, and srun ends a step by killing its tasks). A request whose environment differs from this
+process's in a variable read at import time is answered `{"refused": "VARIABLE"}`: the client then starts a fresh
+interpreter.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import sys
+
+from tests.distributed import import_time_environment
 
 MAX_REQUEST_BYTES = 1 << 20
 PARENT_POLL_S = 1.0
@@ -45,6 +53,10 @@ def _warm_up() -> None:
 def _run(request: dict) -> None:
     """In the forked child: become the requested process and run it; leaves through SystemExit."""
     os.chdir(request["cwd"])
+    if request.get("cpus"):
+        os.sched_setaffinity(0, request["cpus"])  # what Slurm's task binding gave the client
+    if request.get("umask") is not None:
+        os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
     if request.get("nice"):
@@ -63,10 +75,16 @@ def _run(request: dict) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-def _handle(conn: socket.socket) -> None:
+def _handle(conn: socket.socket, import_time: tuple) -> None:
     """In the handler process of one connection: fork the run, report its pid and its exit, exit."""
     message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
     request = json.loads(message)
+    differing = dict(set(import_time) ^ set(import_time_environment(request["env"])))
+    if differing:
+        print(f"tests/cli_zygote.py: refused a request whose {', '.join(sorted(differing))} differ(s) from this "
+              "zygote's", file=sys.stderr, flush=True)
+        conn.send(json.dumps({"refused": sorted(differing)}).encode())
+        os._exit(0)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -81,14 +99,34 @@ def _handle(conn: socket.socket) -> None:
     for fd in fds:
         os.close(fd)
     conn.send(json.dumps({"pid": pid}).encode())
+    run_ended = os.pidfd_open(pid)
+    while True:
+        ready, _, _ = select.select([run_ended, conn], [], [])
+        if run_ended in ready:
+            break
+        if not conn.recv(4096):  # the client hung up (it sends nothing else): the run goes with it
+            _kill_group(pid)
+            os.waitpid(pid, 0)
+            os._exit(0)
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
-    conn.send(json.dumps({"returncode": code}).encode())
+    try:
+        conn.send(json.dumps({"returncode": code}).encode())
+    except OSError:
+        pass  # the client went as the run ended
     conn.close()
     os._exit(0)
 
 
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def main(path: str) -> None:
+    import_time = import_time_environment(dict(os.environ))  # as the client saw it, before the imports' own settings
     _warm_up()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)
@@ -108,7 +146,7 @@ def main(path: str) -> None:
         if os.fork() == 0:
             server.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the handler waits for its run
-            _handle(conn)  # the run's process leaves from here through SystemExit; the handler by os._exit
+            _handle(conn, import_time)  # the run leaves from here through SystemExit; the handler by os._exit
         conn.close()
 
 

@@ -127,11 +127,16 @@ MAX_ZYGOTES = 4
 
 
 def import_time_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    """The variables of `env` that a library may read when it is imported, sorted."""
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
+    """The variables of `env` that a library may read when it is imported, sorted. `PYTHON` is the launch scripts'
+    interpreter command (launch/env.sh), which no interpreter reads."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHON"))
 
 
-class _Zygote:
+class ZygoteRefused(Exception):
+    """The zygote's import-time environment is not the request's (the variables that differ): run it fresh."""
+
+
+class Zygote:
     """One zygote: started by `start(env)`, stopped by `stop()` (at the latest when this process exits)."""
 
     def __init__(self):
@@ -177,6 +182,8 @@ class _Zygote:
             if not started:
                 raise RuntimeError(f"tests/cli_zygote.py ({self.path}) closed the connection before starting "
                                    f"{_command(module, script, argv)} (its stderr is in the lane's log)")
+            if "refused" in json.loads(started):
+                raise ZygoteRefused(json.loads(started)["refused"])
             pid = json.loads(started)["pid"]
             conn.settimeout(timeout)
             try:
@@ -193,11 +200,11 @@ class _Zygote:
             return subprocess.CompletedProcess(_command(module, script, argv), code, _read(out), _read(err))
 
 
-_ZYGOTES: dict[tuple[tuple[str, str], ...], _Zygote | None] = {}
+_ZYGOTES: dict[tuple[tuple[str, str], ...], Zygote | None] = {}
 _ZYGOTES_LOCK = threading.Lock()
 
 
-def zygote_for(env: dict[str, str]) -> _Zygote | None:
+def zygote_for(env: dict[str, str]) -> Zygote | None:
     """The zygote that serves requests with this environment (started now if need be), or None: fresh interpreter."""
     if os.environ.get(FRESH_VAR, "") == "1":
         return None
@@ -208,7 +215,7 @@ def zygote_for(env: dict[str, str]) -> _Zygote | None:
         if key not in _ZYGOTES:
             if len(_ZYGOTES) >= MAX_ZYGOTES:
                 return None
-            zygote = _Zygote()
+            zygote = Zygote()
             try:
                 zygote.start(env)
             except RuntimeError:
@@ -239,6 +246,9 @@ def run_python(module: str | None, script: str | None, argv: list[str], env: dic
     from the zygote of its environment where there is one, else a fresh interpreter."""
     zygote = zygote_for(env)
     if zygote is not None:
-        return zygote.run(module, script, argv, env, timeout, priority)
+        try:
+            return zygote.run(module, script, argv, env, timeout, priority)
+        except ZygoteRefused:
+            pass
     return subprocess.run(_command(module, script, argv), cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout, preexec_fn=_raise_priority(priority) if priority else None)

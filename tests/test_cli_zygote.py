@@ -4,7 +4,9 @@ children; an environment a library reads at import time gets a zygote of its own
 
 import json
 import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -12,7 +14,8 @@ import pytest
 
 from tests import distributed
 from tests.cli_zygote import PARENT_POLL_S
-from tests.distributed import FRESH_VAR, REPO, _Zygote, run_python, worker_env, zygote_for
+from tests.distributed import FRESH_VAR, REPO, Zygote, run_python, worker_env, zygote_for
+from tests.zygote_python import SOCKET_VAR
 
 @pytest.fixture(autouse=True, scope="module")
 def own_zygotes():
@@ -112,7 +115,7 @@ def test_the_zygote_socket_is_private():
 
 def test_a_zygote_started_by_a_thread_outlives_that_thread():
     """The shared models' background threads make the first requests: the zygote must not end with them."""
-    zygote = _Zygote()
+    zygote = Zygote()
     starter = threading.Thread(target=zygote.start, args=(worker_env(),))
     starter.start()
     starter.join()
@@ -133,9 +136,76 @@ def test_a_zygote_that_hangs_up_is_named_not_a_json_error(tmp_path):
     server.listen(1)
     hang_up = threading.Thread(target=lambda: server.accept()[0].close())
     hang_up.start()
-    zygote = _Zygote()
+    zygote = Zygote()
     zygote.path = path
     with pytest.raises(RuntimeError, match="closed the connection before starting"):
         zygote.run("hpc_rlhf", None, ["sft"], worker_env(), timeout=10, priority=0)
     hang_up.join()
     server.close()
+
+
+# ------------------------------------------------------------ tests/zygote_python.py: a Slurm rank's python
+STAND_IN = [sys.executable, str(REPO / "tests" / "zygote_python.py")]
+RANK = """
+import os, signal, sys, time
+def stop(signum, frame):
+    print("stopping on", signal.Signals(signum).name, flush=True)
+    sys.exit(75)
+signal.signal(signal.SIGUSR1, stop)
+print(os.getpid(), "torch" in sys.modules, os.getcwd(), sys.argv[1:], flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(int(sys.argv[2]))
+if sys.argv[1] == "signal":
+    os.kill(os.getpid(), int(sys.argv[2]))
+time.sleep(600)
+"""
+
+
+def stand_in(tmp_path, *argv, env_extra=None):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = worker_env({SOCKET_VAR: zygote_for(worker_env()).path, **(env_extra or {})})
+    return subprocess.Popen([*STAND_IN, "rank.py", *argv], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def first_line(proc) -> list[str]:
+    return proc.stdout.readline().rstrip("\n").split(maxsplit=3)
+
+
+def test_the_stand_in_runs_the_rank_forked_and_ends_as_it_does(tmp_path):
+    proc = stand_in(tmp_path, "exit", "3")
+    pid, torch_loaded, cwd, argv = first_line(proc)
+    assert (torch_loaded, cwd, argv) == ("True", str(tmp_path), "['exit', '3']")
+    assert proc.wait(60) == 3
+    proc = stand_in(tmp_path, "signal", str(int(signal.SIGTERM)))
+    first_line(proc)
+    assert proc.wait(60) == -signal.SIGTERM  # death by the same signal, as srun would see it
+
+
+def test_a_stop_signal_to_the_stand_in_reaches_the_rank(tmp_path):
+    proc = stand_in(tmp_path, "sleep")
+    first_line(proc)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(60) == 75
+    assert proc.stdout.read() == "stopping on SIGUSR1\n"
+
+
+def test_a_killed_stand_in_takes_its_rank_along(tmp_path):
+    proc = stand_in(tmp_path, "sleep")
+    rank = int(first_line(proc)[0])
+    proc.kill()  # srun's end of a step: SIGKILL, which the stand-in cannot pass on
+    proc.wait(60)
+    for _ in range(100):
+        try:
+            os.kill(rank, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"rank process {rank} outlived its killed stand-in")
+
+
+def test_a_request_the_zygote_refuses_runs_in_a_fresh_interpreter(tmp_path):
+    proc = stand_in(tmp_path, "exit", "0", env_extra={"HF_HUB_OFFLINE": "0"})
+    assert first_line(proc)[1] == "False"  # torch not imported: a fresh interpreter
+    assert proc.wait(60) == 0

@@ -13,6 +13,11 @@ and under `srun --mpi=pmix` (through launch/mpirun.sh and launch/srun.sh), and a
 preempted). Background threads send the preemption signals as soon as those jobs have logged a step. `lost_rank_jobs` (PPO jobs that each lose a rank)
 is submitted with them, or alone when only its tests run. `gpu_script_jobs` (every GPU sbatch script shrunk to
 the tiny model, ppo_70b's preempted) goes in after them.
+
+The jobs' ranks run `python -m ...` through PYTHON=tests/zygote_python.py: forked from one pre-imported interpreter
+of the session instead of importing torch each (the cluster tests alone, 2026-11-28: 847 -> ~475 busy CPU-s);
+the MPI jobs' ranks and submitit's stay fresh interpreters, as does everything with
+HPC_RLHF_TEST_FRESH_INTERPRETERS=1.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from pathlib import Path
 import pytest
 
 from tests import background
-from tests.distributed import REPO, worker_env
+from tests.distributed import FRESH_VAR, REPO, Zygote, worker_env
+from tests.zygote_python import SOCKET_VAR
 
 SCRIPT = REPO / "scripts" / "local_slurm.sh"
 STEPS = 30  # long enough that the preemption signal lands mid-run, short enough for a minute-long job
@@ -127,7 +133,25 @@ def _bring_up() -> ClusterState:
     dumped = subprocess.run(["bash", "-c", f"source {shlex.quote(prefix)}/env.sh && env -0"], capture_output=True,
                             text=True, check=True).stdout
     env.update(kv.split("=", 1) for kv in dumped.split("\0") if kv.startswith("OMPI_"))
+    env.update(rank_python(env))
     return ClusterState(LocalCluster(env), started_here)
+
+
+def rank_python(env: dict[str, str]) -> dict[str, str]:
+    """PYTHON for the jobs' ranks (launch/env.sh): forked from a zygote started here for the session's jobs
+    (tests/zygote_python.py says why and how), unless HPC_RLHF_TEST_FRESH_INTERPRETERS=1 or it cannot start."""
+    if os.environ.get(FRESH_VAR, "") == "1":
+        return {}
+    zygote = Zygote()
+    try:
+        zygote.start(env)
+    except RuntimeError:
+        return {}
+    return {"PYTHON": zygote_python(), SOCKET_VAR: zygote.path}
+
+
+def zygote_python() -> str:
+    return f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'tests' / 'zygote_python.py'))}"
 
 
 def start_cluster_session(tmp_path_factory, needed: set[str]) -> None:
@@ -540,7 +564,8 @@ def _submit_gpu_script_jobs(cluster: LocalCluster | None, root: Path) -> dict[st
 
     ensure_assets(REPO / TINY_ASSETS)
     probe = root / "python"
-    probe.write_text(CPU_PROBE.format(python=shlex.quote(sys.executable)))
+    probe.write_text(CPU_PROBE.format(python=zygote_python() if SOCKET_VAR in cluster.env else
+                                      shlex.quote(sys.executable)))
     probe.chmod(0o755)
     runs = {}
     for script, (per_node, placement) in sorted(SHRUNK_LAYOUTS.items(), key=lambda kv: kv[0] != "ppo_70b.sbatch"):

@@ -1,0 +1,103 @@
+"""`python` for the local Slurm's ranks: `python -m MODULE ARGS` or `python SCRIPT ARGS`, forked from a zygote.
+
+    PYTHON="$VENV/bin/python tests/zygote_python.py" HPC_RLHF_TEST_ZYGOTE=SOCKET sbatch sbatch/tiny_cpu.sbatch
+
+The cluster tests' jobs start about fifty ranks, each a fresh interpreter that imports torch, transformers and
+deepspeed again (13 CPU-seconds a rank on average in the process accounting of a fresh-clone suite, 2026-11-28:
+743 of the suite's 4,866). tests/cluster/conftest.py starts one zygote (tests/cli_zygote.py) for the session's
+jobs and names this file as their PYTHON (launch/env.sh): each rank's command then costs an interpreter that
+imports nothing heavy, and the zygote forks the rank, which runs as a fresh interpreter would (the zygote's
+docstring says what it hands over). This process stays as the rank's stand-in for srun: every stop signal Slurm
+sends it goes to the rank's process group (as Slurm signals every process of a step), its exit is the rank's
+(the same code, or death by the same signal), and when srun kills it (SIGKILL, which no process can pass on) the
+zygote's handler sees the connection close and kills the rank's group.
+
+Anything else (`-c CODE`, flags, a request the zygote refuses because a variable read at import time differs, no
+HPC_RLHF_TEST_ZYGOTE) execs the real interpreter with the same arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+
+SOCKET_VAR = "HPC_RLHF_TEST_ZYGOTE"
+# Every signal a Slurm step's tasks receive that a process can catch: stop signals (scancel --signal, --signal=SIG@T,
+# the job's end), the SIGCONT that precedes a kill, and the terminal's.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT, signal.SIGALRM)
+MAX_REPLY_BYTES = 4096
+
+
+def fresh_interpreter(argv: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def request_for(argv: list[str]) -> dict | None:
+    """The zygote's request for this command line, or None where only a fresh interpreter can run it."""
+    if len(argv) >= 2 and argv[0] == "-m":
+        module, script, rest = argv[1], None, argv[2:]
+    elif argv and not argv[0].startswith("-"):
+        module, script, rest = None, os.path.abspath(argv[0]), argv[1:]
+    else:
+        return None
+    return {"module": module, "script": script, "argv": rest, "env": dict(os.environ), "cwd": os.getcwd(),
+            "nice": 0, "cpus": sorted(os.sched_getaffinity(0)), "umask": _umask()}
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def main(argv: list[str]) -> None:
+    path = os.environ.get(SOCKET_VAR)
+    request = request_for(argv) if path else None
+    if request is None:
+        fresh_interpreter(argv)
+    # Held back until the rank's pid is known, then passed on: a stop signal must never end this stand-in alone.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(path)
+        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        reply = json.loads(conn.recv(MAX_REPLY_BYTES) or b"{}")
+    except (OSError, ValueError) as exc:
+        print(f"tests/zygote_python.py: the zygote at {path} did not answer ({exc}); starting a fresh interpreter",
+              file=sys.stderr, flush=True)
+        reply = {"refused": True}
+    if "pid" not in reply:  # refused (tests/cli_zygote.py names the variables in the lane's log)
+        conn.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        fresh_interpreter(argv)
+    rank = reply["pid"]
+
+    def pass_on(signum, _frame):
+        try:
+            os.killpg(rank, signum)
+        except ProcessLookupError:
+            pass  # the rank has just ended: its exit code follows
+
+    for signum in FORWARDED:
+        signal.signal(signum, pass_on)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    ended = conn.recv(MAX_REPLY_BYTES)
+    if not ended:
+        print(f"tests/zygote_python.py: the zygote at {path} ended before rank process {rank}", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+    code = json.loads(ended)["returncode"]
+    if code < 0:  # the rank died of a signal: so does its stand-in, for srun to see the same
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
+    os._exit(code & 0xFF if code >= 0 else 128 - code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
