@@ -1,6 +1,8 @@
-"""A pre-imported interpreter that the tests' command lines fork from (`hpc_rlhf_cli`, `run_ranks`).
+"""A pre-imported interpreter that the tests' command lines fork from (`hpc_rlhf_cli`, `run_ranks`, and the local
+Slurm's ranks through tests/zygote_python.py).
 
-    python tests/cli_zygote.py SOCKET        # started by tests/distributed.py, one per pytest process
+    python tests/cli_zygote.py SOCKET        # started by tests/distributed.py `Zygote`: one per set of import-time
+                                             # variables of a pytest process, and one for its local Slurm jobs
 
 Every fresh interpreter of a test imports torch, transformers, deepspeed and datasets again: about 5 CPU-seconds,
 more than most of the suite's command lines spend on their own work (a process-accounting run of the whole suite,
