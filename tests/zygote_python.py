@@ -30,6 +30,7 @@ SOCKET_VAR = "HPC_RLHF_TEST_ZYGOTE"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT, signal.SIGALRM)
 MAX_REPLY_BYTES = 4096
+START_TIMEOUT_S = 60
 
 
 def fresh_interpreter(argv: list[str]) -> None:
@@ -62,6 +63,7 @@ def main(argv: list[str]) -> None:
     # Held back until the rank's pid is known, then passed on: a stop signal must never end this stand-in alone.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(START_TIMEOUT_S)  # a wedged zygote must not hold the rank: a fresh interpreter then
     try:
         conn.connect(path)
         socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
@@ -75,6 +77,7 @@ def main(argv: list[str]) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         fresh_interpreter(argv)
     rank = reply["pid"]
+    conn.settimeout(None)  # the rank runs as long as it runs: srun's limits apply to this stand-in
 
     def pass_on(signum, _frame):
         try:
