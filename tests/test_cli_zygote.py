@@ -209,3 +209,27 @@ def test_a_request_the_zygote_refuses_runs_in_a_fresh_interpreter(tmp_path):
     proc = stand_in(tmp_path, "exit", "0", env_extra={"HF_HUB_OFFLINE": "0"})
     assert first_line(proc)[1] == "False"  # torch not imported: a fresh interpreter
     assert proc.wait(60) == 0
+
+
+def test_a_zygote_that_never_answers_leaves_the_rank_to_a_fresh_interpreter(tmp_path):
+    import socket
+
+    path = str(tmp_path / "wedged")
+    wedged = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # takes connections into its backlog, never reads
+    wedged.bind(path)
+    wedged.listen(4)
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = worker_env({SOCKET_VAR: path, "HPC_RLHF_TEST_ZYGOTE_START_S": "1"})
+    # Files, not pipes: the request unread in the wedged socket holds copies of the stand-in's streams, so a pipe
+    # would not reach its end until the socket closes.
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen([*STAND_IN, "rank.py", "exit", "4"], cwd=tmp_path, env=env, stdout=out, stderr=err)
+        try:
+            code = proc.wait(120)
+        finally:
+            proc.kill()
+            wedged.close()
+    assert code == 4
+    assert (tmp_path / "out").read_text().split()[1] == "False"  # no torch: the fresh interpreter ran the rank
+    assert f"the zygote at {path} did not answer" in (tmp_path / "err").read_text()

@@ -30,7 +30,8 @@ SOCKET_VAR = "HPC_RLHF_TEST_ZYGOTE"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT, signal.SIGALRM)
 MAX_REPLY_BYTES = 4096
-START_TIMEOUT_S = 60
+# The zygote's first answer, else a fresh interpreter (a wedged zygote must not hold the rank); a test shortens it.
+START_TIMEOUT_S = float(os.environ.get("HPC_RLHF_TEST_ZYGOTE_START_S", "60"))
 
 
 def fresh_interpreter(argv: list[str]) -> None:
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> None:
     # Held back until the rank's pid is known, then passed on: a stop signal must never end this stand-in alone.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    conn.settimeout(START_TIMEOUT_S)  # a wedged zygote must not hold the rank: a fresh interpreter then
+    conn.settimeout(START_TIMEOUT_S)
     try:
         conn.connect(path)
         socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
