@@ -15,7 +15,7 @@ import pytest
 from tests import distributed
 from tests.cli_zygote import PARENT_POLL_S
 from tests.distributed import FRESH_VAR, REPO, Zygote, run_python, worker_env, zygote_for
-from tests.zygote_python import SOCKET_VAR
+from tests.zygote_python import SOCKET_VAR, START_TIMEOUT_VAR
 
 @pytest.fixture(autouse=True, scope="module")
 def own_zygotes():
@@ -220,7 +220,7 @@ def test_a_zygote_that_never_answers_leaves_the_rank_to_a_fresh_interpreter(tmp_
     wedged.listen(4)
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    env = worker_env({SOCKET_VAR: path, "HPC_RLHF_TEST_ZYGOTE_START_S": "1"})
+    env = worker_env({SOCKET_VAR: path, START_TIMEOUT_VAR: "1"})
     # Files, not pipes: the request unread in the wedged socket holds copies of the stand-in's streams, so a pipe
     # would not reach its end until the socket closes.
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
@@ -233,3 +233,13 @@ def test_a_zygote_that_never_answers_leaves_the_rank_to_a_fresh_interpreter(tmp_
     assert code == 4
     assert (tmp_path / "out").read_text().split()[1] == "False"  # no torch: the fresh interpreter ran the rank
     assert f"the zygote at {path} did not answer" in (tmp_path / "err").read_text()
+
+
+def test_a_start_timeout_that_is_not_a_number_is_named(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = worker_env({SOCKET_VAR: str(tmp_path / "no-socket"), START_TIMEOUT_VAR: "soon"})
+    proc = subprocess.run([*STAND_IN, "rank.py", "exit", "0"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    assert f"{START_TIMEOUT_VAR}='soon' must be a number of seconds above 0" in proc.stderr

@@ -31,7 +31,19 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGCONT, signal.SIGALRM)
 MAX_REPLY_BYTES = 4096
 # The zygote's first answer, else a fresh interpreter (a wedged zygote must not hold the rank); a test shortens it.
-START_TIMEOUT_S = float(os.environ.get("HPC_RLHF_TEST_ZYGOTE_START_S", "60"))
+START_TIMEOUT_S = 60.0
+START_TIMEOUT_VAR = "HPC_RLHF_TEST_ZYGOTE_START_S"
+
+
+def start_timeout_s() -> float:
+    value = os.environ.get(START_TIMEOUT_VAR, str(START_TIMEOUT_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        sys.exit(f"tests/zygote_python.py: {START_TIMEOUT_VAR}={value!r} must be a number of seconds above 0")
+    return seconds
 
 
 def fresh_interpreter(argv: list[str]) -> None:
@@ -64,7 +76,7 @@ def main(argv: list[str]) -> None:
     # Held back until the rank's pid is known, then passed on: a stop signal must never end this stand-in alone.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    conn.settimeout(START_TIMEOUT_S)
+    conn.settimeout(start_timeout_s())
     try:
         conn.connect(path)
         socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
