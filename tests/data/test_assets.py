@@ -200,5 +200,5 @@ def test_source_fingerprint_follows_the_committed_files(monkeypatch, tmp_path):
     monkeypatch.setattr(tiny, "TINY_DIR", tmp_path / "hpc_rlhf" / "models" / "tiny")
     before = assets.source_fingerprint()
     config = tmp_path / "hpc_rlhf" / "models" / "tiny" / "llama-tiny.json"
-    config.write_text(config.read_text().replace('"num_hidden_layers": 4', '"num_hidden_layers": 2'))
+    config.write_text(config.read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 3'))
     assert assets.source_fingerprint() != before
