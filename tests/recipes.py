@@ -86,8 +86,9 @@ SFT_BASE = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_s
             "checkpoint.resume=false"]
 # A reward model good enough for PPO to learn from (tests/rl/test_ppo.py); it must also judge the units
 # digit: see hpc_rlhf.data.synthetic.wrong_answer. Its training is what tests/trainers/test_rm.py's learning test
-# checks, so the control trains it at lr 0 too.
-PPO_REWARD_MODEL = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
+# checks, so the control trains it at lr 0 too. On the 2-layer tiny Llama 1,000 steps left one seed's judge blind to
+# answers one too large (55% of such pairs ranked right), and PPO against it learned them: 2,000 steps.
+PPO_REWARD_MODEL = ["train.max_steps=2000", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
                     "log.every_steps=100", "log.eval_every_steps=500", "checkpoint.resume=false"]
 
 # The calculator's learning test (tests/rl/test_episodes.py) starts from the SFT base fine-tuned on the tool

@@ -43,7 +43,7 @@ def correct_sum(prompts, responses, answers):
 """
 
 CSFT_SETTINGS = [f"csft.response_files=[{DATA}/sft_train.jsonl]", "data.max_train_rows=4000", "train.max_steps=150",
-                 "train.batch_size=64", "train.micro_batch_size=64", "train.lr=3e-3", "train.warmup_steps=5",
+                 "train.batch_size=128", "train.micro_batch_size=128", "train.lr=3e-3", "train.warmup_steps=5",
                  "log.every_steps=50", "log.eval_every_steps=150", "eval.max_rows=500"]
 
 
