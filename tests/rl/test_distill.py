@@ -35,8 +35,8 @@ TOWARDS_TEACHER = 1 / 3  # of the way from the SFT base to the teacher
 @pytest.mark.learning
 def test_distilling_an_rl_trained_teacher_beats_grpo_alone_at_the_same_step(tmp_path, sft_base, grpo_teacher):
     """The SFT base samples, GRPO's rule reward and the teacher's per-token reverse KL both in its advantages: after
-    DISTILL_STEPS steps its held-out exact match is at least a third of the way from the SFT base to the teacher, and above
-    GRPO alone at the same step from the same start (the teacher's own run, evaluated every 2 steps)."""
+    DISTILL_STEPS steps its held-out exact match is at least a third of the way from the SFT base to the teacher,
+    and above GRPO alone at the same step from the same start (the teacher's own run, evaluated every 2 steps)."""
     teacher_run = Curve(grpo_teacher.parent)
     by_step = {r["step"]: r["eval_accuracy"] for r in teacher_run.rows if "eval_accuracy" in r}
     sft, teacher, grpo_alone = by_step[0], by_step[max(by_step)], by_step[DISTILL_STEPS]
