@@ -137,6 +137,8 @@ EVAL_ROWS = "eval.max_rows=300"
 # LoRA learns at a larger learning rate than full fine-tuning (the GRPO tests use 5e-5 on every weight).
 LORA_GRPO = ["actor.lora.rank=8", "actor.lora.alpha=16", "train.lr=1e-3"]
 LORA_STEPS = 20
+# The 2-layer tiny Llama (2026-11-28, seeds 0-4 with their own bases and the control; docs/results.md): gains
+# +0.287, +0.133, +0.133, +0.133, +0.240; the control 0. The 4-layer model's figures:
 # Calibrated over train.seed 0-4 (scripts/calibrate_learning_tests.py --seeds 0 1 2 3 4 -k lora_grpo_beats, each
 # seed with its own SFT base, 300 held-out prompts, an AMD EPYC, 2026-11-26): after 20 steps 0.62 -> 0.877,
 # 0.707 -> 0.873, 0.797 -> 0.943, 0.693 -> 0.910, 0.677 -> 0.873 (gains +0.257, +0.167, +0.147, +0.217, +0.197);

@@ -12,6 +12,8 @@ from tests.recipes import QUIET, assert_rl_beats_the_plateau, learning
 
 EVAL_ROWS = "eval.max_rows=300"
 MAX_KL = 5.0
+# The 2-layer tiny Llama (2026-11-28, seeds 0-4 and the control, scripts/calibrate_learning_tests.py; docs/results.md):
+# DAPO +0.167 to +0.310, GSPO +0.180 to +0.290, the control +0.000. The 4-layer model's figures:
 # Calibrated over seeds 0-4 on an AMD EPYC (2026-11-26; scripts/calibrate_learning_tests.py --seeds 0 1 2 3 4
 # --control -k test_rlvr, each seed's own SFT base; 300 held-out prompts): DAPO gained +0.150 to +0.270 in 30 steps
 # (0.62 -> 0.89 at seed 0), GSPO +0.147 to +0.270 (max KL 0.37-1.07); with train.lr=0 both +0.000. The SFT base
