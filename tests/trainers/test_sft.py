@@ -16,6 +16,8 @@ from hpc_rlhf.utils.metrics import read_metrics
 from tests.recipes import QUIET, Curve, learning, record_figures, sft_config
 
 
+# The 2-layer tiny Llama (2026-11-28, seeds 0-4; docs/results.md): after 200 steps eval loss 4.65 -> 1.01-1.12 and
+# 3-7 exact answers of 100 (after 120 steps none at seeds 1 and 3); with train.lr=0 4.65 and none.
 @pytest.mark.learning
 def test_sft_learns_and_final_model_generates(world, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
