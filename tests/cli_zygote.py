@@ -27,6 +27,7 @@ interpreter.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -96,8 +97,11 @@ def _handle(conn: socket.socket, import_time: tuple) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        _run(request)
-        raise SystemExit(0)  # the script ended without sys.exit: what a fresh interpreter reports
+        try:
+            _run(request)
+            raise SystemExit(0)  # the script ended without sys.exit: what a fresh interpreter reports
+        finally:
+            gc.unfreeze()  # its end frees what it inherited, as a fresh interpreter's would (see main)
     for fd in fds:
         os.close(fd)
     conn.send(json.dumps({"pid": pid}).encode())
@@ -130,6 +134,10 @@ def _kill_group(pid: int) -> None:
 def main(path: str) -> None:
     import_time = import_time_environment(dict(os.environ))  # as the client saw it, before the imports' own settings
     _warm_up()
+    # What the imports made is never garbage: out of the collector's reach (hpc_rlhf.launch.local says why, for the
+    # ranks it forks), a run's collections walk only its own objects (a 2-step GRPO run: 3.0 -> 2.7 CPU-s).
+    gc.collect()
+    gc.freeze()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)
     server.listen(64)

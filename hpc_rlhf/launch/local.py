@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import gc
 import os
 import signal
 import subprocess
@@ -208,6 +209,16 @@ class _ForkedRank:
         return self.returncode
 
 
+# Forked ranks share the heap of the process they were forked from. A collection of the oldest generation walks every
+# object the launcher had (torch, transformers, deepspeed: ~430,000 of them, 0.35-0.45 CPU-s a walk) and writes to
+# each object's header, so every rank also copies the pages the walk touched. Before the forks the launcher moves its
+# objects out of the collector's reach (`gc.freeze`), so the ranks' collections walk only their own objects; when the
+# ranks have ended it takes them back, so that its own end runs as before (frozen objects are never freed, and an
+# extension such as triton's then reports them as leaked at exit). A 6-rank PPO run of the tiny model (ZeRO-3, 3 steps):
+# 44 -> 35 CPU-s (2026-11-29, AMD EPYC 2-core VM). The cost this removes is the collector's, not the rank's work:
+# nothing a rank computes changes.
+
+
 def _fork_rank(env: Mapping[str, str], target: Callable[[], int], handlers: Mapping[int, Any],
                die_with_launcher: Callable[[], None] | None) -> _ForkedRank:
     """Fork a rank that runs `target()` with environment `env` and exits with its code; it never returns into
@@ -313,6 +324,8 @@ def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = 
     with tempfile.TemporaryDirectory(prefix="hpc_rlhf_ranks_") as error_dir:
         error_files = [Path(error_dir) / f"rank{rank}.json" for rank in range(nproc)]
         try:
+            if target is not None:
+                gc.freeze()  # the ranks' collections skip what they inherit (above _fork_rank)
             for rank in range(nproc):
                 child_env = dict(base, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                                  LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
@@ -349,6 +362,8 @@ def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = 
                     proc.wait()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if target is not None:
+                gc.unfreeze()
         records = {rank: liveness.read_recorded_failure(error_files[rank]) for rank in failures}
 
     if not failures:
