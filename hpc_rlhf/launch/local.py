@@ -103,6 +103,10 @@ def import_what_ranks_use() -> None:
         from hpc_rlhf.engines.deepspeed_compat import import_deepspeed
 
         import_deepspeed()
+        # DeepSpeed imports its Muon optimizer at every ZeRO engine's start, and that module calls torch.compile
+        # when imported, which imports torch's compiler stack: 1.5 CPU-seconds in each training rank (a quarter of
+        # a 6-rank PPO run's CPU, 2026-11-29). It starts no thread or process.
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     except ImportError:
         pass
 
