@@ -33,7 +33,7 @@ SHARED_MODELS = ("sft_base", "grpo_teacher", "ppo_reward_model", "tool_sft_base"
 # 39m33s): the simulator's tests (1.5 minutes of the rest lane, one process, no timing in them) went along.
 # With them the rest lane ended last again, by 5.8 minutes, alone on the machine (8879c38, 2026-11-29: learning
 # 34m39s, rest 40m27s): the zygotes', the reproducibility and the chat tests (2.5 minutes there, its last files)
-# went along.
+# went along (ff80c09, the same VM: learning 37m53s, rest 36m26s).
 LEARNING_LANE_TAIL = ("tests/trainers/test_failures.py", "tests/launch/test_sbatch_scripts.py",
                       "tests/launch/test_local.py", "tests/dist/test_store_host.py",
                       "tests/launch/test_entry_points.py", "tests/scale/test_simulate.py",
