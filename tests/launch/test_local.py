@@ -167,6 +167,30 @@ def test_a_forked_rank_runs_its_own_exit_handlers_not_the_launchers(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0-handler", "rank1-handler"]
 
 
+def test_forked_ranks_find_what_they_inherit_frozen_and_the_launcher_gets_it_back(tmp_path):
+    """Before the forks the launcher moves its objects out of the garbage collector's reach, so that the ranks'
+    collections skip them (hpc_rlhf/launch/local.py says why); when the ranks have ended it takes them back."""
+    import gc
+
+    def rank_reports_its_frozen_objects() -> int:
+        (tmp_path / f"rank{os.environ['RANK']}").write_text(str(gc.get_freeze_count()))
+        return 0
+
+    before = gc.get_freeze_count()
+    assert spawn_local(2, ["unused"], env=env_for_children(), target=rank_reports_its_frozen_objects) == 0
+    assert gc.get_freeze_count() == before
+    assert all(int((tmp_path / f"rank{r}").read_text()) > before + 10_000 for r in range(2))
+
+
+def test_the_launcher_imports_the_module_each_zero_engine_start_imports():
+    """DeepSpeed imports its Muon optimizer at every ZeRO engine's start (and with it torch's compiler stack);
+    imported before the forks, the ranks share it."""
+    from hpc_rlhf.launch.local import import_what_ranks_use
+
+    import_what_ranks_use()
+    assert "deepspeed.runtime.zero.muon.muon_optimizer" in sys.modules
+
+
 @pytest.fixture(params=["exec", "fork"])
 def trapping_launcher(request, tmp_path):
     """A launcher (in its own process) of 2 ranks, started either way, that wait for SIGUSR1; returns it and
