@@ -218,9 +218,9 @@ class _ForkedRank:
 # each object's header, so every rank also copies the pages the walk touched. Before the forks the launcher moves its
 # objects out of the collector's reach (`gc.freeze`), so the ranks' collections walk only their own objects; when the
 # ranks have ended it takes them back, so that its own end runs as before (frozen objects are never freed, and an
-# extension such as triton's then reports them as leaked at exit). A 6-rank PPO run of the tiny model (ZeRO-3, 3 steps):
-# 44 -> 35 CPU-s (2026-11-29, AMD EPYC 2-core VM). The cost this removes is the collector's, not the rank's work:
-# nothing a rank computes changes.
+# extension such as triton's then reports them as leaked at exit). A 6-rank PPO run of the tiny model (ZeRO-3, 3
+# steps): 48 -> ~41 CPU-s (2026-11-29, AMD EPYC 2-core VM; docs/results.md). The cost this removes is the
+# collector's, not the rank's work: nothing a rank computes changes.
 
 
 def _fork_rank(env: Mapping[str, str], target: Callable[[], int], handlers: Mapping[int, Any],
@@ -327,9 +327,12 @@ def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = 
     killed: set[int] = set()
     with tempfile.TemporaryDirectory(prefix="hpc_rlhf_ranks_") as error_dir:
         error_files = [Path(error_dir) / f"rank{rank}.json" for rank in range(nproc)]
+        # The ranks' collections skip what they inherit (above _fork_rank); a caller that froze its own objects (the
+        # tests' zygote) keeps them frozen.
+        freezing = target is not None and gc.get_freeze_count() == 0
         try:
-            if target is not None:
-                gc.freeze()  # the ranks' collections skip what they inherit (above _fork_rank)
+            if freezing:
+                gc.freeze()
             for rank in range(nproc):
                 child_env = dict(base, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                                  LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
@@ -366,7 +369,7 @@ def spawn_local(nproc: int, cmd: Sequence[str], env: Mapping[str, str] | None = 
                     proc.wait()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if target is not None:
+            if freezing:
                 gc.unfreeze()
         records = {rank: liveness.read_recorded_failure(error_files[rank]) for rank in failures}
 

@@ -169,7 +169,8 @@ def test_a_forked_rank_runs_its_own_exit_handlers_not_the_launchers(tmp_path):
 
 def test_forked_ranks_find_what_they_inherit_frozen_and_the_launcher_gets_it_back(tmp_path):
     """Before the forks the launcher moves its objects out of the garbage collector's reach, so that the ranks'
-    collections skip them (hpc_rlhf/launch/local.py says why); when the ranks have ended it takes them back."""
+    collections skip them (hpc_rlhf/launch/local.py says why); when the ranks have ended it takes them back, and leaves
+    a caller's own freeze alone."""
     import gc
 
     def rank_reports_its_frozen_objects() -> int:
@@ -180,6 +181,15 @@ def test_forked_ranks_find_what_they_inherit_frozen_and_the_launcher_gets_it_bac
     assert spawn_local(2, ["unused"], env=env_for_children(), target=rank_reports_its_frozen_objects) == 0
     assert gc.get_freeze_count() == before
     assert all(int((tmp_path / f"rank{r}").read_text()) > before + 10_000 for r in range(2))
+
+    # A caller that froze its own objects (the tests' zygote does) finds them still frozen afterwards.
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert spawn_local(2, ["unused"], env=env_for_children(), target=rank_reports_its_frozen_objects) == 0
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_the_launcher_imports_the_module_each_zero_engine_start_imports():
