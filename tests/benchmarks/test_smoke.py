@@ -88,10 +88,14 @@ def test_every_benchmark_has_a_smoke_run():
         "run_all.sh leaves out a CPU benchmark"
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: the suite runs vLLM's tests first (tests/conftest.py), this file's vLLM one among them, and the
+# rest of the file later; a module-scoped fixture was made again for the second part and ran every benchmark twice
+# (fresh-clone suite of 2026-11-29: 109 s at the lane's start, 225 s later, ~150 CPU-seconds each).
+@pytest.fixture(scope="session")
 def smoke_runs(request, tmp_path_factory):
     """The selected test_smoke_run benchmarks, run one after the other by tests/benchmarks/smoke_runner.py: each
-    as a fork of one interpreter that imported the heavy libraries once (saves ~7 CPU-seconds per benchmark)."""
+    as a fork of one interpreter that imported the heavy libraries once (saves ~7 CPU-seconds per benchmark). Once
+    per session, whichever of them runs first."""
     here = [item for item in request.session.items if item.path == Path(__file__)]
     names = [item.callspec.params["name"] for item in here if getattr(item, "originalname", None) == "test_smoke_run"]
     if any(item.name == "test_rollout_engines_smoke_run" for item in here) and importlib.util.find_spec("vllm"):
