@@ -527,23 +527,31 @@ def test_the_store_host_leaves_only_after_the_others_stopped(server):
 
 
 # ============================================================================================ whole worlds
-from tests.distributed import REPO, run_ranks, worker_env  # noqa: E402
+from tests.distributed import REPO, run_python, run_ranks, worker_env  # noqa: E402
 
 
-def _spawn_local(nproc: int, case: str, fault: str = "",
-                 timeout_s: float = 3) -> tuple[subprocess.CompletedProcess, float]:
-    """`case` on `nproc` ranks started by our local launcher (rank 0 forks the store's process), timed."""
-    code = ("import sys; from hpc_rlhf.launch.local import spawn_local; "
-            f"sys.exit(spawn_local({nproc}, [sys.executable, {str(__file__)!r}, {case!r}]))")
+def _spawn_local(nproc: int, case: str, fault: str = "", timeout_s: float = 3,
+                 forked: bool = True) -> tuple[subprocess.CompletedProcess, float]:
+    """`case` on `nproc` ranks started by our local launcher (rank 0 forks the store's process), timed.
+
+    `forked`: as `python -m hpc_rlhf` starts them on a CPU machine, forks of the process that found no launcher
+    (here itself a fork of the tests' zygote: no interpreter pays the imports); otherwise the ranks are fresh
+    interpreters (`spawn_local` with a command, as where torch has CUDA), about 5 CPU-seconds each."""
     env = worker_env({FAULT_ENV: fault, watchdog.HEARTBEAT_TIMEOUT_ENV: str(timeout_s)})
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    if forked:
+        proc = run_python(None, __file__, [case, str(nproc)], env=env, timeout=120)
+    else:
+        code = ("import sys; from hpc_rlhf.launch.local import spawn_local; "
+                f"sys.exit(spawn_local({nproc}, [sys.executable, {str(__file__)!r}, {case!r}]))")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=120)
     return proc, time.monotonic() - start
 
 
 def test_local_world_a_frozen_rank_is_named_by_the_others():
-    proc, elapsed = _spawn_local(3, "phases", fault="rank=2,phase=scoring,step=2,kind=freeze")
+    # Ranks as fresh interpreters: the launcher's other way, and a frozen one is found by its silence alike.
+    proc, elapsed = _spawn_local(3, "phases", fault="rank=2,phase=scoring,step=2,kind=freeze", forked=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "hpc_rlhf: rank 2 (role rollout) stopped responding during scoring: no heartbeat for" in proc.stderr
     # The ranks that found it killed it: the launcher had no rank left to kill after its grace time.
@@ -617,6 +625,12 @@ def test_gloo_collectives_honour_the_timeout():
 ROLES = ["actor", "ref", "rollout"]
 
 
+def _world_size() -> int:
+    """The ranks the case needs: its second argument where the case starts the world itself (`run_or_spawn` forks
+    them), else the launcher's WORLD_SIZE."""
+    return int(sys.argv[2]) if len(sys.argv) > 2 else int(os.environ["WORLD_SIZE"])
+
+
 def _phases_worker() -> None:
     """Three steps of phases with a collective in each, as a recipe would run them."""
     import torch
@@ -627,7 +641,7 @@ def _phases_worker() -> None:
     from hpc_rlhf.runtime.checkpointing import StopSignal
 
     class Cfg:
-        dist = DistSection(timeout_s=120, nproc=int(os.environ["WORLD_SIZE"]))
+        dist = DistSection(timeout_s=120, nproc=_world_size())
 
     def run(cfg):
         rank = dist.get_rank()
@@ -653,7 +667,7 @@ def _store_dies_worker() -> None:
     from hpc_rlhf.launch.local import run_or_spawn
 
     class Cfg:
-        dist = DistSection(timeout_s=120, nproc=int(os.environ["WORLD_SIZE"]))
+        dist = DistSection(timeout_s=120, nproc=_world_size())
 
     def run(cfg):
         rank = dist.get_rank()
@@ -675,7 +689,7 @@ def _uneven_worker() -> None:
     from hpc_rlhf.launch.local import run_or_spawn
 
     class Cfg:
-        dist = DistSection(timeout_s=120, nproc=int(os.environ["WORLD_SIZE"]))
+        dist = DistSection(timeout_s=120, nproc=_world_size())
 
     def run(cfg):
         rank = dist.get_rank()
@@ -695,7 +709,7 @@ def _sigterm_in_setup_worker() -> None:
     from hpc_rlhf.launch.local import run_or_spawn
 
     class Cfg:
-        dist = DistSection(timeout_s=120, nproc=int(os.environ["WORLD_SIZE"]))
+        dist = DistSection(timeout_s=120, nproc=_world_size())
 
     def run(cfg):
         rank = dist.get_rank()
