@@ -155,6 +155,17 @@ def lane_report(name: str, code: int, log: str) -> list[str]:
     return [*failed, f"lane {name}: exit {code}: {(lines[-1:] or ['(no output)'])[0]}"]
 
 
+def lane_environment(base, root: Path, name: str) -> dict[str, str]:
+    """A lane's pytest environment: `base`, unbuffered, with the suite's gates and the lane's timeline. Bytecode is
+    written (__pycache__/, ignored by git) even where the shell says not to: with PYTHONDONTWRITEBYTECODE=1 each lane
+    rewrote and compiled every test module it collected (18 CPU-seconds of collection against 11, 2026-11-29), and
+    every fresh interpreter of the suite compiled the package's modules."""
+    env = dict(base, PYTHONUNBUFFERED="1", HPC_RLHF_TEST_GATES=str(root / "gates"),
+               HPC_RLHF_TEST_TIMELINE=str(root / f"{name}.timeline"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def main(argv: list[str]) -> int:
     # The built-in assets, once, before two processes would each find them missing and write them.
     subprocess.run([sys.executable, "-m", "hpc_rlhf", "assets"], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
@@ -164,16 +175,11 @@ def main(argv: list[str]) -> int:
     root = Path(tempfile.mkdtemp(prefix="hpc_rlhf_suite_"))
     (root / "gates").mkdir()
     procs, threads = {}, []
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HPC_RLHF_TEST_GATES=str(root / "gates"))
-    # Bytecode is written (__pycache__/, ignored by git) even where the shell says not to: with
-    # PYTHONDONTWRITEBYTECODE=1 each lane rewrote and compiled every test module it collected (18 CPU-seconds of
-    # collection against 11, 2026-11-29), and every fresh interpreter of the suite compiled the package's modules.
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
     for name, selection in LANES.items():
         cmd = [sys.executable, "-m", "pytest", "-q", "--durations=15", f"--basetemp={root / name}", *selection,
                *argv, "tests"]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=dict(env, HPC_RLHF_TEST_TIMELINE=str(root / f"{name}.timeline")))
+                                env=lane_environment(os.environ, root, name))
         (root / f"{name}.pid").write_text(str(proc.pid))  # for scripts/suite_cpu.py
         thread = threading.Thread(target=_pipe, args=(name, proc.stdout, root / f"{name}.log", lock), daemon=True)
         thread.start()

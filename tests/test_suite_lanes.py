@@ -106,3 +106,11 @@ def test_every_test_folder_is_collected(pytestconfig):
     folders = [p for p in Path(__file__).parent.rglob("*") if p.is_dir() and "__pycache__" not in p.parts]
     hidden = [str(f) for f in folders if any(fnmatch.fnmatch(f.name, pattern) for pattern in skipped)]
     assert not hidden, f"pytest would not collect {hidden} (norecursedirs {skipped})"
+
+
+def test_a_lanes_environment_writes_bytecode_and_names_its_gates_and_timeline(tmp_path):
+    run_suite = load_run_suite()
+    env = run_suite.lane_environment({"PYTHONDONTWRITEBYTECODE": "1", "HOME": "/h"}, tmp_path, "rest")
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["HOME"] == "/h" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["HPC_RLHF_TEST_GATES"] == str(tmp_path / "gates")
+    assert env["HPC_RLHF_TEST_TIMELINE"] == str(tmp_path / "rest.timeline")
