@@ -14,7 +14,7 @@ import pytest
 
 from tests import distributed
 from tests.cli_zygote import PARENT_POLL_S
-from tests.distributed import FRESH_VAR, REPO, Zygote, run_python, worker_env, zygote_for
+from tests.distributed import FRESH_VAR, REPO, Zygote, import_time_environment, run_python, worker_env, zygote_for
 from tests.zygote_python import SOCKET_VAR, START_TIMEOUT_VAR
 
 @pytest.fixture(autouse=True, scope="module")
@@ -88,12 +88,19 @@ def test_a_timeout_kills_the_run_and_its_children(tmp_path):
 
 
 @pytest.mark.parametrize("variable, value", [("HF_HUB_OFFLINE", "0"), ("HPC_RLHF_CPU_KERNELS", "native"),
-                                             ("PYTHONHASHSEED", "7")])
-def test_an_environment_read_at_import_time_gets_a_zygote_of_its_own(variable, value):
+                                             ("PYTHONHASHSEED", "7"), ("TORCH_LOGS", "+dynamo")])
+def test_an_environment_read_at_import_time_keys_a_zygote_of_its_own(variable, value):
+    usual = import_time_environment(worker_env())
+    assert import_time_environment({**worker_env(), "HPC_RLHF_SOMETHING_READ_LATER": "1", "LOCAL_RANK": "0"}) == usual
+    assert import_time_environment({**worker_env(), variable: value}) != usual
+
+
+def test_an_environment_read_at_import_time_gets_a_zygote_of_its_own():
+    """The key above, with real zygotes (each start pays the imports: one variable stands for the others)."""
     zygote = zygote_for(worker_env())
     assert zygote is not None
     assert zygote_for({**worker_env(), "HPC_RLHF_SOMETHING_READ_LATER": "1", "LOCAL_RANK": "0"}) is zygote
-    assert zygote_for({**worker_env(), variable: value}) not in (zygote, None)
+    assert zygote_for({**worker_env(), "PYTHONHASHSEED": "7"}) not in (zygote, None)
 
 
 def test_an_environment_the_imports_refuse_gets_a_fresh_interpreter_and_its_error(tmp_path):

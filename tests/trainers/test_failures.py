@@ -1,15 +1,15 @@
 """Whole jobs that lose a rank, and non-finite losses.
 
 Lost ranks: a PPO job with every role on ranks of its own (actor, critic, ref, reward, two rollout engines: 6
-ranks) loses one rank of each role in turn (kill -9) at a different phase, and one rollout rank is frozen
-(SIGSTOP). The faults come from HPC_RLHF_FAULT, so every run fails at the same point. Two jobs run under
+ranks) loses one rank of each role in turn (kill -9) at a different phase. These jobs run as a user starts them on
+one machine (`python -m hpc_rlhf ppo`, forked from the tests' zygote, tests/cli_zygote.py: the local launcher forks
+the ranks, rank 0 forks the store's process). Two GRPO jobs on 3 ranks (actor, ref, one rollout engine) run under
 torchrun, whose agent hosts the store and SIGTERMs the survivors: rank 0 killed while it checkpoints, and the
-frozen rank, which ignores that SIGTERM. The others run as a user starts them on one machine (`python -m
-hpc_rlhf ppo`, forked from the tests' zygote, tests/cli_zygote.py: the local launcher forks the ranks, rank 0
-forks the store's process), at a fraction of torchrun's CPU time (six fresh interpreters). The models are one
-random-init Llama of ~60K parameters, used as actor and ref and, with a new value head, as critic and reward
-model. The job must end non-zero soon after the failure, and
-every surviving rank must say which rank was lost, its role and its phase.
+rollout rank frozen (SIGSTOP), which ignores that SIGTERM. Under torchrun every rank is a fresh interpreter, which
+is why those jobs are the smaller ones (6 ranks cost ~60 CPU-seconds a job, mostly imports). The faults come from
+HPC_RLHF_FAULT, so every run fails at the same point. The models are one random-init Llama of ~60K parameters,
+used as actor and ref and, with a new value head, as critic and reward model. The job must end non-zero soon
+after the failure, and every surviving rank must say which rank was lost, its role and its phase.
 
 Non-finite losses: a GRPO job started the way a user starts it on a laptop (`python -m hpc_rlhf grpo ...`, the
 local launcher starts the 4 ranks).
@@ -48,7 +48,7 @@ END_BOUND_S = HEARTBEAT_TIMEOUT_S + 21
 # Only against a hang of the test itself: start-up of 6 ranks on 2 busy cores, two steps, the failure.
 JOB_LIMIT_S = 400
 PPO_PLACEMENT = "actor=1,critic=1,ref=1,reward=1,rollout=2"
-PPO_PLAN = make_plan(PPO_PLACEMENT, 6, 6)  # one node of 6 ranks
+GRPO_PLACEMENT = "actor=1,ref=1,rollout=1"
 
 
 @pytest.fixture(scope="module")
@@ -78,22 +78,31 @@ SMALL_RL_STEP = [f"data.train_files=[{TINY_ASSETS}/data/prompts_train.jsonl]", "
                  "critic_train.micro_batch_size=8", "train.max_steps=3", "dist.timeout_s=120"]
 
 
-def lost_rank_ppo(launcher: str, model: Path, out: Path, fault: str,
+def lost_rank_job(launcher: str, model: Path, out: Path, fault: str,
                   *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
-    """A PPO job on 6 ranks started by `launcher` ("torchrun", or "local": the ranks forked by `python -m hpc_rlhf`
-    itself), checkpointing every step; returns the finished process and the wall-clock time (time.time()) at which
-    the test saw it end."""
-    # The causal-LM folder serves as critic and reward model too: each gets a new value head.
-    args = [f"output_dir={out}", f"actor.path={model}", f"critic.path={model}", f"reward.models=[{model}]",
-            f"placement={PPO_PLACEMENT}", "checkpoint.every_steps=1", *SMALL_RL_STEP, *overrides]
+    """A job checkpointing every step: with `launcher` "local" the PPO job on 6 ranks, forked by `python -m
+    hpc_rlhf` itself; with "torchrun" the GRPO job on 3 ranks. Returns the finished process and the wall-clock time
+    (time.time()) at which the test saw it end."""
+    common = [f"output_dir={out}", f"actor.path={model}", "checkpoint.every_steps=1", *SMALL_RL_STEP]
     env = worker_env({FAULT_ENV: fault, HEARTBEAT_TIMEOUT_ENV: str(HEARTBEAT_TIMEOUT_S)})
     if launcher == "local":
-        proc = run_python("hpc_rlhf", None, ["ppo", *args], env=env, timeout=JOB_LIMIT_S)
+        # The causal-LM folder serves as critic and reward model too: each gets a new value head.
+        args = ["ppo", *common, f"critic.path={model}", f"reward.models=[{model}]", f"placement={PPO_PLACEMENT}",
+                *overrides]
+        proc = run_python("hpc_rlhf", None, args, env=env, timeout=JOB_LIMIT_S)
     else:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=6",
-                               "--max_restarts=0", "-m", "hpc_rlhf", "ppo", *args], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=JOB_LIMIT_S)
+        args = ["grpo", *common, f"placement={GRPO_PLACEMENT}", *overrides]
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={job_plan(launcher).world_size}", "--max_restarts=0", "-m",
+                               "hpc_rlhf", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=JOB_LIMIT_S)
     return proc, time.time()
+
+
+def job_plan(launcher: str):
+    """The placement plan of `lost_rank_job`'s job for `launcher`: one node holding every rank."""
+    placement, ranks = (PPO_PLACEMENT, 6) if launcher == "local" else (GRPO_PLACEMENT, 3)
+    return make_plan(placement, ranks, ranks)
 
 
 def grpo(model: Path, out: Path, fault: str, *overrides: str) -> subprocess.CompletedProcess:
@@ -142,9 +151,10 @@ LOSSES = [
 @pytest.mark.parametrize("launcher, role, index, phase, step, kind, verb, overrides", LOSSES)
 def test_a_lost_rank_ends_the_job_naming_its_rank_role_and_phase(model, tmp_path, launcher, role, index, phase, step,
                                                                  kind, verb, overrides):
-    rank = PPO_PLAN.role(role).ranks[index]
+    plan = job_plan(launcher)
+    rank = plan.role(role).ranks[index]
     out = tmp_path / "run"
-    proc, ended = lost_rank_ppo(launcher, model, out, f"rank={rank},phase={phase},step={step},kind={kind}",
+    proc, ended = lost_rank_job(launcher, model, out, f"rank={rank},phase={phase},step={step},kind={kind}",
                                 *overrides)
     assert proc.returncode != 0, proc.stderr[-4000:]
     assert injected_at(proc.stdout)[:3] == (rank, phase, step)
@@ -158,7 +168,7 @@ def test_a_lost_rank_ends_the_job_naming_its_rank_role_and_phase(model, tmp_path
     assert lines and all(line.startswith(expected) and f"[step {step};" in line for line in lines), \
         "\n".join(lines) or proc.stderr[-4000:]
     seen_by = sorted(int(re.search(r"seen by rank (\d+)\]", line).group(1)) for line in lines)
-    assert seen_by == [r for r in range(6) if r != rank], "\n".join(lines)
+    assert seen_by == [r for r in range(plan.world_size) if r != rank], "\n".join(lines)
 
     # Nothing that was saved is lost: the checkpoints before the failure are complete.
     found = ckpt.latest_complete(out)
