@@ -163,6 +163,10 @@ def _pack(share: Generated | None, key: str, count: int, max_len: int, layout: d
 
 
 def _unpack(words: torch.Tensor, count: int, layout: dict[str, tuple[int, int]]) -> Generated:
+    if count == 0:  # an engine with no share of this batch: at scale most engines in an evaluation's small batch
+        episodes = "masks" in layout
+        return Generated([], [] if "logprobs" in layout else None, [] if episodes else None,
+                         torch.zeros(0, len(EPISODE_FIELDS)) if episodes else None)
     words = words.cpu()
     lengths = words[:count].tolist()
     total = sum(lengths)
