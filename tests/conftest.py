@@ -33,11 +33,14 @@ SHARED_MODELS = ("sft_base", "grpo_teacher", "ppo_reward_model", "tool_sft_base"
 # 39m33s): the simulator's tests (1.5 minutes of the rest lane, one process, no timing in them) went along.
 # With them the rest lane ended last again, by 5.8 minutes, alone on the machine (8879c38, 2026-11-29: learning
 # 34m39s, rest 40m27s): the zygotes', the reproducibility and the chat tests (2.5 minutes there, its last files)
-# went along (ff80c09, the same VM: learning 37m53s, rest 36m26s).
+# went along (ff80c09, the same VM: learning 37m53s, rest 36m26s). The reward model scoring each pair in one row
+# and cheaper tests of the learning lane's tail (2026-11-29) took ~270 CPU-seconds from the learning lane and none
+# from the rest lane: the bootstrap's tests (~60 CPU-seconds of fresh interpreters) went along.
 LEARNING_LANE_TAIL = ("tests/trainers/test_failures.py", "tests/launch/test_sbatch_scripts.py",
                       "tests/launch/test_local.py", "tests/dist/test_store_host.py",
                       "tests/launch/test_entry_points.py", "tests/scale/test_simulate.py",
-                      "tests/test_cli_zygote.py", "tests/trainers/test_reproducibility.py", "tests/test_chat.py")
+                      "tests/test_cli_zygote.py", "tests/trainers/test_reproducibility.py", "tests/test_chat.py",
+                      "tests/dist/test_bootstrap.py")
 
 
 def _in_the_learning_lanes_tail(item) -> bool:

@@ -88,6 +88,8 @@ SFT_BASE = ["train.max_steps=1000", "train.batch_size=128", "train.micro_batch_s
 # digit: see hpc_rlhf.data.synthetic.wrong_answer. Its training is what tests/trainers/test_rm.py's learning test
 # checks, so the control trains it at lr 0 too. On the 2-layer tiny Llama 1,000 steps left one seed's judge blind to
 # answers one too large (55% of such pairs ranked right), and PPO against it learned them: 2,000 steps.
+# examples/tiny/rm.yaml scores each pair in one row that holds the prompt once (rm.share_prompt): the same scores
+# for a quarter less compute; the tests that read this model were calibrated again with it (2026-11-29).
 PPO_REWARD_MODEL = ["train.max_steps=2000", "train.batch_size=128", "train.micro_batch_size=128", "train.lr=1e-3",
                     "log.every_steps=100", "log.eval_every_steps=500", "checkpoint.resume=false"]
 

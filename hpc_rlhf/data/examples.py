@@ -240,3 +240,46 @@ def pair_collate(batch: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, A
     rows = [{"input_ids": ex[f"{side}_input_ids"], "labels": ex[f"{side}_labels"], "prompt_len": ex["prompt_len"]}
             for side in ("chosen", "rejected") for ex in batch]
     return pad_collate(rows, pad_id, side="right")
+
+
+def shared_prompt_pair_collate(batch: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, Any]:
+    """Preference pairs -> B rows, each the prompt once, then the chosen response, then the rejected one.
+
+    The rejected response's positions continue from the prompt (as in its own row) and a 4D boolean
+    `attention_mask` (B, 1, T, T), True = may attend, keeps it from seeing the chosen response: every token sees
+    what it would see in its own row, so the scores are those of `pair_collate`'s 2B rows, for the prompt's
+    tokens once instead of twice. Padding at the end of a row attends to itself only (no row of the mask is empty,
+    which would give NaN). `chosen_last` / `rejected_last`: (B,) index of each side's last token;
+    `tokens`: the real tokens of the batch."""
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    rows, positions, chosen_last, rejected_last = [], [], [], []
+    for ex in batch:
+        prompt_len, chosen, rejected = ex["prompt_len"], ex["chosen_input_ids"], ex["rejected_input_ids"]
+        if chosen[:prompt_len] != rejected[:prompt_len]:
+            raise ValueError("a preference pair whose chosen and rejected rows start with different prompts cannot "
+                             "share its prompt")
+        rows.append(list(chosen) + list(rejected[prompt_len:]))
+        positions.append(list(range(len(chosen))) + list(range(prompt_len, len(rejected))))
+        chosen_last.append(len(chosen) - 1)
+        rejected_last.append(len(rows[-1]) - 1)
+    length = max(len(row) for row in rows)
+    steps = torch.arange(length)
+    causal = steps[None, :] <= steps[:, None]  # (query, key)
+    lengths = torch.tensor([len(row) for row in rows])
+    chosen_end = torch.tensor(chosen_last) + 1
+    prompt_lens = torch.tensor([ex["prompt_len"] for ex in batch])
+    query, key = steps[None, :, None], steps[None, None, :]
+    # A rejected token (query >= chosen_end) may not see the chosen response (prompt_len <= key < chosen_end).
+    hides_chosen = (query >= chosen_end[:, None, None]) & (key >= prompt_lens[:, None, None]) & \
+        (key < chosen_end[:, None, None])
+    padding = query >= lengths[:, None, None]
+    allowed = causal[None] & ~hides_chosen & ~(padding & (key != query))
+    return {
+        "input_ids": _pad(rows, pad_id, length, "right"),
+        "position_ids": _pad(positions, 0, length, "right"),
+        "attention_mask": allowed[:, None],
+        "chosen_last": torch.tensor(chosen_last),
+        "rejected_last": torch.tensor(rejected_last),
+        "tokens": int(lengths.sum()),
+    }

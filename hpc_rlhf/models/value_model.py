@@ -164,6 +164,8 @@ def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
 
     Packed rows (hpc_rlhf.rl.packed): no `attention_mask`, the restarting `position_ids` and any further keyword
     arguments of a packed forward (`forward_kwargs`); every position's value is returned, padding blocks included.
+    A 4D `attention_mask` (shared-prompt pairs, hpc_rlhf.data.examples.shared_prompt_pair_collate) goes to the model
+    as it is, with the `position_ids` given; every position's value is returned too.
 
     `model` may be a value model, its peft wrapper or its DeepSpeed engine; the full forward of the outermost
     wrapper runs (engines and adapters need that), and the head's per-token output is caught on its way out,
@@ -176,8 +178,9 @@ def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     handle = head.register_forward_hook(lambda module, args, output: caught.append(output))
     try:
         if position_ids is None:
-            if attention_mask is None:
-                raise ValueError("token_values: packed rows (no attention_mask) need their position_ids")
+            if attention_mask is None or attention_mask.dim() == 4:
+                raise ValueError("token_values: packed rows (no attention_mask) and 4D attention masks need their "
+                                 "position_ids")
             position_ids = position_ids_from_mask(attention_mask)
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
               **forward_kwargs)
@@ -186,7 +189,7 @@ def token_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     if len(caught) != 1:
         raise RuntimeError(f"the value head ran {len(caught)} times in one forward pass, expected once")
     values = caught[0].squeeze(-1).float()
-    if attention_mask is None:
+    if attention_mask is None or attention_mask.dim() == 4:
         return values
     # Pad positions can hold garbage (even NaN from fully masked attention rows); 0 keeps masked sums finite.
     return torch.where(attention_mask.bool().to(values.device), values, torch.zeros_like(values))

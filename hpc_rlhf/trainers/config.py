@@ -55,6 +55,9 @@ class RewardSection:
     """The reward-model loss."""
     margin_key: str | None = field(None, help="column with a per-pair margin subtracted inside the loss "
                                               "(Llama 2); none = no margin")
+    share_prompt: bool = field(False, help="score a pair in one row holding its prompt once (a 4D attention mask "
+                                           "hides the chosen response from the rejected one): fewer tokens when "
+                                           "prompts are long; sdpa or eager attention")
 
     def validate(self) -> None:
         if self.margin_key is not None and not self.margin_key.strip():
@@ -71,6 +74,12 @@ class RMConfig:
     log: LogSection = section(LogSection)
     checkpoint: CheckpointSection = section(CheckpointSection)
     dist: DistSection = section(DistSection)
+
+    def validate(self) -> None:
+        if self.rm.share_prompt and self.model.attn_implementation == "flash_attention_2":
+            raise ConfigError("rm.share_prompt=true needs a 4D attention mask, which "
+                              "model.attn_implementation=flash_attention_2 does not take: use sdpa or eager, or "
+                              "rm.share_prompt=false")
 
 
 # ------------------------------------------------------------------------------------------------------- dpo

@@ -3,7 +3,8 @@
 The reward model is a causal-LM body with a scalar head at every position (hpc_rlhf.models.value_model); a
 sequence's reward is the head's value at its last real token. Started from a causal-LM folder (the SFT output or
 the tiny model) the head is new. Each micro-batch of B pairs is one forward pass over 2B rows, the B chosen rows
-then the B rejected ones, and the loss is -log sigmoid(r_chosen - r_rejected - margin), the margin read from
+then the B rejected ones (with `rm.share_prompt`, over B rows that hold each prompt once: the same scores for the
+prompt's tokens once; hpc_rlhf.data.examples.shared_prompt_pair_collate), and the loss is -log sigmoid(r_chosen - r_rejected - margin), the margin read from
 `rm.margin_key` when set (Llama 2). Held-out figures on `data.eval_files`: pairwise accuracy (share of pairs with
 r_chosen > r_rejected), mean margin r_chosen - r_rejected, and the loss.
 
@@ -18,13 +19,14 @@ import torch
 
 from hpc_rlhf.algorithms.losses import pairwise_reward_loss
 from hpc_rlhf.config import DataSection
-from hpc_rlhf.data.examples import pair_collate, preference_examples
+from hpc_rlhf.data.examples import pair_collate, preference_examples, shared_prompt_pair_collate
 from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.dist import watchdog
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import load_tokenizer
 from hpc_rlhf.models.lora import unwrap_model, value_head_name
-from hpc_rlhf.models.value_model import build_value_model, sequence_scores, set_reward_normalization
+from hpc_rlhf.models.value_model import (build_value_model, sequence_scores, set_reward_normalization,
+                                         token_values)
 from hpc_rlhf.runtime import loop
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.reference import balanced_chunks
@@ -88,20 +90,28 @@ class RewardModelRecipe:
         self.scorer = EngineScorer(self.engine)
         self.bad_steps, self.stop = loop.start_training(run, {"model": self.engine})
 
-    def _pair_scores(self, pairs) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(chosen scores, rejected scores, collated batch) of B pairs, in one forward pass over 2B rows."""
+    def _pair_scores(self, pairs) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(chosen scores, rejected scores, real tokens) of B pairs, in one forward pass."""
+        device = self.run.device
+        if self.cfg.rm.share_prompt:
+            batch = shared_prompt_pair_collate(pairs, self.tokenizer.pad_token_id)
+            values = token_values(self.scorer, batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                  position_ids=batch["position_ids"].to(device))
+            rows = torch.arange(len(pairs), device=values.device)
+            return (values[rows, batch["chosen_last"].to(values.device)],
+                    values[rows, batch["rejected_last"].to(values.device)], batch["tokens"])
         batch = pair_collate(pairs, self.tokenizer.pad_token_id)
-        ids, mask = batch["input_ids"].to(self.run.device), batch["attention_mask"].to(self.run.device)
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         scores = sequence_scores(self.scorer, ids, mask)
-        return scores[:len(pairs)], scores[len(pairs):], batch
+        return scores[:len(pairs)], scores[len(pairs):], int(batch["attention_mask"].sum())
 
     def _loss(self, pairs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        chosen, rejected, batch = self._pair_scores(pairs)
+        chosen, rejected, tokens = self._pair_scores(pairs)
         margin = None
         if self.cfg.rm.margin_key:
             margin = torch.tensor([p["margin"] for p in pairs], dtype=chosen.dtype, device=chosen.device)
         loss, accuracy = pairwise_reward_loss(chosen, rejected, margin)
-        return loss, accuracy, (chosen - rejected).detach().mean(), int(batch["attention_mask"].sum())
+        return loss, accuracy, (chosen - rejected).detach().mean(), tokens
 
     @torch.no_grad()
     def _held_out_scores(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,9 +157,13 @@ class RewardModelRecipe:
         return loop.MicroBatch(loss, tokens, {"accuracy": accuracy, "margin": margin})
 
     def _pair_length(self, row: int) -> int:
-        """A pair's padded length in a micro-batch (train.group_by_length): its longer side."""
+        """A pair's padded length in a micro-batch (train.group_by_length): its longer side, or with
+        rm.share_prompt its one row."""
         pair = self.train_examples[row]
-        return max(len(pair["chosen_input_ids"]), len(pair["rejected_input_ids"]))
+        chosen, rejected = len(pair["chosen_input_ids"]), len(pair["rejected_input_ids"])
+        if self.cfg.rm.share_prompt:
+            return chosen + rejected - pair["prompt_len"]
+        return max(chosen, rejected)
 
     def train(self) -> dict[str, float]:
         last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),

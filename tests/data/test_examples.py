@@ -4,7 +4,7 @@ import torch
 from hpc_rlhf.data import templates
 from hpc_rlhf.data.examples import (IGNORE_INDEX, kto_example, kto_examples, pad_collate, pair_collate,
                                     preference_example, preference_examples, prompt_example, prompt_examples,
-                                    sft_example, sft_examples)
+                                    shared_prompt_pair_collate, sft_example, sft_examples)
 from hpc_rlhf.data.templates import TemplateError, encode, encode_many
 from tests.data.conftest import CHAT, SPECIALS, char_ids, tiny_tokenizer
 
@@ -173,6 +173,25 @@ def test_pad_collate_left_lines_up_the_last_tokens():
     assert out["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
     assert out["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
     assert "labels" not in out
+
+
+def test_shared_prompt_pair_collate_holds_the_prompt_once_and_hides_chosen_from_rejected():
+    pairs = [{"chosen_input_ids": [1, 5, 6, 7, 2], "rejected_input_ids": [1, 5, 6, 8, 9, 2], "prompt_len": 3},
+             {"chosen_input_ids": [1, 4, 2], "rejected_input_ids": [1, 3, 2], "prompt_len": 1}]
+    out = shared_prompt_pair_collate(pairs, pad_id=0)
+    assert out["input_ids"].tolist() == [[1, 5, 6, 7, 2, 8, 9, 2], [1, 4, 2, 3, 2, 0, 0, 0]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 4, 5], [0, 1, 2, 1, 2, 0, 0, 0]]
+    assert out["chosen_last"].tolist() == [4, 2] and out["rejected_last"].tolist() == [7, 4]
+    assert out["tokens"] == 13
+    mask = out["attention_mask"]
+    assert mask.shape == (2, 1, 8, 8) and mask.dtype == torch.bool
+    seen = [[[int(k) for k in range(8) if mask[b, 0, q, k]] for q in range(8)] for b in range(2)]
+    assert seen[0] == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4],  # the prompt, then chosen
+                       [0, 1, 2, 5], [0, 1, 2, 5, 6], [0, 1, 2, 5, 6, 7]]  # rejected: the prompt and itself
+    assert seen[1] == [[0], [0, 1], [0, 1, 2], [0, 3], [0, 3, 4], [5], [6], [7]]  # padding: itself only
+    with pytest.raises(ValueError, match="different prompts"):
+        shared_prompt_pair_collate([{"chosen_input_ids": [1, 5, 2], "rejected_input_ids": [1, 6, 2],
+                                     "prompt_len": 2}], pad_id=0)
 
 
 def test_pair_collate_puts_chosen_rows_first_then_rejected():

@@ -52,7 +52,8 @@ def test_ppo_with_a_reward_model_beats_the_sft_plateau_on_six_ranks(tmp_path, sf
 
 # The 2-layer tiny Llama (2026-11-28, seeds 0-4 and the control; docs/results.md): SFT bases 0.58-0.70, GRPO
 # +0.173 to +0.317; reward models of 2,000 steps 0.928-0.992, PPO with one alone (KL coefficient RM_PPO_KL) +0.253,
-# +0.150, +0.177, +0.123, +0.240 (max KL 0.68-1.09); with train.lr=0 the gains are 0. The 4-layer model's figures:
+# +0.150, +0.177, +0.123, +0.240 (max KL 0.68-1.09); with train.lr=0 the gains are 0. Judges that score each pair in
+# one row (rm.share_prompt, 2026-11-29): +0.257, +0.200, +0.153, +0.187, +0.257. The 4-layer model's figures:
 # Calibrated over seeds 0-4 (300 held-out prompts; scripts/calibrate_learning_tests.py, docs/results.md): the session's SFT
 # base scores 0.62-0.80 (its carry problems are the demonstrations' mistake). GRPO gained +0.15 to +0.24 in 30
 # steps. The reward model reached 0.914-0.976 held-out pairwise accuracy, and PPO with it alone gained +0.09 to

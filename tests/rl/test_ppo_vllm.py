@@ -31,8 +31,9 @@ VLLM = "rollout.backend=vllm"
 hpc_rlhf = hpc_rlhf_cli
 
 # The 2-layer tiny Llama (2026-11-28, seeds 0-4 each on its own SFT base and reward model, and the control;
-# docs/results.md): GRPO +0.177 to +0.303, PPO +0.303, +0.203, +0.187, +0.170, +0.260; the control 0. The 4-layer
-# model's figures:
+# docs/results.md): GRPO +0.177 to +0.303, PPO +0.303, +0.203, +0.187, +0.170, +0.260; the control 0. PPO with
+# judges that score each pair in one row (rm.share_prompt, 2026-11-29): +0.297, +0.217, +0.177, +0.177, +0.260.
+# The 4-layer model's figures:
 # Calibrated over train.seed 0-4 on the session's SFT base and reward model on AMD machines, and seeds 0-2 on an
 # Intel one (docs/results.md has each seed's figures: the two vendors give other bits for one
 # seed, hpc_rlhf/utils/cpu_kernels.py); train.lr=0 leaves the gain at 0.

@@ -25,13 +25,14 @@ def rm_config(out, *overrides):
 # 1000 steps (0.50 at step 0, 0.74-0.84 at step 500); on an Intel one 0.838-0.956 (seeds 0-2); with train.lr=0 it
 # stays at chance.
 # The 2-layer tiny Llama (2026-11-28, seeds 0-4; docs/results.md): 0.856-0.958 after 1,000 steps, 0.928-0.992 after
-# 2,000 (what tests/recipes.py trains now); with train.lr=0 0.518.
+# 2,000 (what tests/recipes.py trains now); with train.lr=0 0.518. Scoring each pair in one row (rm.share_prompt,
+# examples/tiny/rm.yaml; 2026-11-29, seeds 0-4): 0.962-0.976 after 2,000 steps.
 RM_ACCURACY = 0.85
 
 
 @pytest.mark.learning
 def test_reward_model_ranks_held_out_pairs_and_final_reloads(world, tmp_path, ppo_reward_model):
-    """The session's reward model (1000 steps from the SFT base on the built-in correct-vs-wrong pairs, the one the
+    """The session's reward model (2,000 steps from the SFT base on the built-in correct-vs-wrong pairs, the one the
     PPO tests start from) learned to rank held-out pairs, and its final/ folder, loaded again as a plain
     token-classification model, scores them exactly as the trained model did, with the normalisation constants it
     stored."""
@@ -54,7 +55,8 @@ def test_reward_model_ranks_held_out_pairs_and_final_reloads(world, tmp_path, pp
     trained_with = load_config(rm.Config, ppo_reward_model.parent / "config.yaml", [])
     recipe = rm.RewardModelRecipe(rm_config(tmp_path / "reloaded", f"model.path={ppo_reward_model}",
                                             f"data.eval_files=[{','.join(trained_with.data.eval_files)}]",
-                                            f"data.max_eval_rows={trained_with.data.max_eval_rows}"))
+                                            f"data.max_eval_rows={trained_with.data.max_eval_rows}",
+                                            f"rm.share_prompt={trained_with.rm.share_prompt}"))
     recipe.setup()
     assert recipe.evaluate() == {k: last[k] for k in ("eval_accuracy", "eval_margin", "eval_loss")}
     loaded = AutoModelForTokenClassification.from_pretrained(ppo_reward_model)
@@ -87,6 +89,46 @@ def test_margin_key_enters_the_loss(world, tmp_path):
     torch.testing.assert_close(loss, -torch.nn.functional.logsigmoid(chosen - rejected - margins).mean())
     assert loss.item() > -torch.nn.functional.logsigmoid(chosen - rejected).mean().item()
     torch.testing.assert_close(difference, (chosen - rejected).mean())
+
+
+def test_shared_prompt_rows_give_the_scores_and_gradients_of_pair_rows(world, tmp_path):
+    """rm.share_prompt scores each pair in one row that holds its prompt once: the chosen and rejected scores, the
+    loss and every gradient are those of the 2B separate rows (float32, sums in another order), with prompts and
+    responses of different lengths, the rejected side longer or shorter than the chosen one. A mask that let the
+    rejected response see the chosen one, or positions that did not restart after the prompt, fail it."""
+    from hpc_rlhf.trainers import rm
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [("1+1=", "2", "12"), ("35+467=", "502", "492"), ("8+80=", "88", "8"), ("123+4=", "127", "1270")]
+    pairs.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in rows))
+    results = {}
+    for share in (False, True):
+        torch.manual_seed(0)
+        recipe = rm.RewardModelRecipe(rm_config(tmp_path / str(share), f"rm.share_prompt={share}",
+                                                f"data.train_files=[{pairs}]", "data.eval_files=[]",
+                                                "train.batch_size=4", "train.micro_batch_size=4"))
+        recipe.setup()
+        model = recipe.engine.module
+        model.zero_grad()
+        chosen, rejected, tokens = recipe._pair_scores(recipe.train_examples)
+        loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
+        recipe.engine.backward(loss)
+        results[share] = (chosen.detach(), rejected.detach(), loss.detach(), tokens,
+                          {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    plain, shared = results[False], results[True]
+    torch.testing.assert_close(shared[0], plain[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared[1], plain[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared[2], plain[2], rtol=1e-5, atol=1e-6)
+    assert shared[4].keys() == plain[4].keys() and len(plain[4]) > 5
+    for name, grad in plain[4].items():
+        torch.testing.assert_close(shared[4][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    prompt_tokens = sum(example["prompt_len"] for example in recipe.train_examples)
+    assert shared[3] == plain[3] - prompt_tokens  # the prompts once
+
+
+def test_shared_prompt_with_flash_attention_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="rm.share_prompt=true needs a 4D attention mask.*flash_attention_2"):
+        rm_config(tmp_path, "rm.share_prompt=true", "model.attn_implementation=flash_attention_2")
 
 
 def test_bad_margin_and_bad_key_are_named(world, tmp_path, capfd):
@@ -144,6 +186,6 @@ if __name__ == "__main__":
     rm.run(load_config(rm.Config, None, [
         f"output_dir={out}", *QUIET, "train.zero_stage=3", "train.zero3_param_persistence_threshold=0",
         "train.max_steps=4", "train.batch_size=8", "train.micro_batch_size=4", "log.every_steps=2",
-        "log.eval_every_steps=4", "data.max_train_rows=64", "data.max_eval_rows=9"]))
+        "log.eval_every_steps=4", "data.max_train_rows=64", "data.max_eval_rows=9", "rm.share_prompt=true"]))
     dist.barrier()
     dist.destroy_process_group()
