@@ -23,9 +23,12 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
 # ---------------------------------------------------------------------------------------------- initialising
 @pytest.fixture
 def clean_world():
-    """Leave os.environ and torch.distributed as they were."""
+    """No world to start with, and os.environ as it was afterwards. A world an earlier test left (the session's
+    one-rank world, tests/recipes.py, which re-makes it when needed) is left first: init_distributed would describe
+    it instead of making the world these tests check."""
     import torch.distributed as dist
 
+    shutdown()
     saved = {k: os.environ.get(k) for k in LAUNCH_VARS}
     yield
     shutdown()
