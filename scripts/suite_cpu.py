@@ -4,7 +4,6 @@ parent, included (the lanes' timelines count only what their own processes reape
     touch /tmp/suite.acct && accton /tmp/suite.acct      # root; Debian's `acct` package
     make test; sleep 5; accton off                          # the lanes' zygotes end a second after their pytest
     python scripts/suite_cpu.py /tmp/suite.acct /tmp/hpc_rlhf_suite_XXXX
-    python scripts/suite_cpu.py /tmp/suite.acct /tmp/hpc_rlhf_suite_XXXX --windows 30   # busy cores per 30 s
 
 Prints the whole run's CPU-seconds, then for each lane (its pytest process is found by its command line's
 timeline) the CPU of each test file and of each background job of the lane, counting every descendant of the
@@ -148,35 +147,7 @@ def report(procs: dict[int, Process], suite: Path) -> str:
     return "\n".join(lines)
 
 
-def cores_in_use(procs: dict[int, Process], window_s: float) -> list[float]:
-    """The mean number of busy cores in each window of `window_s` seconds from the first process's start, each
-    process's CPU spread evenly over its life (accounting has no finer record): the windows where the lanes left
-    cores idle, waiting on timeouts or on each other, stand out against the machine's core count."""
-    if not procs:
-        return []
-    first = min(p.start for p in procs.values())
-    last = max(p.start + max(p.wall_s, 1.0) for p in procs.values())
-    busy = [0.0] * (int((last - first) // window_s) + 1)
-    for proc in procs.values():
-        begin, life = proc.start - first, max(proc.wall_s, 1.0)  # whole seconds: a short process's second
-        index = int(begin // window_s)
-        while index < len(busy) and index * window_s < begin + life:
-            overlap = min(begin + life, (index + 1) * window_s) - max(begin, index * window_s)
-            busy[index] += proc.cpu_s * overlap / life
-            index += 1
-    return [cpu / window_s for cpu in busy]
-
-
-def windows_report(procs: dict[int, Process], suite: Path, window_s: float) -> str:
-    procs = during_the_suite(procs, lane_processes(procs, suite))
-    return "\n".join(f"{i * window_s:6.0f} s {cores:5.2f} {'#' * round(cores * 20)}"
-                     for i, cores in enumerate(cores_in_use(procs, window_s)))
-
-
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[3] == "--windows":  # cores in use, window by window
-        print(windows_report(read_accounting(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[4])))
-    elif len(sys.argv) == 3:
-        print(report(read_accounting(sys.argv[1]), Path(sys.argv[2])))
-    else:
+    if len(sys.argv) != 3:
         sys.exit(__doc__)
+    print(report(read_accounting(sys.argv[1]), Path(sys.argv[2])))

@@ -64,12 +64,3 @@ def test_the_runs_a_zygote_forks_are_counted_by_when_each_started(tmp_path):
     assert "lane rest: pytest 8 CPU-s, its children 17" in text
     assert "      9.0  tests/test_b.py" in text and "      6.0  tests/test_a.py" in text
     assert "outside the lanes: 0 CPU-s" in text
-
-
-def test_busy_cores_spread_each_process_over_its_life():
-    procs = accounting(
-        (1, 0, "python", 20.0, 20.0, 1000.0),  # one core for 20 s: 10 s in each window
-        (2, 0, "python", 5.0, 10.0, 1005.0),  # half a core, 5 s in the first window, 5 in the second
-        (3, 0, "python", 0.5, 0.0, 1025.0))  # ended within its second: counted as one second
-    assert suite_cpu.cores_in_use(procs, 10.0) == [1.25, 1.25, 0.05]
-    assert suite_cpu.cores_in_use({}, 10.0) == []
