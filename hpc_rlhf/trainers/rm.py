@@ -4,9 +4,10 @@ The reward model is a causal-LM body with a scalar head at every position (hpc_r
 sequence's reward is the head's value at its last real token. Started from a causal-LM folder (the SFT output or
 the tiny model) the head is new. Each micro-batch of B pairs is one forward pass over 2B rows, the B chosen rows
 then the B rejected ones (with `rm.share_prompt`, over B rows that hold each prompt once: the same scores for the
-prompt's tokens once; hpc_rlhf.data.examples.shared_prompt_pair_collate), and the loss is -log sigmoid(r_chosen - r_rejected - margin), the margin read from
-`rm.margin_key` when set (Llama 2). Held-out figures on `data.eval_files`: pairwise accuracy (share of pairs with
-r_chosen > r_rejected), mean margin r_chosen - r_rejected, and the loss.
+prompt's tokens once; hpc_rlhf.data.examples.shared_prompt_pair_collate), and the loss is
+-log sigmoid(r_chosen - r_rejected - margin), the margin read from `rm.margin_key` when set (Llama 2). Held-out
+figures on `data.eval_files`: pairwise accuracy (share of pairs with r_chosen > r_rejected), mean margin
+r_chosen - r_rejected, and the loss.
 
 At the end the mean and standard deviation of the rewards of the held-out sequences (chosen and rejected) are
 stored in the model's config (`reward_mean`, `reward_std`), so that a consumer (PPO) can normalise rewards with
