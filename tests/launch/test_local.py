@@ -187,7 +187,9 @@ def test_forked_ranks_find_what_they_inherit_frozen_and_the_launcher_gets_it_bac
     try:
         frozen = gc.get_freeze_count()
         assert spawn_local(2, ["unused"], env=env_for_children(), target=rank_reports_its_frozen_objects) == 0
-        assert gc.get_freeze_count() == frozen
+        # Still frozen: unfreezing would leave 0. A frozen object whose last reference went away during the runs
+        # is freed and leaves the count (3 of ~514,000 did in a fresh-clone suite), so the count may only fall a little.
+        assert frozen - 1_000 <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
