@@ -9,10 +9,11 @@ more than most of the suite's command lines spend on their own work (a process-a
 2026-11-27, counted about 200 such interpreters started by the two pytest lanes). This process imports them once,
 then forks one child per request, and the child runs `python -m MODULE ARGS` or `python SCRIPT ARGS` as a fresh
 interpreter would: the request's environment, working folder, standard streams and niceness, `sys.argv` and
-`sys.path[0]` as Python sets them, and an exit through the interpreter's own shutdown (atexit handlers, flushed
-streams) with the code of the `SystemExit`. What a library reads from the environment when it is imported cannot
-change after the fork, so the client sends here only requests whose environment differs from this process's in
-no such variable (tests/distributed.py `zygote_for`: one zygote per set of them).
+`sys.path[0]` as Python sets them, and an end as the interpreter's (the code of the `SystemExit` or the traceback,
+non-daemon threads waited for, atexit handlers, flushed streams), without its teardown of the modules. What a
+library reads from the environment when it is imported cannot change after the fork, so the client sends here only
+requests whose environment differs from this process's in no such variable (tests/distributed.py `zygote_for`: one
+zygote per set of them).
 
 Protocol, on a Unix socket of messages (SOCK_SEQPACKET) in a folder only this user can open: the client sends one
 JSON object (module or script, argv, env, cwd, nice; optionally the CPUs it may run on and its umask) with three
@@ -27,6 +28,7 @@ interpreter.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -35,6 +37,9 @@ import select
 import signal
 import socket
 import sys
+import threading
+from collections.abc import Callable
+from typing import NoReturn
 
 from tests.distributed import import_time_environment
 
@@ -78,6 +83,46 @@ def _run(request: dict) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def _end_as_an_interpreter_would(run: Callable[[], None]) -> NoReturn:
+    """Run, then end as `python` does (the exit code of a SystemExit, the traceback of any other exception from the
+    script's own frame on, its non-daemon threads waited for, the atexit handlers run, the streams flushed), but by
+    os._exit: not through the interpreter's teardown, which frees every object the zygote imported. After a fork
+    that teardown is most of a short run's CPU: ~3 CPU-seconds of 3.5 for a trivial script here (2026-11-29), the
+    deallocation writing to every inherited page; frozen out of reach instead (main), those objects are left behind
+    and extensions such as triton's report them as leaked on stderr."""
+    code, interrupted = 0, False
+    try:
+        run()
+    except SystemExit as exc:
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:  # noqa: BLE001 - as an interpreter ends on any exception
+        frames = exc.__traceback__
+        while frames is not None and _is_ours(frames.tb_frame.f_code.co_filename):
+            frames = frames.tb_next  # the zygote's and runpy's frames: a fresh interpreter has none of them
+        sys.excepthook(type(exc), exc.with_traceback(frames), frames)
+        code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            if interrupted:  # Python ends on an uncaught KeyboardInterrupt by SIGINT, for its parent to see
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            os._exit(code & 0xFF)
+
+
+def _is_ours(filename: str) -> bool:
+    return filename in (__file__, runpy.__file__) or filename.startswith("<frozen runpy")
+
+
 def _handle(conn: socket.socket, import_time: tuple) -> None:
     """In the handler process of one connection: fork the run, report its pid and its exit, exit."""
     message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
@@ -97,11 +142,7 @@ def _handle(conn: socket.socket, import_time: tuple) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        try:
-            _run(request)
-            raise SystemExit(0)  # the script ended without sys.exit: what a fresh interpreter reports
-        finally:
-            gc.unfreeze()  # its end frees what it inherited, as a fresh interpreter's would (see main)
+        _end_as_an_interpreter_would(lambda: _run(request))
     for fd in fds:
         os.close(fd)
     conn.send(json.dumps({"pid": pid}).encode())

@@ -59,6 +59,31 @@ def test_a_forked_script_sees_what_a_fresh_interpreter_sees(tmp_path, monkeypatc
                       "marker": "forked or not"}
 
 
+ENDINGS = """
+import atexit, sys, threading, time
+atexit.register(print, "atexit handler ran")
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+print("buffered, never flushed by the script", end="")
+if sys.argv[1] == "raise":
+    raise ValueError("boom")
+if sys.argv[1] == "text":
+    sys.exit("a message for the exit")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("ending", ["raise", "text", "0", "5"])
+def test_a_forked_script_ends_as_a_fresh_interpreter_ends(ending, tmp_path, monkeypatch):
+    """Its threads waited for, its atexit handlers run, its streams flushed, the exit code and the traceback (from
+    the script's own frame on) of its exception, though the fork leaves by os._exit."""
+    script = tmp_path / "endings.py"
+    script.write_text(ENDINGS)
+    forked, fresh = both_ways(script, [ending], worker_env({"PYTHONUNBUFFERED": ""}), monkeypatch)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert "thread finished" in fresh.stdout and "atexit handler ran" in fresh.stdout
+    assert fresh.returncode == {"raise": 1, "text": 1, "0": 0, "5": 5}[ending]
+
+
 def test_a_forked_module_run_exits_as_python_m_does():
     proc = run_python("hpc_rlhf", None, ["no-such-mode"], env=worker_env(), timeout=60)
     assert proc.returncode == 2 and "unknown mode 'no-such-mode'" in proc.stderr
