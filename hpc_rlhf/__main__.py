@@ -1,5 +1,3 @@
-import sys
+from hpc_rlhf.cli import console_main
 
-from hpc_rlhf.cli import main
-
-sys.exit(main())
+console_main()

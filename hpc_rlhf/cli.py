@@ -4,7 +4,7 @@ commands, and how a mode runs from its arguments, are hpc_rlhf/launch/modes.py's
 
 from __future__ import annotations
 
-import sys
+from typing import NoReturn
 
 from hpc_rlhf.launch.modes import COMMANDS, DESCRIPTIONS, TRAINING_MODES, run, usage  # noqa: F401  (the table)
 
@@ -13,5 +13,13 @@ def main(argv: list[str] | None = None) -> int:
     return run(argv)
 
 
+def console_main() -> NoReturn:
+    """The process of `hpc-rlhf` and `python -m hpc_rlhf`: main(), then an end without the interpreter's teardown
+    (hpc_rlhf.utils.process_end: seconds of CPU in every rank of a job)."""
+    from hpc_rlhf.utils.process_end import end_process
+
+    end_process(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -28,7 +28,6 @@ interpreter.
 
 from __future__ import annotations
 
-import atexit
 import gc
 import json
 import os
@@ -37,9 +36,6 @@ import select
 import signal
 import socket
 import sys
-import threading
-from collections.abc import Callable
-from typing import NoReturn
 
 from tests.distributed import import_time_environment
 
@@ -56,6 +52,8 @@ def _warm_up() -> None:
 
     import_what_ranks_use()
     import transformers.models.llama.modeling_llama  # noqa: F401  (the tiny models' architecture)
+
+    import hpc_rlhf.utils.process_end  # noqa: F401  (how every run ends: _handle)
 
 
 def _run(request: dict) -> None:
@@ -83,42 +81,6 @@ def _run(request: dict) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-def _end_as_an_interpreter_would(run: Callable[[], None]) -> NoReturn:
-    """Run, then end as `python` does (the exit code of a SystemExit, the traceback of any other exception from the
-    script's own frame on, its non-daemon threads waited for, the atexit handlers run, the streams flushed), but by
-    os._exit: not through the interpreter's teardown, which frees every object the zygote imported. After a fork
-    that teardown is most of a short run's CPU: ~3 CPU-seconds of 3.5 for a trivial script here (2026-11-29), the
-    deallocation writing to every inherited page; frozen out of reach instead (main), those objects are left behind
-    and extensions such as triton's report them as leaked on stderr."""
-    code, interrupted = 0, False
-    try:
-        run()
-    except SystemExit as exc:
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException as exc:  # noqa: BLE001 - as an interpreter ends on any exception
-        frames = exc.__traceback__
-        while frames is not None and _is_ours(frames.tb_frame.f_code.co_filename):
-            frames = frames.tb_next  # the zygote's and runpy's frames: a fresh interpreter has none of them
-        sys.excepthook(type(exc), exc.with_traceback(frames), frames)
-        code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
-    try:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            if interrupted:  # Python ends on an uncaught KeyboardInterrupt by SIGINT, for its parent to see
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-            os._exit(code & 0xFF)
-
-
 def _is_ours(filename: str) -> bool:
     return filename in (__file__, runpy.__file__) or filename.startswith("<frozen runpy")
 
@@ -142,7 +104,12 @@ def _handle(conn: socket.socket, import_time: tuple) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        _end_as_an_interpreter_would(lambda: _run(request))
+        # As a fresh interpreter ends, but without its teardown, which frees every object the zygote imported: ~3
+        # of a trivial run's 3.5 CPU-seconds after a fork (hpc_rlhf.utils.process_end). Frozen out of reach instead
+        # (main), those objects would be left behind, and extensions such as triton's report them as leaked.
+        from hpc_rlhf.utils.process_end import end_process
+
+        end_process(lambda: _run(request), hidden_frames=_is_ours)
     for fd in fds:
         os.close(fd)
     conn.send(json.dumps({"pid": pid}).encode())
