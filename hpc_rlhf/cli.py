@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 from hpc_rlhf.launch.modes import COMMANDS, DESCRIPTIONS, TRAINING_MODES, run, usage  # noqa: F401  (the table)
+from hpc_rlhf.utils.process_end import end_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,8 +17,6 @@ def main(argv: list[str] | None = None) -> int:
 def console_main() -> NoReturn:
     """The process of `hpc-rlhf` and `python -m hpc_rlhf`: main(), then an end without the interpreter's teardown
     (hpc_rlhf.utils.process_end: seconds of CPU in every rank of a job)."""
-    from hpc_rlhf.utils.process_end import end_process
-
     end_process(main)
 
 
