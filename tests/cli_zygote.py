@@ -57,7 +57,8 @@ def _warm_up() -> None:
 
 
 def _run(request: dict) -> None:
-    """In the forked child: become the requested process and run it (it returns or raises; _handle ends the process through end_process)."""
+    """In the forked child: become the requested process and run it; it returns or raises, and _handle ends the
+    process through end_process."""
     os.chdir(request["cwd"])
     if request.get("cpus"):
         os.sched_setaffinity(0, request["cpus"])  # what Slurm's task binding gave the client
