@@ -174,12 +174,21 @@ def main(argv: list[str]) -> int:
     lock = threading.Lock()
     root = Path(tempfile.mkdtemp(prefix="hpc_rlhf_suite_"))
     (root / "gates").mkdir()
+    base = dict(os.environ)
+    # The children that multiprocessing spawns in both lanes' runs (vLLM's engine cores) fork from one zygote, which
+    # imports at the first of them (tests/distributed.py `spawn_python`): once for the suite, not once per lane.
+    sys.path.insert(0, str(REPO))
+    from tests.distributed import FRESH_VAR, SPAWN_PYTHON_VAR, start_spawn_zygote
+
+    _, spawn_python = start_spawn_zygote() if base.get(FRESH_VAR) != "1" else (None, None)
+    if spawn_python:
+        base[SPAWN_PYTHON_VAR] = spawn_python
     procs, threads = {}, []
     for name, selection in LANES.items():
         cmd = [sys.executable, "-m", "pytest", "-q", "--durations=15", f"--basetemp={root / name}", *selection,
                *argv, "tests"]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=lane_environment(os.environ, root, name))
+                                env=lane_environment(base, root, name))
         (root / f"{name}.pid").write_text(str(proc.pid))  # for scripts/suite_cpu.py
         thread = threading.Thread(target=_pipe, args=(name, proc.stdout, root / f"{name}.log", lock), daemon=True)
         thread.start()

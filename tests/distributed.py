@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -143,12 +144,13 @@ class Zygote:
         self.proc: subprocess.Popen | None = None
         self.path = ""
 
-    def start(self, env: dict[str, str]) -> None:
+    def start(self, env: dict[str, str], on_first_request: bool = False) -> None:
         folder = tempfile.mkdtemp(prefix="hpc_rlhf_zygote_")  # mode 0700: no one else may connect
         self.path = os.path.join(folder, "socket")
         # It ends when this process does (it watches its parent): not by PR_SET_PDEATHSIG, which would end it with
         # the thread that started it (the first request may come from a thread of tests/background.py).
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py"), self.path], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py"), self.path,
+                                      *(["--on-first-request"] if on_first_request else [])], cwd=REPO,
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
@@ -161,15 +163,29 @@ class Zygote:
             self.proc.kill()
             self.proc.wait()
         if self.path:
-            for leftover in (self.path, os.path.dirname(self.path)):
+            for leftover in (self.path, os.path.join(os.path.dirname(self.path), SPAWN_PYTHON_NAME),
+                             os.path.dirname(self.path)):
                 try:
-                    os.unlink(leftover) if leftover == self.path else os.rmdir(leftover)
+                    os.rmdir(leftover) if leftover == os.path.dirname(self.path) else os.unlink(leftover)
                 except OSError:
                     pass
 
+    def write_spawn_python(self) -> str:
+        """A script that runs tests/zygote_python.py with this zygote, for multiprocessing to spawn children with."""
+        from tests.zygote_python import SOCKET_VAR, START_TIMEOUT_VAR
+
+        script = os.path.join(os.path.dirname(self.path), SPAWN_PYTHON_NAME)
+        # The first child waits while the zygote imports (about what the child would have spent importing).
+        with open(script, "w") as f:
+            f.write(f"#!/bin/sh\n{SOCKET_VAR}={shlex.quote(self.path)} {START_TIMEOUT_VAR}=900 exec "
+                    f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'tests' / 'zygote_python.py'))} \"$@\"\n")
+        os.chmod(script, 0o700)
+        return script
+
     def run(self, module: str | None, script: str | None, argv: list[str], env: dict[str, str], timeout: float,
             priority: int) -> subprocess.CompletedProcess:
-        request = {"module": module, "script": script, "argv": argv, "env": env, "cwd": str(REPO), "nice": -priority}
+        request = {"module": module, "script": script, "argv": argv, "env": env, "cwd": str(REPO), "nice": -priority,
+                   "spawn_python": spawn_python(env)}
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 open(os.devnull, "rb") as stdin, socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
             conn.connect(self.path)
@@ -222,6 +238,39 @@ def zygote_for(env: dict[str, str]) -> Zygote | None:
                 zygote = None  # e.g. a variable its imports refuse: the fresh interpreter shows the command's error
             _ZYGOTES[key] = zygote
         return _ZYGOTES[key]
+
+
+# The children that multiprocessing spawns in those runs (vLLM's engine core: about 17 of its 20 CPU-seconds go to
+# importing torch, transformers and vLLM) fork from a zygote of their own, which imports with the first child's
+# environment (tests/cli_zygote.py --on-first-request): one per suite (scripts/run_suite.py starts it for both lanes
+# and names its script in SPAWN_PYTHON_VAR), else one per pytest process. A run whose environment sets
+# REAL_SPAWN_VAR=1 spawns them as the library does (the tests of which process is whose child).
+SPAWN_PYTHON_VAR = "HPC_RLHF_TEST_SPAWN_PYTHON"
+REAL_SPAWN_VAR = "HPC_RLHF_TEST_REAL_SPAWN"
+SPAWN_PYTHON_NAME = "spawn_python"
+_SPAWN_ZYGOTE: list[tuple[Zygote | None, str | None]] = []
+
+
+def spawn_python(env: dict[str, str]) -> str | None:
+    """The script multiprocessing spawns children with in a run of `env`, or None: as the library does."""
+    if env.get(REAL_SPAWN_VAR) == "1" or os.environ.get(FRESH_VAR, "") == "1":
+        return None
+    if os.environ.get(SPAWN_PYTHON_VAR):
+        return os.environ[SPAWN_PYTHON_VAR]
+    with _ZYGOTES_LOCK:
+        if not _SPAWN_ZYGOTE:
+            _SPAWN_ZYGOTE.append(start_spawn_zygote())
+        return _SPAWN_ZYGOTE[0][1]
+
+
+def start_spawn_zygote() -> tuple[Zygote | None, str | None]:
+    """Start the spawned children's zygote (it imports at its first request): it and the path of its script."""
+    zygote = Zygote()
+    try:
+        zygote.start(worker_env(), on_first_request=True)
+    except RuntimeError:
+        return None, None
+    return zygote, zygote.write_spawn_python()
 
 
 def _kill_group(pid: int) -> None:

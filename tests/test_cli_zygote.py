@@ -275,3 +275,82 @@ def test_a_start_timeout_that_is_not_a_number_is_named(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode == 1
     assert f"{START_TIMEOUT_VAR}='soon' must be a number of seconds above 0" in proc.stderr
+
+
+# ------------------------------------------------- children that multiprocessing spawns in a forked run (vLLM's)
+SPAWNER = """
+import json, multiprocessing, os, signal, sys, time
+
+def child(queue, code):
+    queue.put({"ppid": os.getppid(), "torch_loaded": "torch" in sys.modules, "argv": sys.argv,
+               "marker": os.environ.get("HPC_RLHF_PROBE"), "cwd": os.getcwd(), "nice": os.nice(0)})
+    sys.exit(code)
+
+def sleeper():
+    time.sleep(600)
+
+if __name__ == "__main__":
+    os.nice(2)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    answering = context.Process(target=child, args=(queue, 7))
+    answering.start()
+    answer = queue.get(timeout=120)
+    answering.join(120)
+    stopped = context.Process(target=sleeper)
+    stopped.start()
+    time.sleep(0.5)
+    stopped.terminate()
+    stopped.join(60)
+    print(json.dumps({"pid": os.getpid(), "child": answer, "exitcodes": [answering.exitcode, stopped.exitcode]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def own_spawn_zygote():
+    """A spawned children's zygote of this module's own (the session's imported with its first child's
+    environment), which imports with the environment of spawner_run's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(distributed.SPAWN_PYTHON_VAR, raising=False)
+        patch.setattr(distributed, "_SPAWN_ZYGOTE", [])
+        yield
+        for zygote, _ in distributed._SPAWN_ZYGOTE:
+            if zygote is not None:
+                zygote.stop()
+
+
+def spawner_run(tmp_path, env_extra=None):
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNER)
+    proc = run_python(None, str(script), [], env=worker_env({"HPC_RLHF_PROBE": "spawned", **(env_extra or {})}),
+                      timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_spawned_child_forks_from_the_spawn_zygote_and_runs_as_spawned(tmp_path, monkeypatch, own_spawn_zygote):
+    """A forked run's spawned child comes from the spawned children's zygote (not the run's child, its imports
+    done), yet gets what a spawned child gets: its arguments through the pipe multiprocessing passed on under its
+    number (a queue's descriptors too), the environment, folder and niceness of its parent, its exit code, and the
+    SIGTERM of terminate(); with REAL_SPAWN_VAR=1, or in a fresh interpreter, multiprocessing spawns it itself."""
+    zygoted = spawner_run(tmp_path)
+    real = spawner_run(tmp_path, {distributed.REAL_SPAWN_VAR: "1"})
+    monkeypatch.setenv(FRESH_VAR, "1")
+    fresh = spawner_run(tmp_path)
+    for run in (zygoted, real, fresh):
+        assert run["exitcodes"] == [7, -signal.SIGTERM]
+        assert {k: run["child"][k] for k in ("marker", "cwd", "nice")} == {"marker": "spawned", "cwd": str(REPO),
+                                                                            "nice": 2}
+        assert run["child"]["argv"] == [str(tmp_path / "spawner.py")]  # the parent's, as spawn hands it on
+    assert zygoted["child"]["ppid"] != zygoted["pid"] and zygoted["child"]["torch_loaded"]
+    assert real["child"]["ppid"] == real["pid"] and not real["child"]["torch_loaded"]
+    assert fresh["child"]["ppid"] == fresh["pid"]
+
+
+def test_a_spawned_child_the_spawn_zygote_refuses_is_spawned_fresh(tmp_path, own_spawn_zygote):
+    """The spawned children's zygote imported with its first child's environment (spawner_run's): a child whose
+    variables read at import time differ is spawned as multiprocessing does, through a fresh interpreter."""
+    first = spawner_run(tmp_path)
+    other = spawner_run(tmp_path, {"HF_HUB_OFFLINE": "0"})
+    assert first["child"]["torch_loaded"] and not other["child"]["torch_loaded"]
+    assert other["exitcodes"] == [7, -signal.SIGTERM] and other["child"]["marker"] == "spawned"

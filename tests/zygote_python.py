@@ -12,8 +12,15 @@ sends it goes to the rank's process group (as Slurm signals every process of a s
 (the same code, or death by the same signal), and when srun kills it (SIGKILL, which no process can pass on) the
 zygote's handler sees the connection close and kills the rank's group.
 
-Anything else (`-c CODE`, flags, a request the zygote refuses because a variable read at import time differs, no
-HPC_RLHF_TEST_ZYGOTE) execs the real interpreter with the same arguments.
+It also stands in for a child that multiprocessing spawns (`[-B] -c 'from multiprocessing.spawn import spawn_main;
+spawn_main(...)' --multiprocessing-fork`): vLLM's engine core, about 17 of its 20 CPU-seconds in importing torch,
+transformers and vLLM again. tests/cli_zygote.py names a script that runs this file as multiprocessing's
+executable in the runs it forks (`spawn_python`), and a zygote started with `--on-first-request` serves those
+children: the request carries the file descriptors multiprocessing passed on (the pipe the child reads its process
+object from, the resource tracker's), each under its own number, and the niceness of the parent.
+
+Anything else (other `-c CODE`, flags, a request the zygote refuses because a variable read at import time differs,
+no HPC_RLHF_TEST_ZYGOTE) execs the real interpreter with the same arguments.
 """
 
 from __future__ import annotations
@@ -57,9 +64,43 @@ def request_for(argv: list[str]) -> dict | None:
     elif argv and not argv[0].startswith("-"):
         module, script, rest = None, os.path.abspath(argv[0]), argv[1:]
     else:
-        return None
+        return spawn_request(argv)
     return {"module": module, "script": script, "argv": rest, "env": dict(os.environ), "cwd": os.getcwd(),
             "nice": 0, "cpus": sorted(os.sched_getaffinity(0)), "umask": _umask()}
+
+
+SPAWN_CODE = "from multiprocessing.spawn import spawn_main; spawn_main("
+SPAWN_FLAG = "--multiprocessing-fork"
+
+
+def spawn_request(argv: list[str]) -> dict | None:
+    """The request for a child that multiprocessing spawns, or None for any other command line. `-B` is the one
+    interpreter flag taken (multiprocessing passes the parent's flags on; the sandboxes set PYTHONDONTWRITEBYTECODE)."""
+    flags = argv[:argv.index("-c")] if "-c" in argv else argv
+    rest = argv[len(flags):]
+    if any(flag != "-B" for flag in flags) or len(rest) != 3 or not rest[1].startswith(SPAWN_CODE) \
+            or rest[2] != SPAWN_FLAG:
+        return None
+    env = dict(os.environ)
+    env.pop(SOCKET_VAR, None)  # the spawn_python script's, not the parent's
+    env.pop(START_TIMEOUT_VAR, None)
+    return {"code": rest[1], "argv": [SPAWN_FLAG], "dont_write_bytecode": bool(flags), "env": env,
+            "cwd": os.getcwd(), "priority": os.getpriority(os.PRIO_PROCESS, 0), "cpus": sorted(os.sched_getaffinity(0)),
+            "umask": _umask(), "fds": passed_fds()}
+
+
+def passed_fds() -> list[int]:
+    """The descriptors this process holds beyond the standard three: those its parent passed on."""
+    listed = [int(name) for name in os.listdir("/proc/self/fd")]  # the listing's own descriptor is closed by now
+    return [fd for fd in sorted(listed) if fd > 2 and _is_open(fd)]
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _umask() -> int:
@@ -79,7 +120,7 @@ def main(argv: list[str]) -> None:
     conn.settimeout(start_timeout_s())
     try:
         conn.connect(path)
-        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2, *request.get("fds", [])])
         reply = json.loads(conn.recv(MAX_REPLY_BYTES) or b"{}")
     except (OSError, ValueError) as exc:
         print(f"tests/zygote_python.py: the zygote at {path} did not answer ({exc}); starting a fresh interpreter",
@@ -90,6 +131,8 @@ def main(argv: list[str]) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         fresh_interpreter(argv)
     rank = reply["pid"]
+    for fd in request.get("fds", []):  # the child holds them now: a pipe's end closes when the child ends, as spawned
+        os.close(fd)
     conn.settimeout(None)  # the rank runs as long as it runs: srun's limits apply to this stand-in
 
     def pass_on(signum, _frame):

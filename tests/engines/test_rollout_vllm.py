@@ -21,7 +21,7 @@ from hpc_rlhf.config import TINY_ASSETS
 from hpc_rlhf.engines.rollout import vllm as vr
 from hpc_rlhf.engines.rollout.base import RolloutError, SamplingParams, hf_named_tensors, hf_param_name
 from hpc_rlhf.engines.rollout.vllm_transfer import CUDA_IPC_BACKEND, SHM_BACKEND
-from tests.distributed import REPO, run_ranks
+from tests.distributed import REAL_SPAWN_VAR, REPO, run_ranks
 
 pytestmark = pytest.mark.vllm  # a skip fails CI (tests/ci_skips.py)
 
@@ -120,7 +120,9 @@ def _rank_main(out: str) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm_engine") / "result.json"
-    run_ranks(2, __file__, "engine", str(out), timeout=600)
+    # vLLM spawns its engine core as it does in a job, not through the tests' zygote: which process is whose child
+    # is what test_vllm_processes_stay_out_of_our_world checks.
+    run_ranks(2, __file__, "engine", str(out), timeout=600, env={REAL_SPAWN_VAR: "1"})
     return json.loads(out.read_text())
 
 
