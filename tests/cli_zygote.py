@@ -5,8 +5,8 @@ Slurm's ranks through tests/zygote_python.py).
                                              # variables of a pytest process, and one for its local Slurm jobs
     python tests/cli_zygote.py SOCKET --on-first-request
                                              # the spawned children's zygote (tests/distributed.py `spawn_python`):
-                                             # it imports once the first request came, with that request's
-                                             # environment (and vLLM's engine core where that has VLLM_ variables)
+                                             # it imports vLLM's engine core with the rest once the first engine
+                                             # core came, in that one's environment (earlier requests: refused)
 
 Every fresh interpreter of a test imports torch, transformers, deepspeed and datasets again: about 5 CPU-seconds,
 more than most of the suite's command lines spend on their own work (a process-accounting run of the whole suite,
@@ -223,6 +223,13 @@ def _ready_for(env: dict[str, str], vllm_children: bool) -> tuple:
     return import_time
 
 
+def _is_an_engine_core(request: dict) -> bool:
+    """Whether a spawned child is vLLM's engine core as our engines start it (hpc_rlhf.engines.rollout.vllm
+    `worker_environment`): the environment the spawned children's zygote takes for its own. A first child of
+    another kind, or of another environment, would have every engine core after it refused."""
+    return request["env"].get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+
+
 def main(path: str, on_first_request: bool = False) -> None:
     """Serve requests on `path`; `on_first_request`: import only when the first request came, in its environment
     (the spawned children's zygote: their parents' environment is known only then)."""
@@ -249,8 +256,13 @@ def main(path: str, on_first_request: bool = False) -> None:
             except (OSError, ValueError):
                 conn.close()
                 continue
-            env = received[0]["env"]  # vLLM's engine core imports vLLM: a child of another library would not
-            import_time = _ready_for(env, vllm_children=any(name.startswith("VLLM_") for name in env))
+            if not _is_an_engine_core(received[0]):  # spawned as the library does, and the next one may be
+                conn.send(json.dumps({"refused": ["not vLLM's engine core"]}).encode())
+                conn.close()
+                for fd in received[1]:
+                    os.close(fd)
+                continue
+            import_time = _ready_for(received[0]["env"], vllm_children=True)
         if os.fork() == 0:
             server.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the handler waits for its run

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hpc_rlhf.config import TINY_ASSETS
-from tests.distributed import REPO, worker_env
+from tests.distributed import REPO, worker_env, zygote_for
+from tests.zygote_python import SOCKET_VAR
 
 MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 
@@ -31,7 +32,14 @@ def expected_answer(messages: list[dict], max_new_tokens: int) -> str:
 
 
 def spawn(*args: str) -> pexpect.spawn:
-    return pexpect.spawn(sys.executable, ["-m", "hpc_rlhf.chat", *args], cwd=str(REPO), env=worker_env(),
+    """`python -m hpc_rlhf.chat ARGS` on a pseudo-terminal, forked from the tests' zygote where there is one:
+    tests/zygote_python.py stands in for it on the terminal and hands the zygote's fork its three streams."""
+    env = worker_env()
+    zygote = zygote_for(env)
+    stand_in = [str(REPO / "tests" / "zygote_python.py")] if zygote is not None else []
+    if zygote is not None:
+        env[SOCKET_VAR] = zygote.path
+    return pexpect.spawn(sys.executable, [*stand_in, "-m", "hpc_rlhf.chat", *args], cwd=str(REPO), env=env,
                          encoding="utf-8", timeout=60)
 
 

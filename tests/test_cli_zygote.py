@@ -308,8 +308,8 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def own_spawn_zygote():
-    """A spawned children's zygote of this module's own (the session's imported with its first child's
-    environment), which imports with the environment of spawner_run's."""
+    """A spawned children's zygote of this module's own (the session's took the environment of its first engine
+    core), which takes that of spawner_run's engine-like children."""
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(distributed.SPAWN_PYTHON_VAR, raising=False)
         patch.setattr(distributed, "_SPAWN_ZYGOTE", [])
@@ -317,6 +317,11 @@ def own_spawn_zygote():
         for zygote, _ in distributed._SPAWN_ZYGOTE:
             if zygote is not None:
                 zygote.stop()
+
+
+# What our vLLM engines put in the environment of the engine core (hpc_rlhf.engines.rollout.vllm.worker_environment):
+# the spawned children's zygote takes the environment of the first child that has it.
+ENGINE_LIKE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def spawner_run(tmp_path, env_extra=None):
@@ -328,15 +333,29 @@ def spawner_run(tmp_path, env_extra=None):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def test_the_spawn_zygote_takes_the_first_engine_cores_environment_and_refuses_others(tmp_path,
+                                                                                        own_spawn_zygote):
+    """Spawned children of another kind than vLLM's engine core (first here) and engine cores whose variables read at
+    import time differ from the first engine core's are spawned as multiprocessing does: a fresh interpreter."""
+    other_kind = spawner_run(tmp_path)
+    first = spawner_run(tmp_path, ENGINE_LIKE)
+    other_environment = spawner_run(tmp_path, {**ENGINE_LIKE, "HF_HUB_OFFLINE": "0"})
+    assert first["child"]["torch_loaded"]
+    assert not other_kind["child"]["torch_loaded"] and not other_environment["child"]["torch_loaded"]
+    for run in (other_kind, other_environment):
+        assert run["exitcodes"] == [7, -signal.SIGTERM] and run["child"]["marker"] == "spawned"
+        assert run["child"]["ppid"] == run["pid"]
+
+
 def test_a_spawned_child_forks_from_the_spawn_zygote_and_runs_as_spawned(tmp_path, monkeypatch, own_spawn_zygote):
     """A forked run's spawned child comes from the spawned children's zygote (not the run's child, its imports
     done), yet gets what a spawned child gets: its arguments through the pipe multiprocessing passed on under its
     number (a queue's descriptors too), the environment, folder and niceness of its parent, its exit code, and the
     SIGTERM of terminate(); with REAL_SPAWN_VAR=1, or in a fresh interpreter, multiprocessing spawns it itself."""
-    zygoted = spawner_run(tmp_path)
-    real = spawner_run(tmp_path, {distributed.REAL_SPAWN_VAR: "1"})
+    zygoted = spawner_run(tmp_path, ENGINE_LIKE)
+    real = spawner_run(tmp_path, {**ENGINE_LIKE, distributed.REAL_SPAWN_VAR: "1"})
     monkeypatch.setenv(FRESH_VAR, "1")
-    fresh = spawner_run(tmp_path)
+    fresh = spawner_run(tmp_path, ENGINE_LIKE)
     for run in (zygoted, real, fresh):
         assert run["exitcodes"] == [7, -signal.SIGTERM]
         assert {k: run["child"][k] for k in ("marker", "cwd", "nice")} == {"marker": "spawned", "cwd": str(REPO),
@@ -345,12 +364,3 @@ def test_a_spawned_child_forks_from_the_spawn_zygote_and_runs_as_spawned(tmp_pat
     assert zygoted["child"]["ppid"] != zygoted["pid"] and zygoted["child"]["torch_loaded"]
     assert real["child"]["ppid"] == real["pid"] and not real["child"]["torch_loaded"]
     assert fresh["child"]["ppid"] == fresh["pid"]
-
-
-def test_a_spawned_child_the_spawn_zygote_refuses_is_spawned_fresh(tmp_path, own_spawn_zygote):
-    """The spawned children's zygote imported with its first child's environment (spawner_run's): a child whose
-    variables read at import time differ is spawned as multiprocessing does, through a fresh interpreter."""
-    first = spawner_run(tmp_path)
-    other = spawner_run(tmp_path, {"HF_HUB_OFFLINE": "0"})
-    assert first["child"]["torch_loaded"] and not other["child"]["torch_loaded"]
-    assert other["exitcodes"] == [7, -signal.SIGTERM] and other["child"]["marker"] == "spawned"

@@ -9,7 +9,7 @@ reader of benchmarks/README.md.
   against 10-33 s alone (2026-11-26, AMD EPYC 2 cores). The CPU ones (COMMANDS) are forks, one after the other, of
   one fresh interpreter that imported torch, transformers, deepspeed and the RL modes once
   (tests/benchmarks/smoke_runner.py, fixture `smoke_runs`, itself forked from the tests' zygote), and so is the
-  vLLM one (vLLM starts its engine's processes itself); the TRL ones are fresh interpreters.
+  vLLM one (vLLM spawns its engine's processes itself); the TRL ones are fresh interpreters.
 - The five multi-rank ones (`--smoke`: rl_phases, async_rl, memory_scaling, lora_rl, weight_sync) fork every rank
   from the benchmark's own interpreter, which imported torch, transformers, deepspeed and the RL modes once
   (benchlib.run_ranks): no interpreter per run or rank. Alone, one thread (2026-11-27, AMD EPYC 2 cores), CPU
@@ -35,7 +35,7 @@ import pytest
 
 from hpc_rlhf.utils.imports import import_target
 
-from tests.distributed import REPO, run_python, worker_env
+from tests.distributed import REAL_SPAWN_VAR, REPO, run_python, worker_env
 
 pytestmark = pytest.mark.benchmarks
 BENCHMARKS = REPO / "benchmarks"
@@ -102,10 +102,11 @@ def smoke_runs(request, tmp_path_factory):
         names.append("rollout_engines")
     out = tmp_path_factory.mktemp("smoke_runs")
     commands = {**COMMANDS, **VLLM}
-    # Forked from the tests' zygote (tests/distributed.py run_python), its imports done, and the engine core of the
-    # vLLM one from the spawned children's zygote.
+    # Forked from the tests' zygote (tests/distributed.py run_python), its imports done. vLLM spawns the engine cores
+    # of rollout_engines itself: the benchmark's environment (benchlib) is not the tests', and the spawned children's
+    # zygote serves the environment of the first engine core it gets.
     proc = run_python(None, str(RUNNER), [str(out), "900", json.dumps({n: commands[n] for n in names})],
-                      env=worker_env(), timeout=900 * len(names) + 60)
+                      env=worker_env({REAL_SPAWN_VAR: "1"}), timeout=900 * len(names) + 60)
     return out, proc
 
 

@@ -40,7 +40,10 @@ from tests.distributed import FRESH_VAR, REPO, Zygote, worker_env
 from tests.zygote_python import SOCKET_VAR
 
 SCRIPT = REPO / "scripts" / "local_slurm.sh"
-STEPS = 30  # long enough that the preemption signal lands mid-run, short enough for a minute-long job
+# Long enough that the preemption signal lands mid-run (30 steps took 3.4 s of a loaded machine, and the signal came
+# after them), short enough for a minute-long job.
+STEPS = 50
+STATE_POLL_S = 2.0
 MPI_STEPS = 4  # the MPI jobs only have to start and train across their ranks: a few steps and the final eval
 JOB_TIMEOUT_S = 600
 QUEUE_WAIT_S = 1800  # the longest a job of the session may wait in the queue for its turn
@@ -284,22 +287,28 @@ log:
 def _signal_when_running(cluster: LocalCluster, job: Submitted, record: Preemption, min_step: int = 2) -> None:
     # The deadline counts from when the job runs: a job submitted with the session's others may wait its turn.
     deadline = time.monotonic() + QUEUE_WAIT_S + JOB_TIMEOUT_S
+    next_state_check = 0.0
     try:
         while time.monotonic() < deadline:
-            state = cluster.job_fields(job.job_id).get("JobState")
-            if state == "PENDING":
-                deadline = max(deadline, time.monotonic() + JOB_TIMEOUT_S)
+            # The metrics first, the scheduler's state (scontrol, seconds on a loaded machine) at most every
+            # STATE_POLL_S: the job's steps take a few seconds in all, and a signal sent after the last one finds no
+            # run left to stop (the submitit job in a fresh-clone suite of 2026-11-29: restarts 0).
             try:
                 steps = [row["step"] for row in job.metrics()]
             except (FileNotFoundError, json.JSONDecodeError):  # not started, or a line half written
                 steps = []
-            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-                record.error = f"the job ended ({state}) before it could be signalled"
-                return
             if steps and max(steps) >= min_step:
                 cluster.run(["scancel", "--signal=USR1", job.job_id])
                 record.step_seen = max(steps)
                 return
+            if time.monotonic() >= next_state_check:
+                state = cluster.job_fields(job.job_id).get("JobState")
+                if state == "PENDING":
+                    deadline = max(deadline, time.monotonic() + JOB_TIMEOUT_S)
+                if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+                    record.error = f"the job ended ({state}) before it could be signalled"
+                    return
+                next_state_check = time.monotonic() + STATE_POLL_S
             time.sleep(0.1)
         record.error = f"no step was logged within {JOB_TIMEOUT_S} s of the job's start"
     except Exception as exc:  # noqa: BLE001 - reported by the test that reads the record
