@@ -284,33 +284,53 @@ log:
     return path
 
 
+# The signaller runs in a process of its own: a thread of the pytest process sent the signal 14 s after the job's
+# second step (fresh-clone suites of 2026-11-29, twice; that job's 50 steps took 10 s), while the lane ran other
+# tests, so the job had ended. It reads the metrics every 0.1 s and asks the scheduler for the job's state (scontrol,
+# slow under load) at most every STATE_POLL_S; it prints one JSON line: the step it saw, or the error.
+SIGNALLER = """
+import json, subprocess, sys, time
+job_id, metrics, min_step, deadline_s, pending_s, poll_s = sys.argv[1:7]
+deadline, next_state = time.monotonic() + float(deadline_s), 0.0
+def say(**what):
+    print(json.dumps(what), flush=True)
+    sys.exit(0)
+while time.monotonic() < deadline:
+    try:
+        with open(metrics) as f:
+            steps = [json.loads(line)["step"] for line in f if line.strip()]
+    except (OSError, ValueError, KeyError):  # not started, or a line half written
+        steps = []
+    if steps and max(steps) >= int(min_step):
+        subprocess.run(["scancel", "--signal=USR1", job_id], check=True, capture_output=True, timeout=60)
+        say(step_seen=max(steps))
+    if time.monotonic() >= next_state:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                             timeout=60).stdout
+        state = dict(item.split("=", 1) for item in out.split() if "=" in item).get("JobState")
+        if state == "PENDING":
+            deadline = max(deadline, time.monotonic() + float(pending_s))
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            say(error=f"the job ended ({state}) before it could be signalled")
+        next_state = time.monotonic() + float(poll_s)
+    time.sleep(0.1)
+say(error=f"no step was logged within {pending_s} s of the job's start")
+"""
+
+
 def _signal_when_running(cluster: LocalCluster, job: Submitted, record: Preemption, min_step: int = 2) -> None:
     # The deadline counts from when the job runs: a job submitted with the session's others may wait its turn.
-    deadline = time.monotonic() + QUEUE_WAIT_S + JOB_TIMEOUT_S
-    next_state_check = 0.0
     try:
-        while time.monotonic() < deadline:
-            # The metrics first, the scheduler's state (scontrol, seconds on a loaded machine) at most every
-            # STATE_POLL_S: the job's steps take a few seconds in all, and a signal sent after the last one finds no
-            # run left to stop (the submitit job in a fresh-clone suite of 2026-11-29: restarts 0).
-            try:
-                steps = [row["step"] for row in job.metrics()]
-            except (FileNotFoundError, json.JSONDecodeError):  # not started, or a line half written
-                steps = []
-            if steps and max(steps) >= min_step:
-                cluster.run(["scancel", "--signal=USR1", job.job_id])
-                record.step_seen = max(steps)
-                return
-            if time.monotonic() >= next_state_check:
-                state = cluster.job_fields(job.job_id).get("JobState")
-                if state == "PENDING":
-                    deadline = max(deadline, time.monotonic() + JOB_TIMEOUT_S)
-                if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-                    record.error = f"the job ended ({state}) before it could be signalled"
-                    return
-                next_state_check = time.monotonic() + STATE_POLL_S
-            time.sleep(0.1)
-        record.error = f"no step was logged within {JOB_TIMEOUT_S} s of the job's start"
+        proc = subprocess.run([sys.executable, "-c", SIGNALLER, job.job_id, str(job.output_dir / "metrics.jsonl"),
+                               str(min_step), str(QUEUE_WAIT_S + JOB_TIMEOUT_S), str(JOB_TIMEOUT_S),
+                               str(STATE_POLL_S)], cwd=REPO, env=cluster.env, capture_output=True, text=True,
+                              timeout=2 * (QUEUE_WAIT_S + JOB_TIMEOUT_S))
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            record.error = f"the signaller exited {proc.returncode}: {proc.stderr[-2000:]}"
+        else:
+            said = json.loads(lines[-1])
+            record.step_seen, record.error = said.get("step_seen"), said.get("error")
     except Exception as exc:  # noqa: BLE001 - reported by the test that reads the record
         record.error = f"{type(exc).__name__}: {exc}"
     finally:
