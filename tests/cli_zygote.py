@@ -50,6 +50,7 @@ import sys
 import types
 
 from tests.distributed import import_time_environment
+from tests.zygote_python import is_open
 
 MAX_REQUEST_BYTES = 1 << 20
 MAX_FDS = 32
@@ -133,15 +134,8 @@ def _refusal(request: dict, fds: list[int], import_time: tuple, conn: socket.soc
     if len(fds) != len(targets):
         return [f"{len(fds)} descriptors for {len(targets)} numbers"]
     held = {int(name) for name in os.listdir("/proc/self/fd")} - set(fds) - {conn.fileno()}
-    return [f"descriptor {fd}" for fd in sorted(held & set(targets[3:])) if _is_open(fd)]  # not the listing's own
+    return [f"descriptor {fd}" for fd in sorted(held & set(targets[3:])) if is_open(fd)]  # not the listing's own
 
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 def _targets(request: dict) -> list[int]:

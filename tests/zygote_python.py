@@ -92,10 +92,10 @@ def spawn_request(argv: list[str]) -> dict | None:
 def passed_fds() -> list[int]:
     """The descriptors this process holds beyond the standard three: those its parent passed on."""
     listed = [int(name) for name in os.listdir("/proc/self/fd")]  # the listing's own descriptor is closed by now
-    return [fd for fd in sorted(listed) if fd > 2 and _is_open(fd)]
+    return [fd for fd in sorted(listed) if fd > 2 and is_open(fd)]
 
 
-def _is_open(fd: int) -> bool:
+def is_open(fd: int) -> bool:
     try:
         os.fstat(fd)
     except OSError:
