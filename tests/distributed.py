@@ -128,9 +128,22 @@ MAX_ZYGOTES = 4
 
 
 def import_time_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    """The variables of `env` that a library may read when it is imported, sorted. `PYTHON` is the launch scripts'
-    interpreter command (launch/env.sh), which no interpreter reads."""
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHON"))
+    """The variables of `env` that a library may read when it is imported, sorted, `LD_LIBRARY_PATH` as the folders
+    the dynamic linker would search. `PYTHON` is the launch scripts' interpreter command (launch/env.sh), which no
+    interpreter reads."""
+    chosen = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHON"}
+    if library_search_path(chosen.pop("LD_LIBRARY_PATH", "")):  # none searched: as if unset
+        chosen["LD_LIBRARY_PATH"] = library_search_path(env["LD_LIBRARY_PATH"])
+    return tuple(sorted(chosen.items()))
+
+
+def library_search_path(value: str) -> str:
+    """`LD_LIBRARY_PATH` as the folders it names that exist, each once, in order: what the linker finds through it.
+    OpenCV's loader, which vLLM's imports run, prepends a folder that does not exist and, to an unset variable, an
+    empty entry (the working directory, where no run keeps libraries), in every process that imports it, so ranks
+    of one job otherwise differ by how many processes imported it on their way."""
+    folders = [entry for entry in value.split(":") if entry and os.path.isdir(entry)]
+    return ":".join(dict.fromkeys(folders))
 
 
 class ZygoteRefused(Exception):

@@ -120,6 +120,22 @@ def test_an_environment_read_at_import_time_keys_a_zygote_of_its_own(variable, v
     assert import_time_environment({**worker_env(), variable: value}) != usual
 
 
+def test_the_library_path_keys_a_zygote_by_the_folders_the_linker_would_search(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    base = {k: v for k, v in worker_env().items() if k != "LD_LIBRARY_PATH"}
+
+    def key(value):
+        return import_time_environment({**base, "LD_LIBRARY_PATH": value})
+
+    missing = str(tmp_path / "lib64")  # what OpenCV's loader prepends, in every process that imports it
+    assert key(f"{missing}:{missing}:{first}:") == key(f"{first}") == key(f"{first}:{first}")
+    assert key(f"{missing}:") == key("") == import_time_environment(base)
+    assert key(f"{first}:{second}") != key(f"{second}:{first}")  # the order decides which library is found
+    assert key(f"{first}") != key(f"{first}:{second}")
+
+
 def test_an_environment_read_at_import_time_gets_a_zygote_of_its_own():
     """The key above, with real zygotes (each start pays the imports: one variable stands for the others)."""
     zygote = zygote_for(worker_env())
