@@ -40,6 +40,7 @@ from __future__ import annotations
 import fcntl
 import gc
 import importlib.util
+import io
 import json
 import os
 import runpy
@@ -93,6 +94,11 @@ def _run(request: dict) -> None:
             os.nice(request["nice"])
     except OSError:
         pass  # not allowed to this user: a priority only changes who waits for whom
+    if request.get("unbuffered"):  # `python -u`: what is printed goes out at once, as the kernel's write
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=sys.stdout.encoding,
+                                      errors=sys.stdout.errors, write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=sys.stderr.encoding,
+                                      errors=sys.stderr.errors, write_through=True)
     if request.get("spawn_python"):
         import multiprocessing
 

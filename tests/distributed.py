@@ -43,18 +43,15 @@ def run_ranks(nproc: int, script: str | Path, *args: str, timeout: float = 180,
               env: dict[str, str] | None = None, check: bool = True,
               launcher: str = "fork") -> subprocess.CompletedProcess:
     """`launcher="fork"`: the ranks are forks of one interpreter that imported the heavy libraries once
-    (tests/fork_ranks.py); `"torchrun"`: torchrun's fresh interpreters, for the tests about torchrun itself."""
+    (tests/fork_ranks.py); `"torchrun"`: torchrun's agent and workers, for the tests about torchrun itself."""
     if launcher == "fork":
-        cmd = [sys.executable, str(REPO / "tests" / "fork_ranks.py"), str(nproc), str(script), *args]
+        proc = run_python(None, str(REPO / "tests" / "fork_ranks.py"), [str(nproc), str(script), *args],
+                          env=worker_env(env), timeout=timeout)
     elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "--max_restarts=0", "--monitor_interval=0.5", str(script), *args]
+        proc = torchrun(["--standalone", f"--nproc_per_node={nproc}", "--max_restarts=0", "--monitor_interval=0.5",
+                         str(script), *args], env=worker_env(env), timeout=timeout)
     else:
         raise ValueError(f"run_ranks: launcher must be 'fork' or 'torchrun', not {launcher!r}")
-    if launcher == "fork":
-        proc = run_python(None, cmd[1], cmd[2:], env=worker_env(env), timeout=timeout)
-    else:
-        proc = subprocess.run(cmd, cwd=REPO, env=worker_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{nproc}-rank run of {Path(script).name} {' '.join(args)} failed "
                              f"(exit {proc.returncode}):\n--- stdout\n{proc.stdout[-6000:]}\n"
@@ -84,6 +81,17 @@ def run_worker(cases: dict[str, Callable[..., object]], timeout_s: float | None 
     cases[case](*args)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def torchrun(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run ARGS`, its agent and its workers forked from the tests' zygote: the agent
+    starts each worker as `PYTHON_EXEC -u ...` (torchrun's own setting), and PYTHON_EXEC names the zygote's
+    stand-in script (tests/zygote_python.py), as the local Slurm's ranks are started. Each worker is still a
+    process of torchrun's with torchrun's environment; it does not pay the imports again (~5 CPU-seconds a rank)."""
+    zygote = zygote_for(env)
+    if zygote is not None and zygote.rank_python:
+        env = {**env, "PYTHON_EXEC": zygote.rank_python}
+    return run_python("torch.distributed.run", None, args, env=env, timeout=timeout)
 
 
 def _raise_priority(by: int):
@@ -123,6 +131,9 @@ def hpc_rlhf_cli(*args: str, timeout: float = 900, check: bool = True, threads: 
 IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "ATEN_", "ONEDNN", "DNNL", "TORCH", "PYTORCH",
                         "DS_", "DEEPSPEED", "HF_", "TRANSFORMERS", "TOKENIZERS", "DATASETS", "CUDA", "NCCL", "VLLM",
                         "PYTHON", "LD_", "MALLOC", "HPC_RLHF_CPU_KERNELS")
+# What torchrun sets for its workers (and its agent for itself), which only its own code and the process groups read
+# once they run: a torchrun worker is served by the zygote of its agent's environment.
+TORCHRUN_RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC")
 FRESH_VAR = "HPC_RLHF_TEST_FRESH_INTERPRETERS"
 MAX_ZYGOTES = 4
 
@@ -131,7 +142,8 @@ def import_time_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """The variables of `env` that a library may read when it is imported, sorted, `LD_LIBRARY_PATH` as the folders
     the dynamic linker would search. `PYTHON` is the launch scripts' interpreter command (launch/env.sh), which no
     interpreter reads."""
-    chosen = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHON"}
+    chosen = {k: v for k, v in env.items()
+              if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHON" and not k.startswith(TORCHRUN_RUN_TIME)}
     if library_search_path(chosen.pop("LD_LIBRARY_PATH", "")):  # none searched: as if unset
         chosen["LD_LIBRARY_PATH"] = library_search_path(env["LD_LIBRARY_PATH"])
     return tuple(sorted(chosen.items()))
@@ -156,6 +168,7 @@ class Zygote:
     def __init__(self):
         self.proc: subprocess.Popen | None = None
         self.path = ""
+        self.rank_python = ""  # a stand-in script for ranks another launcher starts (not for a spawn zygote)
 
     def start(self, env: dict[str, str], on_first_request: bool = False) -> None:
         folder = tempfile.mkdtemp(prefix="hpc_rlhf_zygote_")  # mode 0700: no one else may connect
@@ -170,14 +183,17 @@ class Zygote:
             self.proc.kill()
             raise RuntimeError(f"tests/cli_zygote.py did not start (exit {self.proc.wait()})")
         atexit.register(self.stop)
+        if not on_first_request:
+            self.rank_python = self._write_stand_in(RANK_PYTHON_NAME)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         if self.path:
-            for leftover in (self.path, os.path.join(os.path.dirname(self.path), SPAWN_PYTHON_NAME),
-                             os.path.dirname(self.path)):
+            folder = os.path.dirname(self.path)
+            for leftover in (self.path, os.path.join(folder, SPAWN_PYTHON_NAME), os.path.join(folder, RANK_PYTHON_NAME),
+                             folder):
                 try:
                     os.rmdir(leftover) if leftover == os.path.dirname(self.path) else os.unlink(leftover)
                 except OSError:
@@ -185,12 +201,17 @@ class Zygote:
 
     def write_spawn_python(self) -> str:
         """A script that runs tests/zygote_python.py with this zygote, for multiprocessing to spawn children with."""
+        # The first child waits while the zygote imports (about what the child would have spent importing).
+        return self._write_stand_in(SPAWN_PYTHON_NAME, start_timeout_s=900)
+
+    def _write_stand_in(self, name: str, start_timeout_s: float | None = None) -> str:
+        """A script beside the socket that runs tests/zygote_python.py with this zygote: a `python` to name."""
         from tests.zygote_python import SOCKET_VAR, START_TIMEOUT_VAR
 
-        script = os.path.join(os.path.dirname(self.path), SPAWN_PYTHON_NAME)
-        # The first child waits while the zygote imports (about what the child would have spent importing).
+        script = os.path.join(os.path.dirname(self.path), name)
+        timeout = f" {START_TIMEOUT_VAR}={start_timeout_s:g}" if start_timeout_s else ""
         with open(script, "w") as f:
-            f.write(f"#!/bin/sh\n{SOCKET_VAR}={shlex.quote(self.path)} {START_TIMEOUT_VAR}=900 exec "
+            f.write(f"#!/bin/sh\n{SOCKET_VAR}={shlex.quote(self.path)}{timeout} exec "
                     f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'tests' / 'zygote_python.py'))} \"$@\"\n")
         os.chmod(script, 0o700)
         return script
@@ -261,6 +282,7 @@ def zygote_for(env: dict[str, str]) -> Zygote | None:
 SPAWN_PYTHON_VAR = "HPC_RLHF_TEST_SPAWN_PYTHON"
 REAL_SPAWN_VAR = "HPC_RLHF_TEST_REAL_SPAWN"
 SPAWN_PYTHON_NAME = "spawn_python"
+RANK_PYTHON_NAME = "rank_python"
 _SPAWN_ZYGOTE: list[tuple[Zygote | None, str | None]] = []
 
 

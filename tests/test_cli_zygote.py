@@ -253,6 +253,30 @@ def test_a_killed_stand_in_takes_its_rank_along(tmp_path):
     raise AssertionError(f"rank process {rank} outlived its killed stand-in")
 
 
+TORCHRUN_WORKER = """
+import os, sys
+print("torch" in sys.modules, "TORCHELASTIC_RUN_ID" in os.environ, os.environ["RANK"])
+os._exit(0)  # what a buffered stdout still held would be lost: torchrun's `-u` writes it at once
+"""
+
+
+def test_torchruns_workers_fork_from_the_zygote_with_unbuffered_output(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(TORCHRUN_WORKER)
+    buffered = worker_env({"PYTHONUNBUFFERED": ""})  # the tests' runs write unbuffered anyway
+    proc = distributed.torchrun(["--standalone", "--nproc_per_node=2", "--max_restarts=0", str(script)],
+                                env=buffered, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.splitlines()) == ["True True 0", "True True 1"], proc.stderr[-3000:]
+
+
+def test_the_stand_in_takes_no_other_flag_of_torchruns_command_line():
+    from tests.zygote_python import request_for
+
+    assert request_for(["-u", "-m", "hpc_rlhf", "sft"])["unbuffered"]
+    assert request_for(["-u", "-c", "print(1)"]) is None and request_for(["-u", "-O", "x.py"]) is None
+
+
 def test_a_request_the_zygote_refuses_runs_in_a_fresh_interpreter(tmp_path):
     proc = stand_in(tmp_path, "exit", "0", env_extra={"HF_HUB_OFFLINE": "0"})
     assert first_line(proc)[1] == "False"  # torch not imported: a fresh interpreter

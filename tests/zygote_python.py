@@ -19,7 +19,10 @@ executable in the runs it forks (`spawn_python`), and a zygote started with `--o
 children: the request carries the file descriptors multiprocessing passed on (the pipe the child reads its process
 object from, the resource tracker's), each under its own number, and the niceness of the parent.
 
-Anything else (other `-c CODE`, flags, a request the zygote refuses because a variable read at import time differs,
+torchrun's workers come the same way (tests/distributed.py `torchrun` names the stand-in as torchrun's PYTHON_EXEC,
+which it starts as `PYTHON_EXEC -u -m MODULE ...`: `-u` is the one flag taken there).
+
+Anything else (other `-c CODE`, other flags, a request the zygote refuses because a variable read at import time differs,
 no HPC_RLHF_TEST_ZYGOTE) execs the real interpreter with the same arguments.
 """
 
@@ -59,14 +62,16 @@ def fresh_interpreter(argv: list[str]) -> None:
 
 def request_for(argv: list[str]) -> dict | None:
     """The zygote's request for this command line, or None where only a fresh interpreter can run it."""
-    if len(argv) >= 2 and argv[0] == "-m":
-        module, script, rest = argv[1], None, argv[2:]
-    elif argv and not argv[0].startswith("-"):
-        module, script, rest = None, os.path.abspath(argv[0]), argv[1:]
+    unbuffered = argv[:1] == ["-u"]  # torchrun starts its workers as `PYTHON_EXEC -u ...`
+    command = argv[1:] if unbuffered else argv
+    if len(command) >= 2 and command[0] == "-m":
+        module, script, rest = command[1], None, command[2:]
+    elif command and not command[0].startswith("-"):
+        module, script, rest = None, os.path.abspath(command[0]), command[1:]
     else:
-        return spawn_request(argv)
+        return None if unbuffered else spawn_request(argv)
     return {"module": module, "script": script, "argv": rest, "env": dict(os.environ), "cwd": os.getcwd(),
-            "nice": 0, "cpus": sorted(os.sched_getaffinity(0)), "umask": _umask()}
+            "nice": 0, "cpus": sorted(os.sched_getaffinity(0)), "umask": _umask(), "unbuffered": unbuffered}
 
 
 SPAWN_CODE = "from multiprocessing.spawn import spawn_main; spawn_main("

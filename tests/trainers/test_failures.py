@@ -5,8 +5,8 @@ ranks) loses one rank of each role in turn (kill -9) at a different phase. These
 one machine (`python -m hpc_rlhf ppo`, forked from the tests' zygote, tests/cli_zygote.py: the local launcher forks
 the ranks, rank 0 forks the store's process). Two GRPO jobs on 3 ranks (actor, ref, one rollout engine) run under
 torchrun, whose agent hosts the store and SIGTERMs the survivors: rank 0 killed while it checkpoints, and the
-rollout rank frozen (SIGSTOP), which ignores that SIGTERM. Under torchrun every rank is a fresh interpreter, which
-is why those jobs are the smaller ones (6 ranks cost ~60 CPU-seconds a job, mostly imports). The faults come from
+rollout rank frozen (SIGSTOP), which ignores that SIGTERM. torchrun's agent and its workers fork from the tests'
+zygote too (tests/distributed.py `torchrun`: each worker is a stand-in process of torchrun's, the rank a fork). The faults come from
 HPC_RLHF_FAULT, so every run fails at the same point. The models are one random-init Llama of ~60K parameters,
 used as actor and ref and, with a new value head, as critic and reward model. The job must end non-zero soon
 after the failure, and every surviving rank must say which rank was lost, its role and its phase.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from hpc_rlhf.dist.watchdog import HEARTBEAT_TIMEOUT_ENV
 from hpc_rlhf.utils import checkpoint as ckpt
 from hpc_rlhf.utils.faults import FAULT_ENV, InjectedFault
 from hpc_rlhf.utils.metrics import read_metrics
-from tests.distributed import REPO, run_python, worker_env
+from tests.distributed import run_python, torchrun, worker_env
 from tests.recipes import QUIET
 
 HEARTBEAT_TIMEOUT_S = 8  # 6 ranks on 2 cores: a busy rank must not look like a frozen one
@@ -92,10 +91,8 @@ def lost_rank_job(launcher: str, model: Path, out: Path, fault: str,
         proc = run_python("hpc_rlhf", None, args, env=env, timeout=JOB_LIMIT_S)
     else:
         args = ["grpo", *common, f"placement={GRPO_PLACEMENT}", *overrides]
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc_per_node={job_plan(launcher).world_size}", "--max_restarts=0", "-m",
-                               "hpc_rlhf", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=JOB_LIMIT_S)
+        proc = torchrun(["--standalone", f"--nproc_per_node={job_plan(launcher).world_size}", "--max_restarts=0",
+                         "-m", "hpc_rlhf", *args], env=env, timeout=JOB_LIMIT_S)
     return proc, time.time()
 
 
