@@ -534,7 +534,7 @@ def test_the_store_host_leaves_only_after_the_others_stopped(server):
 
 
 # ============================================================================================ whole worlds
-from tests.distributed import REPO, run_python, run_ranks, worker_env  # noqa: E402
+from tests.distributed import REPO, run_python, run_ranks, worker_env, zygote_for  # noqa: E402
 
 
 def _spawn_local(nproc: int, case: str, fault: str = "", timeout_s: float = 3,
@@ -542,22 +542,25 @@ def _spawn_local(nproc: int, case: str, fault: str = "", timeout_s: float = 3,
     """`case` on `nproc` ranks started by our local launcher (rank 0 forks the store's process), timed.
 
     `forked`: as `python -m hpc_rlhf` starts them on a CPU machine, forks of the process that found no launcher
-    (here itself a fork of the tests' zygote: no interpreter pays the imports); otherwise the ranks are fresh
-    interpreters (`spawn_local` with a command, as where torch has CUDA), about 5 CPU-seconds each."""
+    (here itself a fork of the tests' zygote: no interpreter pays the imports); otherwise each rank is a command
+    (`spawn_local` with a command, as where torch has CUDA): the zygote's stand-in `python`, whose rank is forked
+    (tests/zygote_python.py; a fresh interpreter costs about 5 CPU-seconds)."""
     env = worker_env({FAULT_ENV: fault, watchdog.HEARTBEAT_TIMEOUT_ENV: str(timeout_s)})
     start = time.monotonic()
     if forked:
         proc = run_python(None, __file__, [case, str(nproc)], env=env, timeout=120)
     else:
+        zygote = zygote_for(env)
+        python = zygote.rank_python if zygote is not None and zygote.rank_python else sys.executable
         code = ("import sys; from hpc_rlhf.launch.local import spawn_local; "
-                f"sys.exit(spawn_local({nproc}, [sys.executable, {str(__file__)!r}, {case!r}]))")
+                f"sys.exit(spawn_local({nproc}, [{python!r}, {str(__file__)!r}, {case!r}]))")
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=120)
     return proc, time.monotonic() - start
 
 
 def test_local_world_a_frozen_rank_is_named_by_the_others():
-    # Ranks as fresh interpreters: the launcher's other way, and a frozen one is found by its silence alike.
+    # Ranks started as commands: the launcher's other way, and a frozen one is found by its silence alike.
     proc, elapsed = _spawn_local(3, "phases", fault="rank=2,phase=scoring,step=2,kind=freeze", forked=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "hpc_rlhf: rank 2 (role rollout) stopped responding during scoring: no heartbeat for" in proc.stderr
