@@ -83,14 +83,22 @@ def run_worker(cases: dict[str, Callable[..., object]], timeout_s: float | None 
     dist.destroy_process_group()
 
 
+def rank_python(env: dict[str, str]) -> str:
+    """The `python` to start a rank of `env` with, where a test starts ranks itself: the stand-in of the zygote
+    for `env` (tests/zygote_python.py: a process of its own whose rank is forked, its descriptors, exit and signals
+    the rank's), else the interpreter itself."""
+    zygote = zygote_for(env)
+    return zygote.rank_python if zygote is not None and zygote.rank_python else sys.executable
+
+
 def torchrun(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run ARGS`, its agent and its workers forked from the tests' zygote: the agent
     starts each worker as `PYTHON_EXEC -u ...` (torchrun's own setting), and PYTHON_EXEC names the zygote's
     stand-in script (tests/zygote_python.py), as the local Slurm's ranks are started. Each worker is still a
     process of torchrun's with torchrun's environment; it does not pay the imports again (~5 CPU-seconds a rank)."""
-    zygote = zygote_for(env)
-    if zygote is not None and zygote.rank_python:
-        env = {**env, "PYTHON_EXEC": zygote.rank_python}
+    python = rank_python(env)
+    if python != sys.executable:
+        env = {**env, "PYTHON_EXEC": python}
     return run_python("torch.distributed.run", None, args, env=env, timeout=timeout)
 
 

@@ -14,7 +14,7 @@ import pytest
 from hpc_rlhf.dist import store_host
 from hpc_rlhf.dist.bootstrap import BootstrapError, free_port, init_distributed, shutdown
 from tests.dist.conftest import slurm_step
-from tests.distributed import REPO, run_ranks, worker_env
+from tests.distributed import REPO, rank_python, run_ranks, worker_env
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                "TORCHELASTIC_USE_AGENT_STORE")
@@ -173,11 +173,11 @@ def _join_by_hand(ranks: list[tuple[int, int]], timeout_s: float) -> list[subpro
     machine one interpreter's imports took longer than the others' wait (rank 0 then saw 0 ranks arrive, not 1).
     The other ranks are released first, so that they are already knocking when rank 0 opens its store."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "join", str(timeout_s)], cwd=REPO, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env=worker_env(dict(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                                                  MASTER_PORT=str(port))))
-             for rank, world in ranks]
+    envs = [worker_env(dict(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+            for rank, world in ranks]
+    procs = [subprocess.Popen([rank_python(env), __file__, "join", str(timeout_s)], cwd=REPO, text=True, env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for env in envs]
     early = [proc.stdout.readline() for proc in procs]  # "imported", or the first line of a failed start
     for _, proc in sorted(zip(ranks, procs), key=lambda item: item[0][0] == 0):
         if proc.poll() is None:

@@ -534,7 +534,7 @@ def test_the_store_host_leaves_only_after_the_others_stopped(server):
 
 
 # ============================================================================================ whole worlds
-from tests.distributed import REPO, run_python, run_ranks, worker_env, zygote_for  # noqa: E402
+from tests.distributed import REPO, rank_python, run_python, run_ranks, worker_env  # noqa: E402
 
 
 def _spawn_local(nproc: int, case: str, fault: str = "", timeout_s: float = 3,
@@ -550,10 +550,8 @@ def _spawn_local(nproc: int, case: str, fault: str = "", timeout_s: float = 3,
     if forked:
         proc = run_python(None, __file__, [case, str(nproc)], env=env, timeout=120)
     else:
-        zygote = zygote_for(env)
-        python = zygote.rank_python if zygote is not None and zygote.rank_python else sys.executable
         code = ("import sys; from hpc_rlhf.launch.local import spawn_local; "
-                f"sys.exit(spawn_local({nproc}, [{python!r}, {str(__file__)!r}, {case!r}]))")
+                f"sys.exit(spawn_local({nproc}, [{rank_python(env)!r}, {str(__file__)!r}, {case!r}]))")
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=120)
     return proc, time.monotonic() - start
