@@ -6,7 +6,8 @@ Slurm's ranks through tests/zygote_python.py).
     python tests/cli_zygote.py SOCKET --on-first-request
                                              # the spawned children's zygote (tests/distributed.py `spawn_python`):
                                              # it imports vLLM's engine core with the rest once the first engine
-                                             # core came, in that one's environment (earlier requests: refused)
+                                             # core came, in that one's environment (earlier requests: refused);
+                                             # `--without-vllm` leaves vLLM out (the protocol's own tests)
 
 Every fresh interpreter of a test imports torch, transformers, deepspeed and datasets again: about 5 CPU-seconds,
 more than most of the suite's command lines spend on their own work (a process-accounting run of the whole suite,
@@ -230,9 +231,10 @@ def _is_an_engine_core(request: dict) -> bool:
     return request["env"].get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
 
 
-def main(path: str, on_first_request: bool = False) -> None:
+def main(path: str, on_first_request: bool = False, with_vllm: bool = True) -> None:
     """Serve requests on `path`; `on_first_request`: import only when the first request came, in its environment
-    (the spawned children's zygote: their parents' environment is known only then)."""
+    (the spawned children's zygote: their parents' environment is known only then), vLLM's engine core too unless
+    not `with_vllm`."""
     import_time = None if on_first_request else _ready_for(dict(os.environ), vllm_children=False)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)
@@ -262,7 +264,7 @@ def main(path: str, on_first_request: bool = False) -> None:
                 for fd in received[1]:
                     os.close(fd)
                 continue
-            import_time = _ready_for(received[0]["env"], vllm_children=True)
+            import_time = _ready_for(received[0]["env"], vllm_children=with_vllm)
         if os.fork() == 0:
             server.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the handler waits for its run
@@ -273,4 +275,5 @@ def main(path: str, on_first_request: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], on_first_request="--on-first-request" in sys.argv[2:])
+    main(sys.argv[1], on_first_request="--on-first-request" in sys.argv[2:],
+         with_vllm="--without-vllm" not in sys.argv[2:])

@@ -178,13 +178,14 @@ class Zygote:
         self.path = ""
         self.rank_python = ""  # a stand-in script for ranks another launcher starts (not for a spawn zygote)
 
-    def start(self, env: dict[str, str], on_first_request: bool = False) -> None:
+    def start(self, env: dict[str, str], on_first_request: bool = False, with_vllm: bool = True) -> None:
         folder = tempfile.mkdtemp(prefix="hpc_rlhf_zygote_")  # mode 0700: no one else may connect
         self.path = os.path.join(folder, "socket")
         # It ends when this process does (it watches its parent): not by PR_SET_PDEATHSIG, which would end it with
         # the thread that started it (the first request may come from a thread of tests/background.py).
         self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_zygote.py"), self.path,
-                                      *(["--on-first-request"] if on_first_request else [])], cwd=REPO,
+                                      *(["--on-first-request"] if on_first_request else []),
+                                      *([] if with_vllm else ["--without-vllm"])], cwd=REPO,
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
@@ -306,11 +307,12 @@ def spawn_python(env: dict[str, str]) -> str | None:
         return _SPAWN_ZYGOTE[0][1]
 
 
-def start_spawn_zygote() -> tuple[Zygote | None, str | None]:
-    """Start the spawned children's zygote (it imports at its first request): it and the path of its script."""
+def start_spawn_zygote(with_vllm: bool = True) -> tuple[Zygote | None, str | None]:
+    """Start the spawned children's zygote (it imports at its first request, vLLM's engine core too unless not
+    `with_vllm`): it and the path of its script."""
     zygote = Zygote()
     try:
-        zygote.start(worker_env(), on_first_request=True)
+        zygote.start(worker_env(), on_first_request=True, with_vllm=with_vllm)
     except RuntimeError:
         return None, None
     return zygote, zygote.write_spawn_python()

@@ -350,10 +350,11 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def own_spawn_zygote():
     """A spawned children's zygote of this module's own (the session's took the environment of its first engine
-    core), which takes that of spawner_run's engine-like children."""
+    core), which takes that of spawner_run's engine-like children; without vLLM's imports (19 CPU-seconds), which
+    these children do not use."""
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(distributed.SPAWN_PYTHON_VAR, raising=False)
-        patch.setattr(distributed, "_SPAWN_ZYGOTE", [])
+        patch.setattr(distributed, "_SPAWN_ZYGOTE", [distributed.start_spawn_zygote(with_vllm=False)])
         yield
         for zygote, _ in distributed._SPAWN_ZYGOTE:
             if zygote is not None:
