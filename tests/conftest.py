@@ -38,13 +38,11 @@ SHARED_MODELS = ("sft_base", "grpo_teacher", "ppo_reward_model", "tool_sft_base"
 # from the rest lane; the learning lane still ended last, with the bootstrap's tests moved along (a955db4: learning
 # 30m03s, rest 28m21s; the bootstrap's tests 45 s of it): they went back. With the tests' forked runs ending without
 # the interpreter's teardown (c0da0a3: ~3 CPU-seconds a run, most of them in the rest lane) the learning lane ended
-# last by 3 minutes (learning 28m27s, rest 25m29s): the zygotes' own tests (73 s there) went back. With torchrun's
-# workers forked (d376aa6: test_failures.py 115 -> 45 CPU-seconds) the rest lane ended last again, by 1.5 and 1.3
-# minutes in two fresh clones (a670da7, a04f045): the zygotes' own tests came along once more.
+# last by 3 minutes (learning 28m27s, rest 25m29s): the zygotes' own tests (73 s there) went back.
 LEARNING_LANE_TAIL = ("tests/trainers/test_failures.py", "tests/launch/test_sbatch_scripts.py",
                       "tests/launch/test_local.py", "tests/dist/test_store_host.py",
                       "tests/launch/test_entry_points.py", "tests/scale/test_simulate.py",
-                      "tests/trainers/test_reproducibility.py", "tests/test_chat.py", "tests/test_cli_zygote.py")
+                      "tests/trainers/test_reproducibility.py", "tests/test_chat.py")
 
 
 def _in_the_learning_lanes_tail(item) -> bool:
