@@ -7,7 +7,8 @@ about 4 CPU-seconds per rank, more than most distributed tests spend on their ow
 cores. This interpreter imports them once and forks the ranks through the project's own local launcher
 (`hpc_rlhf.launch.local.spawn_local`: torchrun's variables, one line naming the first failed rank, the others
 stopped after a grace period), each rank running SCRIPT as `__main__` with ARGS, as `python SCRIPT ARGS` would.
-The tests that are about torchrun itself keep it (`run_ranks(..., launcher="torchrun")`).
+The tests that are about torchrun itself keep it (`run_ranks(..., launcher="torchrun")`; its workers start
+through the zygote's stand-in, tests/distributed.py `torchrun`).
 """
 
 from __future__ import annotations
