@@ -140,8 +140,9 @@ IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "ATEN_", "O
                         "DS_", "DEEPSPEED", "HF_", "TRANSFORMERS", "TOKENIZERS", "DATASETS", "CUDA", "NCCL", "VLLM",
                         "PYTHON", "LD_", "MALLOC", "HPC_RLHF_CPU_KERNELS")
 # What torchrun sets for its workers (and its agent for itself), which only its own code and the process groups read
-# once they run: a torchrun worker is served by the zygote of its agent's environment.
-TORCHRUN_RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC")
+# once they run: a torchrun worker is served by the zygote of its agent's environment. vLLM reads its sockets'
+# folder (set per engine, hpc_rlhf.engines.rollout.vllm) when it makes a socket, not when it is imported.
+RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC", "VLLM_RPC_BASE_PATH")
 FRESH_VAR = "HPC_RLHF_TEST_FRESH_INTERPRETERS"
 MAX_ZYGOTES = 4
 
@@ -151,7 +152,7 @@ def import_time_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     the dynamic linker would search. `PYTHON` is the launch scripts' interpreter command (launch/env.sh), which no
     interpreter reads."""
     chosen = {k: v for k, v in env.items()
-              if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHON" and not k.startswith(TORCHRUN_RUN_TIME)}
+              if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHON" and not k.startswith(RUN_TIME)}
     if library_search_path(chosen.pop("LD_LIBRARY_PATH", "")):  # none searched: as if unset
         chosen["LD_LIBRARY_PATH"] = library_search_path(env["LD_LIBRARY_PATH"])
     return tuple(sorted(chosen.items()))

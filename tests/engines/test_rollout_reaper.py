@@ -1,5 +1,6 @@
 """The reaper: processes a rank watches end with the rank however it ends (SIGKILL, os._exit as the watchdog
-does, a normal exit without shutting them down), are left alone after `done()`, and a recycled pid is never hit.
+does, a normal exit without shutting them down), and the folder it was given goes with them; after `done()` both
+are left alone, and a recycled pid is never hit.
 No vLLM here: the watched processes are `sleep`s started by a child interpreter playing the rank, one of them
 with a grandchild, as vLLM's engine core has its worker."""
 
@@ -20,8 +21,8 @@ RANK = r"""
 import os, signal, subprocess, sys, time
 from hpc_rlhf.engines.rollout.reaper import Reaper
 
-how = sys.argv[1]
-r = Reaper()
+how, folder = sys.argv[1], sys.argv[2]
+r = Reaper(remove_when_gone=folder)
 with r.watch_new_children():
     child = subprocess.Popen(["sleep", "300"])
     # An engine core that starts its own worker, then is what the rank knows of.
@@ -49,9 +50,10 @@ def wait_gone(pids, timeout_s=15.0) -> list[int]:
     return alive
 
 
-def play_rank(how: str) -> tuple[list[int], list[int]]:
-    """(the watched pids, every descendant of them) of a rank that then ends as `how` says."""
-    proc = subprocess.Popen([sys.executable, "-c", RANK, how], cwd=REPO, env=worker_env(), stdin=subprocess.PIPE,
+def play_rank(how: str, folder) -> tuple[list[int], list[int]]:
+    """(the watched pids, every descendant of them) of a rank that then ends as `how` says; the reaper is to
+    remove `folder` if the rank leaves without `done()`."""
+    proc = subprocess.Popen([sys.executable, "-c", RANK, how, str(folder)], cwd=REPO, env=worker_env(), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     watched = [int(p) for p in proc.stdout.readline().split()]
     tree = sorted(set(watched) | set(reaper.descendants(set(watched))))
@@ -62,17 +64,32 @@ def play_rank(how: str) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize("how", ["kill", "os_exit", "exit"])
-def test_watched_processes_and_their_children_end_with_the_rank(how):
-    watched, tree = play_rank(how)
+def test_watched_processes_and_their_children_end_with_the_rank(how, tmp_path):
+    folder = engine_folder(tmp_path)
+    watched, tree = play_rank(how, folder)
     assert sorted(watched) == tree and len(tree) == 3, (watched, tree)  # both children and the grandchild
     assert wait_gone(tree) == []
+    deadline = time.monotonic() + 10
+    while folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not folder.exists()
 
 
-def test_done_leaves_the_processes_alone():
-    watched, tree = play_rank("done")
+def engine_folder(tmp_path):
+    """A stand-in of an engine's temporary folder, with what a killed engine core leaves there."""
+    folder = tmp_path / "hpc_rlhf_vllm_x"
+    (folder / "lora" / "v1").mkdir(parents=True)
+    (folder / "vllm_dist_0123").write_text("a file store")
+    return folder
+
+
+def test_done_leaves_the_processes_and_the_folder_alone(tmp_path):
+    folder = engine_folder(tmp_path)
+    watched, tree = play_rank("done", folder)
     try:
         time.sleep(1.0)
         assert wait_gone(tree, timeout_s=0.5) == tree
+        assert (folder / "vllm_dist_0123").is_file()
     finally:
         for pid in tree:
             os.kill(pid, signal.SIGKILL)

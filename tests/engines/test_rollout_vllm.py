@@ -73,6 +73,10 @@ def _rank_main(out: str) -> None:
     result = {"pids": engine.worker_pids(), "children": sorted(children_of({os.getpid()})), "rank_pid": os.getpid()}
 
     result["worker"] = engine.worker_info(OUR_VARS)[0]
+    result["temp_dir"] = str(engine.temp_dir)
+    result["temp_files"] = sorted(os.listdir(engine.temp_dir))
+    result["worker_temp"] = engine.worker_info(("TMPDIR", "VLLM_RPC_BASE_PATH"))[0]["env"]
+    result["our_temp"] = os.environ.get("TMPDIR")
     result["our_master_port"] = os.environ["MASTER_PORT"]
     hf = HFRolloutEngine(model, pad_id=0, eos_id=EOS)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
@@ -112,6 +116,7 @@ def _rank_main(out: str) -> None:
     from hpc_rlhf.engines.rollout.reaper import process_stat
 
     result["alive_after_close"] = [pid for pid in result["pids"] if (stat := process_stat(pid)) and stat[2] != "Z"]
+    result["temp_dir_after_close"] = os.path.exists(engine.temp_dir)
     dist.barrier()
     with open(out, "w") as f:
         json.dump(result, f)
@@ -169,6 +174,17 @@ def test_weight_sync_over_the_group_reaches_the_worker_bit_for_bit(run):
 
 def test_close_ends_vllm_processes(run):
     assert run["alive_after_close"] == []
+
+
+def test_vllms_sockets_and_files_stay_in_the_engines_folder_which_close_removes(run):
+    # vLLM names its sockets by uuid and its engine core's file store vllm_dist_<hex>; a killed or os._exit-ed
+    # process leaves them behind, so they go into the engine's own folder, never the node's /tmp.
+    assert run["worker_temp"] == {"TMPDIR": run["temp_dir"], "VLLM_RPC_BASE_PATH": run["temp_dir"]}
+    assert any(name.startswith("vllm_dist_") for name in run["temp_files"]), run["temp_files"]
+    assert len(run["temp_files"]) >= 3, run["temp_files"]  # and the sockets between the rank and its engine core
+    assert os.path.basename(run["temp_dir"]).startswith("hpc_rlhf_vllm_")
+    assert run["our_temp"] != run["temp_dir"]  # the rank's own environment is as it was
+    assert run["temp_dir_after_close"] is False
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
@@ -278,6 +294,8 @@ def test_worker_environment_hides_our_launcher_and_our_own_variables():
                    "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cpu = vr.worker_environment(ours, None, on_cpu=True)
     assert cpu["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and cpu["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    with_folder = vr.worker_environment(ours, None, on_cpu=True, temp_dir="/tmp/hpc_rlhf_vllm_x")
+    assert with_folder["TMPDIR"] == with_folder["VLLM_RPC_BASE_PATH"] == "/tmp/hpc_rlhf_vllm_x"
     assert vr.worker_environment({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, None, True)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
 
 

@@ -15,8 +15,10 @@ processes, `Reaper.watch_new_children()` reports the rank's new children and the
 rank that dies during vLLM's 30-second start-up leaves nothing behind either. The watcher acts when its stdin
 reaches end of file (the rank's end closes it; spawned processes never inherit it) or when it sees the rank's pid
 gone (a fork of the rank would hold the pipe open): it kills (SIGKILL) every watched process still running and
-their descendants, checking start times so that a recycled pid is never hit. A rank that shut the processes down
-itself writes `done` first, and the watcher leaves without killing anything.
+their descendants, checking start times so that a recycled pid is never hit, and then removes the folder it was
+given (`remove_when_gone`: the engine's temporary folder, where the killed processes' sockets and files stay). A
+rank that shut the processes down itself writes `done` first, and the watcher leaves without killing or removing
+anything.
 
 multiprocessing's resource tracker, which the rank starts before any spawned process, is not watched: it outlives
 the processes it tracks and removes the shared-memory segments they leave behind once they are gone.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,13 +96,14 @@ def kill_if_same(pid: int, started: int) -> bool:
 class Reaper:
     """The rank's handle on its watcher process (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, remove_when_gone: str | os.PathLike | None = None):
         _start_resource_tracker()  # before any spawned process: it is ours and must outlive them
         self.watched: dict[int, int] = {}
         self.known = set(children_of({os.getpid()}))  # what was there before: never ours to kill
         self._lock = threading.Lock()
+        folder = [os.path.abspath(remove_when_gone)] if remove_when_gone is not None else []
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
-                                      str(start_time(os.getpid()))],
+                                      str(start_time(os.getpid())), *folder],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
                                      close_fds=True)
         self.known.add(self.proc.pid)
@@ -182,9 +186,9 @@ def _start_resource_tracker() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the watcher
-def watcher_main(rank_pid: int, rank_started: int, poll_s: float = 0.5) -> int:
+def watcher_main(rank_pid: int, rank_started: int, poll_s: float = 0.5, remove_when_gone: str | None = None) -> int:
     """Read `watch`/`done` lines until end of file, or until the rank is seen gone (a fork of the rank would keep
-    the pipe open), then kill what is watched."""
+    the pipe open), then kill what is watched and remove `remove_when_gone`."""
     # The launcher's Ctrl-C and SIGTERM are for the rank: the watcher acts when the rank is gone.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
@@ -212,10 +216,16 @@ def watcher_main(rank_pid: int, rank_started: int, poll_s: float = 0.5) -> int:
     # The rank is gone without `done`. Kill the whole trees at once: a worker whose engine core died first would
     # otherwise be re-parented out of reach.
     alive = {pid: started for pid, started in watched.items() if running(pid, started)}
-    for pid, started in {**alive, **descendants(set(alive))}.items():
+    targets = {**alive, **descendants(set(alive))}
+    for pid, started in targets.items():
         kill_if_same(pid, started)
+    if remove_when_gone is not None:
+        deadline = time.monotonic() + 5.0  # a killed process may still be closing its files
+        while any(running(pid, started) for pid, started in targets.items()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shutil.rmtree(remove_when_gone, ignore_errors=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(watcher_main(int(sys.argv[1]), int(sys.argv[2])))
+    sys.exit(watcher_main(int(sys.argv[1]), int(sys.argv[2]), remove_when_gone=(sys.argv[3:] or [None])[0]))

@@ -15,7 +15,11 @@ Processes. vLLM never runs inside our torch world (its `external_launcher` would
 DESIGN §9): the driving rank creates `vllm.LLM`, which starts its engine core with spawn, in an environment without
 our launcher's variables (`spawn_environment`), and the engine core runs its one worker itself (one GPU, or CPU
 unless the user pins vLLM's threads) or starts one worker process per GPU (tensor parallel). Those processes
-end with the rank however it ends: vLLM's engine core does not watch its parent, so `reaper.Reaper` does.
+end with the rank however it ends: vLLM's engine core does not watch its parent, so `reaper.Reaper` does. The
+files vLLM's processes leave in the temporary folder (the sockets between the rank and its engine core, the file
+store of the engine core's one-process torch world: ~4 per engine start, never removed when a process is killed or
+leaves by `os._exit`) go into a folder of the engine's own (`TMPDIR` and `VLLM_RPC_BASE_PATH` in their
+environment), removed by `close()`, or by the reaper's watcher when the rank dies without it.
 
 Placements (DESIGN §3, §9):
 * Disjoint (`actor=1,ref=1,rollout=2`; on GPUs `rollout=8,rollout_tp=2`): the first rank of each engine drives it;
@@ -211,13 +215,16 @@ def engine_kwargs(model_path: str, *, tensor_parallel_size: int, dtype: str, gpu
 
 # ------------------------------------------------------------------------------------------ vLLM's processes
 def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int | str] | None,
-                       on_cpu: bool) -> dict[str, str]:
+                       on_cpu: bool, temp_dir: str | None = None) -> dict[str, str]:
     """The environment vLLM's processes start with: our launcher's and our own variables removed, the engine's
     GPUs visible, spawn (forking a process that holds CUDA, NCCL or gloo state is unsafe), the engine core in a
-    process of its own, and on CPU no thread pinning unless the user asks for it (vLLM's default pins its worker's
-    threads to fixed cores, which puts every engine of a machine on the same ones)."""
+    process of its own, on CPU no thread pinning unless the user asks for it (vLLM's default pins its worker's
+    threads to fixed cores, which puts every engine of a machine on the same ones), and with `temp_dir` the
+    engine's own temporary folder for vLLM's sockets and files (the module docstring says why)."""
     env = {k: v for k, v in environ.items()
            if k not in _LAUNCHER_VARS and (not k.startswith(_OUR_PREFIX) or k in _OURS_TO_KEEP)}
+    if temp_dir is not None:
+        env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = temp_dir
     if gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g).strip() for g in gpu_ids)  # indices or UUIDs
     env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -233,12 +240,13 @@ def cpu_thread_binding(environ: dict[str, str]) -> bool:
 
 
 @contextlib.contextmanager
-def spawn_environment(gpu_ids: Sequence[int | str] | None, on_cpu: bool = False):
-    """`worker_environment` in os.environ while vLLM starts its processes (they copy it); restored on exit."""
+def spawn_environment(gpu_ids: Sequence[int | str] | None, on_cpu: bool = False, temp_dir: str | None = None):
+    """`worker_environment` in os.environ while vLLM starts its processes (they copy it, and this process's side of
+    vLLM reads VLLM_RPC_BASE_PATH from it then); restored on exit."""
     saved = dict(os.environ)
     try:
         os.environ.clear()
-        os.environ.update(worker_environment(saved, gpu_ids, on_cpu))
+        os.environ.update(worker_environment(saved, gpu_ids, on_cpu, temp_dir))
         yield
     finally:
         os.environ.clear()
@@ -293,15 +301,19 @@ class VLLMRolloutEngine(RolloutEngine):
                                kv_cache_bytes=None if kv_cache_mb is None else int(kv_cache_mb) * 2**20,
                                lora_rank=lora.rank if lora is not None else 0, on_cpu=self.on_cpu,
                                cpu_thread_binding=cpu_thread_binding(os.environ), extra=extra_engine_args)
-        self.reaper = Reaper()
+        # Short: vLLM's socket paths are this folder and a 36-character name, within a socket path's 107 bytes.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="hpc_rlhf_vllm_"))
+        self.reaper = Reaper(remove_when_gone=self.temp_dir)
         try:
-            with spawn_environment(gpu_ids, on_cpu=self.on_cpu), self.reaper.watch_new_children():
+            with spawn_environment(gpu_ids, on_cpu=self.on_cpu, temp_dir=str(self.temp_dir)), \
+                    self.reaper.watch_new_children():
                 self.llm = vllm.LLM(**kwargs)
             self.llm.init_weight_transfer_engine({"init_info": {}})
         except BaseException:
             self.reaper.reap()  # whatever the failed start left running
             self.reaper.done()
             self.reaper = None
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
             raise
         self._vllm = vllm
         self._updating = False
@@ -313,7 +325,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._adapter_pending = False
         self.adapter_version = 0
         self._lora_request = None
-        self._lora_dir = Path(tempfile.mkdtemp(prefix="hpc_rlhf_lora_")) if lora is not None else None
+        self._lora_dir = self.temp_dir / "lora" if lora is not None else None
         atexit.register(self.close)
 
     # ------------------------------------------------------------------------------------------ generation
@@ -438,8 +450,7 @@ class VLLMRolloutEngine(RolloutEngine):
             log.warning("vLLM engine shutdown failed (%s: %s); killing its processes", type(exc).__name__, exc)
         finally:
             self.transport.close()
-            if getattr(self, "_lora_dir", None) is not None:
-                shutil.rmtree(self._lora_dir, ignore_errors=True)
             if self.reaper is not None:
                 self.reaper.reap()  # whatever outlived vLLM's own shutdown
                 self.reaper.done()
+            shutil.rmtree(self.temp_dir, ignore_errors=True)  # once vLLM's processes are gone
