@@ -9,6 +9,7 @@ minute in all.
 """
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -75,7 +76,8 @@ def _rank_main(out: str) -> None:
     result["worker"] = engine.worker_info(OUR_VARS)[0]
     result["temp_dir"] = str(engine.temp_dir)
     result["temp_files"] = sorted(os.listdir(engine.temp_dir))
-    result["worker_temp"] = engine.worker_info(("TMPDIR", "VLLM_RPC_BASE_PATH"))[0]["env"]
+    result["worker_temp"] = engine.worker_info(("TMPDIR", "VLLM_RPC_BASE_PATH", "TORCHINDUCTOR_CACHE_DIR"))[0]["env"]
+    result["inductor_cache"] = vr.inductor_cache_dir()
     result["our_temp"] = os.environ.get("TMPDIR")
     result["our_master_port"] = os.environ["MASTER_PORT"]
     hf = HFRolloutEngine(model, pad_id=0, eos_id=EOS)
@@ -179,7 +181,8 @@ def test_close_ends_vllm_processes(run):
 def test_vllms_sockets_and_files_stay_in_the_engines_folder_which_close_removes(run):
     # vLLM names its sockets by uuid and its engine core's file store vllm_dist_<hex>; a killed or os._exit-ed
     # process leaves them behind, so they go into the engine's own folder, never the node's /tmp.
-    assert run["worker_temp"] == {"TMPDIR": run["temp_dir"], "VLLM_RPC_BASE_PATH": run["temp_dir"]}
+    assert run["worker_temp"] == {"TMPDIR": run["temp_dir"], "VLLM_RPC_BASE_PATH": run["temp_dir"],
+                                  "TORCHINDUCTOR_CACHE_DIR": run["inductor_cache"]}  # not the engine's own: kept
     assert any(name.startswith("vllm_dist_") for name in run["temp_files"]), run["temp_files"]
     assert len(run["temp_files"]) >= 3, run["temp_files"]  # and the sockets between the rank and its engine core
     assert os.path.basename(run["temp_dir"]).startswith("hpc_rlhf_vllm_")
@@ -296,6 +299,20 @@ def test_worker_environment_hides_our_launcher_and_our_own_variables():
     assert cpu["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and cpu["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     with_folder = vr.worker_environment(ours, None, on_cpu=True, temp_dir="/tmp/hpc_rlhf_vllm_x")
     assert with_folder["TMPDIR"] == with_folder["VLLM_RPC_BASE_PATH"] == "/tmp/hpc_rlhf_vllm_x"
+    assert with_folder["TORCHINDUCTOR_CACHE_DIR"] == vr.inductor_cache_dir()
+    user_set = vr.worker_environment({**ours, "TORCHINDUCTOR_CACHE_DIR": "/scratch/kernels"}, None, True, "/tmp/x")
+    assert user_set["TORCHINDUCTOR_CACHE_DIR"] == "/scratch/kernels"
+
+
+def test_the_engines_keep_torchs_compiled_kernels_where_torch_would():
+    """vLLM compiles its sampler's kernels with torch, which caches them under the temporary folder: the engine's
+    own temporary folder must not move that cache (each engine would compile them again). torch's own function is
+    read from its file (the package it belongs to takes seconds to import)."""
+    path = os.path.join(os.path.dirname(torch.__file__), "_inductor", "runtime", "cache_dir_utils.py")
+    spec = importlib.util.spec_from_file_location("torch_cache_dir_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert vr.inductor_cache_dir() == module.default_cache_dir()
     assert vr.worker_environment({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, None, True)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
 
 
