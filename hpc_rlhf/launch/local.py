@@ -103,6 +103,12 @@ def import_what_ranks_use() -> None:
         from hpc_rlhf.engines.deepspeed_compat import import_deepspeed
 
         import_deepspeed()
+        # Which of DeepSpeed's ops this machine can load, probed by every process that starts DeepSpeed's
+        # communication (compiling and linking a test program for the async I/O op on the way): once, here,
+        # instead of 0.15 s in each rank.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__  # noqa: B018  (computed and kept by the module on first access)
         # DeepSpeed imports its Muon optimizer at every ZeRO engine's start, and that module calls torch.compile
         # when imported, which imports torch's compiler stack: 1.5 CPU-seconds in each training rank (a quarter of
         # a 6-rank PPO run's CPU, 2026-11-29). It starts no thread or process.

@@ -203,6 +203,18 @@ def test_the_launcher_imports_the_module_each_zero_engine_start_imports():
     assert "deepspeed.runtime.zero.muon.muon_optimizer" in sys.modules
 
 
+def test_the_launcher_probes_deepspeeds_ops_once_for_its_forked_ranks(monkeypatch):
+    """Which ops DeepSpeed can load (its communication asks at every start, and the probe compiles and links a test
+    program): found before the forks, the ranks inherit the answer."""
+    import deepspeed.ops
+
+    from hpc_rlhf.launch.local import import_what_ranks_use
+
+    monkeypatch.delitem(vars(deepspeed.ops), "__compatible_ops__", raising=False)  # as in a fresh interpreter
+    import_what_ranks_use()
+    assert vars(deepspeed.ops)["__compatible_ops__"]["deepspeed_shm_comm"] is True
+
+
 @pytest.fixture(params=["exec", "fork"])
 def trapping_launcher(request, tmp_path):
     """A launcher (in its own process) of 2 ranks, started either way, that wait for SIGUSR1; returns it and
