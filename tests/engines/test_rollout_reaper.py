@@ -21,8 +21,9 @@ RANK = r"""
 import os, signal, subprocess, sys, time
 from hpc_rlhf.engines.rollout.reaper import Reaper
 
-how, folder = sys.argv[1], sys.argv[2]
+how, folder, file = sys.argv[1], sys.argv[2], sys.argv[3]
 r = Reaper(remove_when_gone=folder)
+r.remove_when_gone(file)
 with r.watch_new_children():
     child = subprocess.Popen(["sleep", "300"])
     # An engine core that starts its own worker, then is what the rank knows of.
@@ -52,8 +53,9 @@ def wait_gone(pids, timeout_s=15.0) -> list[int]:
 
 def play_rank(how: str, folder) -> tuple[list[int], list[int]]:
     """(the watched pids, every descendant of them) of a rank that then ends as `how` says; the reaper is to
-    remove `folder` if the rank leaves without `done()`."""
-    proc = subprocess.Popen([sys.executable, "-c", RANK, how, str(folder)], cwd=REPO, env=worker_env(), stdin=subprocess.PIPE,
+    remove `folder` and the file store beside it if the rank leaves without `done()`."""
+    proc = subprocess.Popen([sys.executable, "-c", RANK, how, str(folder), str(folder.parent / "vllm_dist_0123")],
+                            cwd=REPO, env=worker_env(), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     watched = [int(p) for p in proc.stdout.readline().split()]
     tree = sorted(set(watched) | set(reaper.descendants(set(watched))))
@@ -70,16 +72,17 @@ def test_watched_processes_and_their_children_end_with_the_rank(how, tmp_path):
     assert sorted(watched) == tree and len(tree) == 3, (watched, tree)  # both children and the grandchild
     assert wait_gone(tree) == []
     deadline = time.monotonic() + 10
-    while folder.exists() and time.monotonic() < deadline:
+    while (folder.exists() or (tmp_path / "vllm_dist_0123").exists()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not folder.exists()
+    assert sorted(os.listdir(tmp_path)) == []
 
 
 def engine_folder(tmp_path):
-    """A stand-in of an engine's temporary folder, with what a killed engine core leaves there."""
+    """Stand-ins of an engine's socket folder, with what killed processes leave there, and of its file store."""
     folder = tmp_path / "hpc_rlhf_vllm_x"
     (folder / "lora" / "v1").mkdir(parents=True)
-    (folder / "vllm_dist_0123").write_text("a file store")
+    (folder / "3f2a-socket").write_text("a socket")
+    (tmp_path / "vllm_dist_0123").write_text("a file store")
     return folder
 
 
@@ -89,7 +92,7 @@ def test_done_leaves_the_processes_and_the_folder_alone(tmp_path):
     try:
         time.sleep(1.0)
         assert wait_gone(tree, timeout_s=0.5) == tree
-        assert (folder / "vllm_dist_0123").is_file()
+        assert (folder / "3f2a-socket").is_file() and (tmp_path / "vllm_dist_0123").is_file()
     finally:
         for pid in tree:
             os.kill(pid, signal.SIGKILL)

@@ -9,7 +9,6 @@ minute in all.
 """
 
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -76,9 +75,10 @@ def _rank_main(out: str) -> None:
     result["worker"] = engine.worker_info(OUR_VARS)[0]
     result["temp_dir"] = str(engine.temp_dir)
     result["temp_files"] = sorted(os.listdir(engine.temp_dir))
-    result["worker_temp"] = engine.worker_info(("TMPDIR", "VLLM_RPC_BASE_PATH", "TORCHINDUCTOR_CACHE_DIR"))[0]["env"]
-    result["inductor_cache"] = vr.inductor_cache_dir()
-    result["our_temp"] = os.environ.get("TMPDIR")
+    result["worker_temp"] = engine.worker_info(("TMPDIR", "VLLM_RPC_BASE_PATH"))[0]["env"]
+    result["our_env"] = {name: os.environ.get(name) for name in ("TMPDIR", "VLLM_RPC_BASE_PATH")}
+    result["file_store"] = engine.file_store
+    result["file_store_while_running"] = engine.file_store is not None and os.path.isfile(engine.file_store)
     result["our_master_port"] = os.environ["MASTER_PORT"]
     hf = HFRolloutEngine(model, pad_id=0, eos_id=EOS)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
@@ -118,7 +118,7 @@ def _rank_main(out: str) -> None:
     from hpc_rlhf.engines.rollout.reaper import process_stat
 
     result["alive_after_close"] = [pid for pid in result["pids"] if (stat := process_stat(pid)) and stat[2] != "Z"]
-    result["temp_dir_after_close"] = os.path.exists(engine.temp_dir)
+    result["left_after_close"] = [path for path in (str(engine.temp_dir), engine.file_store) if os.path.exists(path)]
     dist.barrier()
     with open(out, "w") as f:
         json.dump(result, f)
@@ -178,16 +178,16 @@ def test_close_ends_vllm_processes(run):
     assert run["alive_after_close"] == []
 
 
-def test_vllms_sockets_and_files_stay_in_the_engines_folder_which_close_removes(run):
-    # vLLM names its sockets by uuid and its engine core's file store vllm_dist_<hex>; a killed or os._exit-ed
-    # process leaves them behind, so they go into the engine's own folder, never the node's /tmp.
-    assert run["worker_temp"] == {"TMPDIR": run["temp_dir"], "VLLM_RPC_BASE_PATH": run["temp_dir"],
-                                  "TORCHINDUCTOR_CACHE_DIR": run["inductor_cache"]}  # not the engine's own: kept
-    assert any(name.startswith("vllm_dist_") for name in run["temp_files"]), run["temp_files"]
-    assert len(run["temp_files"]) >= 3, run["temp_files"]  # and the sockets between the rank and its engine core
+def test_vllms_sockets_and_file_store_are_removed_by_close(run):
+    # vLLM names its sockets by uuid and its engine core's file store vllm_dist_<hex> in the temporary folder; a
+    # killed or os._exit-ed process leaves them behind. The sockets go into the engine's own folder (TMPDIR stays
+    # the rank's: torch keeps its compiled kernels' header under it), the file store is asked of the worker.
+    assert run["worker_temp"] == {"TMPDIR": run["our_env"]["TMPDIR"], "VLLM_RPC_BASE_PATH": run["temp_dir"]}
+    assert run["our_env"]["VLLM_RPC_BASE_PATH"] is None  # the rank's own environment is as it was
     assert os.path.basename(run["temp_dir"]).startswith("hpc_rlhf_vllm_")
-    assert run["our_temp"] != run["temp_dir"]  # the rank's own environment is as it was
-    assert run["temp_dir_after_close"] is False
+    assert len(run["temp_files"]) >= 2, run["temp_files"]  # the sockets between the rank and its engine core
+    assert os.path.basename(run["file_store"]).startswith("vllm_dist_") and run["file_store_while_running"]
+    assert run["left_after_close"] == []
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
@@ -297,22 +297,14 @@ def test_worker_environment_hides_our_launcher_and_our_own_variables():
                    "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cpu = vr.worker_environment(ours, None, on_cpu=True)
     assert cpu["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and cpu["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
-    with_folder = vr.worker_environment(ours, None, on_cpu=True, temp_dir="/tmp/hpc_rlhf_vllm_x")
-    assert with_folder["TMPDIR"] == with_folder["VLLM_RPC_BASE_PATH"] == "/tmp/hpc_rlhf_vllm_x"
-    assert with_folder["TORCHINDUCTOR_CACHE_DIR"] == vr.inductor_cache_dir()
-    user_set = vr.worker_environment({**ours, "TORCHINDUCTOR_CACHE_DIR": "/scratch/kernels"}, None, True, "/tmp/x")
-    assert user_set["TORCHINDUCTOR_CACHE_DIR"] == "/scratch/kernels"
+    with_folder = vr.worker_environment({**ours, "TMPDIR": "/scratch/tmp"}, None, True, "/tmp/hpc_rlhf_vllm_x")
+    assert with_folder["VLLM_RPC_BASE_PATH"] == "/tmp/hpc_rlhf_vllm_x" and with_folder["TMPDIR"] == "/scratch/tmp"
 
 
-def test_the_engines_keep_torchs_compiled_kernels_where_torch_would():
-    """vLLM compiles its sampler's kernels with torch, which caches them under the temporary folder: the engine's
-    own temporary folder must not move that cache (each engine would compile them again). torch's own function is
-    read from its file (the package it belongs to takes seconds to import)."""
-    path = os.path.join(os.path.dirname(torch.__file__), "_inductor", "runtime", "cache_dir_utils.py")
-    spec = importlib.util.spec_from_file_location("torch_cache_dir_utils", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert vr.inductor_cache_dir() == module.default_cache_dir()
+def test_the_file_store_is_read_from_the_init_method():
+    assert vr.file_store_path("file:///tmp/vllm_dist_0a1b") == "/tmp/vllm_dist_0a1b"
+    assert vr.file_store_path("tcp://127.0.0.1:29500") is None
+    assert vr.file_store_path(None) is None
     assert vr.worker_environment({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, None, True)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
 
 

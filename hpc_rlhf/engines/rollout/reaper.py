@@ -15,10 +15,10 @@ processes, `Reaper.watch_new_children()` reports the rank's new children and the
 rank that dies during vLLM's 30-second start-up leaves nothing behind either. The watcher acts when its stdin
 reaches end of file (the rank's end closes it; spawned processes never inherit it) or when it sees the rank's pid
 gone (a fork of the rank would hold the pipe open): it kills (SIGKILL) every watched process still running and
-their descendants, checking start times so that a recycled pid is never hit, and then removes the folder it was
-given (`remove_when_gone`: the engine's temporary folder, where the killed processes' sockets and files stay). A
-rank that shut the processes down itself writes `done` first, and the watcher leaves without killing or removing
-anything.
+their descendants, checking start times so that a recycled pid is never hit, and then removes the files and
+folders it was given (`remove PATH`: an engine's socket folder and file store, which killed processes leave
+behind). A rank that shut the processes down itself writes `done` first, and the watcher leaves without killing or
+removing anything.
 
 multiprocessing's resource tracker, which the rank starts before any spawned process, is not watched: it outlives
 the processes it tracks and removes the shared-memory segments they leave behind once they are gone.
@@ -101,12 +101,13 @@ class Reaper:
         self.watched: dict[int, int] = {}
         self.known = set(children_of({os.getpid()}))  # what was there before: never ours to kill
         self._lock = threading.Lock()
-        folder = [os.path.abspath(remove_when_gone)] if remove_when_gone is not None else []
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
-                                      str(start_time(os.getpid())), *folder],
+                                      str(start_time(os.getpid()))],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
                                      close_fds=True)
         self.known.add(self.proc.pid)
+        if remove_when_gone is not None:
+            self.remove_when_gone(remove_when_gone)
 
     def watch(self, pid: int, started: int) -> None:
         with self._lock:
@@ -114,6 +115,15 @@ class Reaper:
                 return
             self.watched[pid] = started
             self.proc.stdin.write(f"watch {pid} {started}\n".encode())
+            self.proc.stdin.flush()
+
+    def remove_when_gone(self, path: str | os.PathLike) -> None:
+        """Have the watcher remove `path` (a file, or a folder and all it holds) once it has killed what it
+        watches: never if the rank says `done`."""
+        with self._lock:
+            if self.proc.stdin is None:
+                return
+            self.proc.stdin.write(f"remove {os.path.abspath(path)}\n".encode())
             self.proc.stdin.flush()
 
     def watch_children(self) -> list[int]:
@@ -186,13 +196,14 @@ def _start_resource_tracker() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the watcher
-def watcher_main(rank_pid: int, rank_started: int, poll_s: float = 0.5, remove_when_gone: str | None = None) -> int:
-    """Read `watch`/`done` lines until end of file, or until the rank is seen gone (a fork of the rank would keep
-    the pipe open), then kill what is watched and remove `remove_when_gone`."""
+def watcher_main(rank_pid: int, rank_started: int, poll_s: float = 0.5) -> int:
+    """Read `watch`/`remove`/`done` lines until end of file, or until the rank is seen gone (a fork of the rank
+    would keep the pipe open), then kill what is watched and remove what it was told to."""
     # The launcher's Ctrl-C and SIGTERM are for the rank: the watcher acts when the rank is gone.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     watched: dict[int, int] = {}
+    to_remove: list[str] = []
     pending = b""
     stdin = sys.stdin.buffer.raw
     while True:
@@ -213,19 +224,28 @@ def watcher_main(rank_pid: int, rank_started: int, poll_s: float = 0.5, remove_w
                 return 0
             if words[:1] == [b"watch"] and len(words) == 3:
                 watched[int(words[1])] = int(words[2])
+            elif line.startswith(b"remove "):
+                to_remove.append(os.fsdecode(line[len(b"remove "):]))
     # The rank is gone without `done`. Kill the whole trees at once: a worker whose engine core died first would
     # otherwise be re-parented out of reach.
     alive = {pid: started for pid, started in watched.items() if running(pid, started)}
     targets = {**alive, **descendants(set(alive))}
     for pid, started in targets.items():
         kill_if_same(pid, started)
-    if remove_when_gone is not None:
+    if to_remove:
         deadline = time.monotonic() + 5.0  # a killed process may still be closing its files
         while any(running(pid, started) for pid, started in targets.items()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        shutil.rmtree(remove_when_gone, ignore_errors=True)
+    for path in to_remove:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(watcher_main(int(sys.argv[1]), int(sys.argv[2]), remove_when_gone=(sys.argv[3:] or [None])[0]))
+    sys.exit(watcher_main(int(sys.argv[1]), int(sys.argv[2])))

@@ -15,11 +15,13 @@ Processes. vLLM never runs inside our torch world (its `external_launcher` would
 DESIGN §9): the driving rank creates `vllm.LLM`, which starts its engine core with spawn, in an environment without
 our launcher's variables (`spawn_environment`), and the engine core runs its one worker itself (one GPU, or CPU
 unless the user pins vLLM's threads) or starts one worker process per GPU (tensor parallel). Those processes
-end with the rank however it ends: vLLM's engine core does not watch its parent, so `reaper.Reaper` does. The
-files vLLM's processes leave in the temporary folder (the sockets between the rank and its engine core, the file
-store of the engine core's one-process torch world: ~4 per engine start, never removed when a process is killed or
-leaves by `os._exit`) go into a folder of the engine's own (`TMPDIR` and `VLLM_RPC_BASE_PATH` in their
-environment), removed by `close()`, or by the reaper's watcher when the rank dies without it.
+end with the rank however it ends: vLLM's engine core does not watch its parent, so `reaper.Reaper` does. What
+vLLM's processes leave in the temporary folder when one is killed or leaves by `os._exit` (~4 entries per engine
+start: the sockets between the rank and its engine core, and the file store of the engine core's torch world) is
+removed with them: the sockets go into a folder of the engine's own (`VLLM_RPC_BASE_PATH`), and the file store,
+which vLLM names in the temporary folder itself (`vllm_dist_<hex>`), is asked of the worker; `close()` removes
+both, or the reaper's watcher when the rank dies without it. (`TMPDIR` stays: torch keeps its compiled kernels'
+precompiled header under it, and an engine-own `TMPDIR` had every engine core compile a new one, 10-13 CPU-s.)
 
 Placements (DESIGN §3, §9):
 * Disjoint (`actor=1,ref=1,rollout=2`; on GPUs `rollout=8,rollout_tp=2`): the first rank of each engine drives it;
@@ -59,10 +61,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import getpass
 import logging
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -222,15 +222,11 @@ def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int | str] | N
     GPUs visible, spawn (forking a process that holds CUDA, NCCL or gloo state is unsafe), the engine core in a
     process of its own, on CPU no thread pinning unless the user asks for it (vLLM's default pins its worker's
     threads to fixed cores, which puts every engine of a machine on the same ones), and with `temp_dir` the
-    engine's own temporary folder for vLLM's sockets and files (the module docstring says why)."""
+    engine's own folder for vLLM's sockets (the module docstring says why)."""
     env = {k: v for k, v in environ.items()
            if k not in _LAUNCHER_VARS and (not k.startswith(_OUR_PREFIX) or k in _OURS_TO_KEEP)}
     if temp_dir is not None:
-        # torch's compiled kernels (vLLM compiles its sampler's) are cached under the temporary folder unless told
-        # otherwise: they stay where every engine and every run finds them (else each engine core compiled them
-        # again, 10-13 CPU-s, with a 154 MB precompiled header).
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
-        env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = temp_dir
+        env["VLLM_RPC_BASE_PATH"] = temp_dir
     if gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g).strip() for g in gpu_ids)  # indices or UUIDs
     env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -240,14 +236,11 @@ def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int | str] | N
     return env
 
 
-def inductor_cache_dir() -> str:
-    """Where torch keeps its compiled kernels when TORCHINDUCTOR_CACHE_DIR is unset (torch's
-    `_inductor.runtime.cache_dir_utils.default_cache_dir`, whose package takes seconds to import)."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = f"uid_{os.getuid()}"
-    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+def file_store_path(init_method: str | None) -> str | None:
+    """The file of a `file://` torch.distributed init method (vLLM's workers rendezvous through one), or None."""
+    if not init_method or not init_method.startswith("file://"):
+        return None
+    return init_method[len("file://"):].split("?", 1)[0] or None
 
 
 def cpu_thread_binding(environ: dict[str, str]) -> bool:
@@ -324,12 +317,15 @@ class VLLMRolloutEngine(RolloutEngine):
             with spawn_environment(gpu_ids, on_cpu=self.on_cpu, temp_dir=str(self.temp_dir)), \
                     self.reaper.watch_new_children():
                 self.llm = vllm.LLM(**kwargs)
+            self.file_store = file_store_path(self.worker_info()[0].get("init_method"))
+            if self.file_store is not None:
+                self.reaper.remove_when_gone(self.file_store)
             self.llm.init_weight_transfer_engine({"init_info": {}})
         except BaseException:
             self.reaper.reap()  # whatever the failed start left running
             self.reaper.done()
             self.reaper = None
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self._remove_leftovers()
             raise
         self._vllm = vllm
         self._updating = False
@@ -452,6 +448,13 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep.clear()
 
+    def _remove_leftovers(self) -> None:
+        """The engine's socket folder and its file store (see the module docstring)."""
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if getattr(self, "file_store", None) is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.file_store)
+
     def close(self) -> None:
         """Shut vLLM's processes down and release the transport buffer (also at interpreter exit)."""
         llm = self.__dict__.pop("llm", None)
@@ -469,4 +472,4 @@ class VLLMRolloutEngine(RolloutEngine):
             if self.reaper is not None:
                 self.reaper.reap()  # whatever outlived vLLM's own shutdown
                 self.reaper.done()
-            shutil.rmtree(self.temp_dir, ignore_errors=True)  # once vLLM's processes are gone
+            self._remove_leftovers()  # once vLLM's processes are gone

@@ -289,4 +289,5 @@ class WorkerExtension:
         import torch.distributed as dist
 
         return {"pid": os.getpid(), "env": {name: os.environ.get(name) for name in names},
-                "world_size": dist.get_world_size() if dist.is_initialized() else None}
+                "world_size": dist.get_world_size() if dist.is_initialized() else None,
+                "init_method": getattr(self, "distributed_init_method", None)}
