@@ -49,7 +49,6 @@ import select
 import signal
 import socket
 import sys
-import tempfile
 import types
 
 from tests.distributed import import_time_environment
@@ -89,7 +88,6 @@ def _run(request: dict) -> None:
         os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
-    tempfile.tempdir = None  # the imports found the zygote's temporary folder: the request's TMPDIR is read again
     try:
         if request.get("priority") is not None:  # a spawned child's: its parent's niceness
             os.setpriority(os.PRIO_PROCESS, 0, request["priority"])

@@ -33,9 +33,10 @@ def own_zygotes():
 
 
 PROBE = """
-import json, os, sys
+import json, os, sys, tempfile
 print(json.dumps({"argv": sys.argv[1:], "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
-                  "marker": os.environ.get("HPC_RLHF_PROBE"), "torch_loaded": "torch" in sys.modules}))
+                  "marker": os.environ.get("HPC_RLHF_PROBE"), "torch_loaded": "torch" in sys.modules,
+                  "temp": tempfile.gettempdir()}))
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
 """
@@ -53,13 +54,13 @@ def both_ways(script, argv, env, monkeypatch):
 def test_a_forked_script_sees_what_a_fresh_interpreter_sees(tmp_path, monkeypatch):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    env = worker_env({"HPC_RLHF_PROBE": "forked or not"})
+    env = worker_env({"HPC_RLHF_PROBE": "forked or not", "TMPDIR": str(tmp_path)})
     forked, fresh = both_ways(script, ["3", "a b", "--flag"], env, monkeypatch)
     assert (forked.returncode, forked.stderr) == (fresh.returncode, fresh.stderr) == (3, "to stderr\n")
     f, g = (json.loads(p.stdout) for p in (forked, fresh))
     assert f.pop("torch_loaded") and not g.pop("torch_loaded")  # the fork saved the import, nothing else differs
     assert f == g == {"argv": ["3", "a b", "--flag"], "path0": str(tmp_path), "cwd": str(REPO), "name": "__main__",
-                      "marker": "forked or not"}
+                      "marker": "forked or not", "temp": str(tmp_path)}
 
 
 ENDINGS = """

@@ -297,6 +297,7 @@ def test_worker_environment_hides_our_launcher_and_our_own_variables():
                    "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cpu = vr.worker_environment(ours, None, on_cpu=True)
     assert cpu["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and cpu["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert vr.worker_environment({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, None, True)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
     with_folder = vr.worker_environment({**ours, "TMPDIR": "/scratch/tmp"}, None, True, "/tmp/hpc_rlhf_vllm_x")
     assert with_folder["VLLM_RPC_BASE_PATH"] == "/tmp/hpc_rlhf_vllm_x" and with_folder["TMPDIR"] == "/scratch/tmp"
 
@@ -305,7 +306,7 @@ def test_the_file_store_is_read_from_the_init_method():
     assert vr.file_store_path("file:///tmp/vllm_dist_0a1b") == "/tmp/vllm_dist_0a1b"
     assert vr.file_store_path("tcp://127.0.0.1:29500") is None
     assert vr.file_store_path(None) is None
-    assert vr.worker_environment({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, None, True)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    assert vr.file_store_path("file:///home/user/results.json") is None  # not vLLM's store: never removed
 
 
 def test_spawn_environment_restores_everything(monkeypatch):

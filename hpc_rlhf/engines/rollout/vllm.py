@@ -237,10 +237,12 @@ def worker_environment(environ: dict[str, str], gpu_ids: Sequence[int | str] | N
 
 
 def file_store_path(init_method: str | None) -> str | None:
-    """The file of a `file://` torch.distributed init method (vLLM's workers rendezvous through one), or None."""
+    """The file of a `file://` torch.distributed init method that vLLM named (`vllm_dist_<hex>`: its workers
+    rendezvous through one), or None: only such a file is ever removed."""
     if not init_method or not init_method.startswith("file://"):
         return None
-    return init_method[len("file://"):].split("?", 1)[0] or None
+    path = init_method[len("file://"):].split("?", 1)[0]
+    return path if os.path.basename(path).startswith("vllm_dist_") else None
 
 
 def cpu_thread_binding(environ: dict[str, str]) -> bool:
