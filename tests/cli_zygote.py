@@ -49,6 +49,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import types
 
 from tests.distributed import import_time_environment
@@ -88,6 +89,7 @@ def _run(request: dict) -> None:
         os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # cached by the zygote's imports (the op probe makes folders): read the request's TMPDIR
     try:
         if request.get("priority") is not None:  # a spawned child's: its parent's niceness
             os.setpriority(os.PRIO_PROCESS, 0, request["priority"])

@@ -61,6 +61,11 @@ def test_a_forked_script_sees_what_a_fresh_interpreter_sees(tmp_path, monkeypatc
     assert f.pop("torch_loaded") and not g.pop("torch_loaded")  # the fork saved the import, nothing else differs
     assert f == g == {"argv": ["3", "a b", "--flag"], "path0": str(tmp_path), "cwd": str(REPO), "name": "__main__",
                       "marker": "forked or not", "temp": str(tmp_path)}
+    # The temporary folder is no import-time variable: one zygote serves requests with different ones, each its own.
+    other = tmp_path / "other"
+    other.mkdir()
+    again = run_python(None, str(script), ["0"], env={**env, "TMPDIR": str(other)}, timeout=60)
+    assert json.loads(again.stdout)["temp"] == str(other) and zygote_for(env) is zygote_for({**env, "TMPDIR": "/x"})
 
 
 ENDINGS = """
