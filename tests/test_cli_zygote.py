@@ -343,6 +343,7 @@ def sleeper():
     time.sleep(600)
 
 if __name__ == "__main__":
+    os.environ.update(json.loads(os.environ.pop("HPC_RLHF_PROBE_CHILD_ENV", "{}")))  # as our vLLM engine does
     os.nice(2)
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
@@ -379,11 +380,16 @@ def own_spawn_zygote():
 ENGINE_LIKE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
-def spawner_run(tmp_path, env_extra=None):
+def spawner_run(tmp_path, child_env=None, run_env=None):
+    """The spawner forked from the session's usual zygote (`run_env` adds no variable read at import time); it puts
+    `child_env` in its environment before it spawns, as our vLLM engine puts the engine core's (a run started with
+    those variables would need a zygote of its own, ~12 CPU-seconds of imports each)."""
     script = tmp_path / "spawner.py"
     script.write_text(SPAWNER)
-    proc = run_python(None, str(script), [], env=worker_env({"HPC_RLHF_PROBE": "spawned", **(env_extra or {})}),
-                      timeout=300)
+    env = worker_env({"HPC_RLHF_PROBE": "spawned", "HPC_RLHF_PROBE_CHILD_ENV": json.dumps(child_env or {}),
+                      **(run_env or {})})
+    assert import_time_environment(env) == import_time_environment(worker_env())
+    proc = run_python(None, str(script), [], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -408,7 +414,7 @@ def test_a_spawned_child_forks_from_the_spawn_zygote_and_runs_as_spawned(tmp_pat
     number (a queue's descriptors too), the environment, folder and niceness of its parent, its exit code, and the
     SIGTERM of terminate(); with REAL_SPAWN_VAR=1, or in a fresh interpreter, multiprocessing spawns it itself."""
     zygoted = spawner_run(tmp_path, ENGINE_LIKE)
-    real = spawner_run(tmp_path, {**ENGINE_LIKE, distributed.REAL_SPAWN_VAR: "1"})
+    real = spawner_run(tmp_path, ENGINE_LIKE, run_env={distributed.REAL_SPAWN_VAR: "1"})
     monkeypatch.setenv(FRESH_VAR, "1")
     fresh = spawner_run(tmp_path, ENGINE_LIKE)
     for run in (zygoted, real, fresh):
