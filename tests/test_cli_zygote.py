@@ -65,7 +65,9 @@ def test_a_forked_script_sees_what_a_fresh_interpreter_sees(tmp_path, monkeypatc
     other = tmp_path / "other"
     other.mkdir()
     again = run_python(None, str(script), ["0"], env={**env, "TMPDIR": str(other)}, timeout=60)
-    assert json.loads(again.stdout)["temp"] == str(other) and zygote_for(env) is zygote_for({**env, "TMPDIR": "/x"})
+    seen = json.loads(again.stdout)
+    assert seen["torch_loaded"] and seen["temp"] == str(other)  # forked, yet its own folder
+    assert zygote_for(env) is zygote_for({**env, "TMPDIR": "/x"})
 
 
 ENDINGS = """
