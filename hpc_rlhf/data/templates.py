@@ -118,11 +118,28 @@ ENCODE_BATCH_TEXTS = 4096
 def encode_many(tokenizer, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
     """`encode` of every text, the same ids, many texts per tokenizer call (a data file's rows are tokenised at a
     run's start on every rank: one call per text took ~0.1 ms each, most of a short run's set-up)."""
+    backend = _plain_backend(tokenizer)
     ids: list[list[int]] = []
     for start in range(0, len(texts), ENCODE_BATCH_TEXTS):
         chunk = list(texts[start:start + ENCODE_BATCH_TEXTS])
-        ids.extend(list(row) for row in tokenizer(chunk, add_special_tokens=add_special_tokens)["input_ids"])
+        if backend is not None:
+            ids.extend(encoding.ids for encoding in backend.encode_batch(chunk, add_special_tokens=add_special_tokens))
+        else:
+            ids.extend(list(row) for row in tokenizer(chunk, add_special_tokens=add_special_tokens)["input_ids"])
     return ids
+
+
+def _plain_backend(tokenizer):
+    """The `tokenizers` object behind a fast tokenizer when asking it directly gives the ids a transformers call
+    without truncation or padding gives (that call sets exactly this state on it, then reads its encodings' ids),
+    else None. Direct calls skip the conversion of every encoding into a dict of lists: a 9,500-row data file's
+    texts in 0.12 CPU-s against 0.41 (AMD EPYC, 2026-11-30)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
 
 
 def tokenize_chat(tokenizer, messages: Sequence[dict], *, where: str = "") -> tuple[list[int], list[tuple[int, int]]]:

@@ -126,6 +126,26 @@ def test_many_texts_per_tokenizer_call_give_the_ids_of_one_call_each(tok, monkey
         assert encode_many(tok, texts, add_special_tokens=specials) == [
             encode(tok, text, add_special_tokens=specials) for text in texts]
     assert encode_many(tok, [], add_special_tokens=True) == []
+    assert templates._plain_backend(tok) is not None  # the direct calls were the ones compared
+
+
+@pytest.mark.parametrize("state", ["truncation", "padding", "special tokens split"])
+def test_many_texts_ignore_length_rules_left_on_the_tokenizers_object(state):
+    """A fast tokenizer's `tokenizers` object may carry truncation, padding or special-token splitting (from its
+    file, or from an earlier call that asked for them); a transformers call without them gives whole texts with
+    special tokens whole, and so does encode_many."""
+    tok = tiny_tokenizer()
+    texts = ["<s>1+2=3", "a long prompt that is cut"]
+    expected = [encode(tiny_tokenizer(), text, add_special_tokens=True) for text in texts]
+    backend = tok.backend_tokenizer
+    if state == "truncation":
+        backend.enable_truncation(max_length=3)
+    elif state == "padding":
+        backend.enable_padding(pad_id=0, pad_token="<pad>", length=40)
+    else:
+        backend.encode_special_tokens = True
+    assert templates._plain_backend(tok) is None
+    assert encode_many(tok, texts, add_special_tokens=True) == expected
 
 
 @pytest.mark.parametrize("chat", [False, True])
