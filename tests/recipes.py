@@ -108,10 +108,9 @@ TOOL_SFT_BASE = ["train.max_steps=600", "train.lr=2e-3", "train.warmup_steps=0",
 
 # The teacher of the distillation test (tests/rl/test_distill.py) is the RL-trained model of GRPO's colocated
 # learning test (tests/rl/test_ppo.py), which reads this run: 30 steps from the SFT base with the exact-match rule,
-# evaluated every 2 steps (evaluation is greedy and draws no random number: the training is the same at any
-# frequency), so that the distillation test compares its student with GRPO alone at step 2.
+# evaluated before and after (the test reads the first and the last evaluation, and the KL of every step).
 GRPO_TEACHER = ["--config", "examples/tiny/grpo.yaml", "placement=actor+ref=1,rollout@actor", "train.max_steps=30",
-                "log.eval_every_steps=2", "eval.max_rows=300", "checkpoint.resume=false"]
+                "log.eval_every_steps=30", "eval.max_rows=300", "checkpoint.resume=false"]
 
 # The shared models train in child processes on one thread each, started with the session (tests/background.py,
 # tests/conftest.py) while other tests run. The tool base (5 of the calculator test's 6 CPU-minutes) trains beside

@@ -22,38 +22,41 @@ from tests.recipes import QUIET, Curve, learning, record_figures
 
 TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 
-# The 2-layer tiny Llama (2026-11-28, seeds 0-4, each with its own SFT base and teacher; docs/results.md): SFT
-# base / GRPO alone at step 2 / student / teacher 0.630/0.823/0.840/0.947, 0.580/0.677/0.750/0.753,
-# 0.690/0.757/0.770/0.880, 0.643/0.767/0.810/0.823, 0.697/0.903/0.920/0.947: the student beats GRPO alone by
-# +0.013 to +0.073; seed 2's student is 0.42 of the way to its teacher, under half: the bar is a third. The
-# 4-layer model's figures:
-# Calibrated 2026-11-27 (AMD EPYC, the SFT base and the GRPO teacher of seed 0; student train.seed 0-4): held-out
-# exact match after 2 steps, GRPO alone 0.780 0.800 0.813 0.787 0.737, with the teacher 0.797 0.833 0.853 0.830
-# 0.807: +0.017 to +0.070 (mean +0.041). Halfway from the SFT base (0.620) to the teacher (0.847): 0.733, passed
-# by every seed (and by GRPO alone: it is the distillation's margin over GRPO that the control fails).
-# The control (distill.coef=0) trains exactly as GRPO alone: +0.000.
-DISTILL_STEPS = 2
-DISTILL_MARGIN = 0.005  # the control gives 0; the smallest gain measured, +0.013, is 4 prompts of 300
-TOWARDS_TEACHER = 1 / 3  # of the way from the SFT base to the teacher
+# Both runs of the learning test: GRPO's settings (examples/tiny/grpo.yaml) with two samples per prompt, so that
+# the reward's signal is sparse (a pair of equal scores gives no advantage) while the teacher scores every token.
+# At GRPO's eight samples per prompt the teacher added too little to beat GRPO alone reliably at a fixed step:
+# after 2 steps +0.013 to +0.073 on AMD (seeds 0-4, 2026-11-28) but -0.010 at Intel's seed 0, CI's seed
+# (2026-11-30: `make test` failed there), and -0.017 to +0.020 at that seed for distill.coef 1-10 and 1-4 steps.
+# Two samples per prompt, 3 steps (Intel Xeon, 2026-11-30, seeds 0-4, each with its own SFT base and teacher;
+# docs/results.md): GRPO alone 0.717 0.850 0.773 0.763 0.863, the student +0.053 +0.017 +0.030 +0.023 +0.040,
+# 0.57-0.98 of the way from the SFT base to the teacher. Not yet calibrated on AMD.
+DISTILL_RUN = ["rollout.n_samples=2", "train.batch_size=32", "train.micro_batch_size=32", "eval.max_rows=300"]
+DISTILL_STEPS = 3
+DISTILL_MARGIN = 0.005  # the control gives 0; the smallest gain measured, +0.017, is 5 prompts of 300
+TOWARDS_TEACHER = 1 / 3  # of the way from the SFT base to the teacher (the 8-sample recipe's AMD seed 2: 0.42)
 
 
 @pytest.mark.learning
 def test_distilling_an_rl_trained_teacher_beats_grpo_alone_at_the_same_step(tmp_path, sft_base, grpo_teacher):
     """The SFT base samples, GRPO's rule reward and the teacher's per-token reverse KL both in its advantages: after
     DISTILL_STEPS steps its held-out exact match is at least a third of the way from the SFT base to the teacher,
-    and above GRPO alone at the same step from the same start (the teacher's own run, evaluated every 2 steps)."""
-    teacher_run = Curve(grpo_teacher.parent)
-    by_step = {r["step"]: r["eval_accuracy"] for r in teacher_run.rows if "eval_accuracy" in r}
-    sft, teacher, grpo_alone = by_step[0], by_step[max(by_step)], by_step[DISTILL_STEPS]
-    out = tmp_path / "distill"
-    hpc_rlhf_cli("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
-                 f"distill.teacher={grpo_teacher}", "placement=actor+ref+teacher=1,rollout@actor",
-                 *learning(f"train.max_steps={DISTILL_STEPS}", f"log.eval_every_steps={DISTILL_STEPS}",
-                           "distill.coef=1.0"), "eval.max_rows=300", *QUIET)
-    student = Curve(out)
+    and above GRPO alone (the same run without the teacher) at the same step from the same start."""
+    teacher = Curve(grpo_teacher.parent).end["eval_accuracy"]
+    runs = {}
+    for name, extra in (("grpo_alone", ["placement=actor+ref=1,rollout@actor"]),
+                        ("student", [f"distill.teacher={grpo_teacher}", "placement=actor+ref+teacher=1,rollout@actor",
+                                     "distill.coef=1.0"])):
+        out = tmp_path / name
+        hpc_rlhf_cli("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={sft_base}",
+                     *extra, *DISTILL_RUN, *learning(f"train.max_steps={DISTILL_STEPS}",
+                                                    f"log.eval_every_steps={DISTILL_STEPS}"), *QUIET)
+        runs[name] = Curve(out)
+    sft, grpo_alone = runs["grpo_alone"].values("eval_accuracy")[0], runs["grpo_alone"].values("eval_accuracy")[-1]
+    student = runs["student"]
     reached = student.values("eval_accuracy")[-1]
     record_figures("distill", sft=sft, teacher=teacher, grpo_alone=grpo_alone, student=reached,
                    teacher_kl=student.values("teacher_kl"))
+    assert student.values("eval_accuracy")[0] == sft, "the two runs did not start from the same model"
     assert student.values("teacher_kl"), "the teacher scored no token"
     assert reached >= sft + TOWARDS_TEACHER * (teacher - sft), (
         f"student {reached} after {DISTILL_STEPS} steps, not a third of the way from the SFT base {sft} to the teacher "
