@@ -348,7 +348,7 @@ def _load_one(path: Path, where: str, required, on_bad_row: str, cache_dir: str 
 def _with_sources_fingerprint(dataset, sources: list[str]) -> str:
     """The fingerprint of `dataset` with its `_source` column: a hash of the dataset's own fingerprint and of the
     locators, which datasets would otherwise compute by pickling the column (0.17 CPU-s of a 9,500-row file's 0.5
-    of loading, AMD EPYC, 2026-11-30). Fingerprints name the cache files of later transforms (none here)."""
+    of loading, Intel Xeon 2-core VM, 2026-11-30). Fingerprints name the cache files of later transforms (none here)."""
     digest = hashlib.sha256(getattr(dataset, "_fingerprint", "").encode())
     for source in sources:
         digest.update(source.encode())
