@@ -45,6 +45,19 @@ def test_jsonl_rows_load_with_their_source(tmp_path, cache):
     assert (report.rows_read, report.rows_kept, report.skipped) == (2, 2, 0)
 
 
+def test_the_fingerprint_follows_the_rows_and_where_they_came_from(tmp_path, cache):
+    """The _source column's fingerprint is computed here, not by datasets: the same file gives the same one, and
+    the same rows from another file, or one row fewer, another (datasets names cache files by fingerprints)."""
+    lines = ['{"prompt": "1+1=", "response": "2"}', '{"prompt": "2+2=", "response": "4"}']
+    first, second = write_lines(tmp_path / "a.jsonl", lines), write_lines(tmp_path / "b.jsonl", lines)
+    fingerprints = [load_rows([str(path)], SFT, cache_dir=cache, **kw)[0]._fingerprint
+                    for path, kw in ((first, {}), (first, {}), (second, {}))]
+    assert fingerprints[0] == fingerprints[1] != fingerprints[2]
+    fewer = write_lines(tmp_path / "c.jsonl", lines + ['{"prompt": "", "response": "0"}'])
+    skipped = load_rows([str(fewer)], SFT, cache_dir=cache, on_bad_row="skip")[0]
+    assert len(skipped) == 2 and skipped._fingerprint not in fingerprints
+
+
 def test_local_files_load_without_a_request_to_the_hub(tmp_path, cache, monkeypatch):
     """datasets pings the hub's download counter from load_dataset (a 3-second timeout where outgoing traffic is
     dropped, as on compute nodes) unless told not to: no session may be opened."""
