@@ -11,13 +11,11 @@ import json
 import sys
 from pathlib import Path
 
-
-def wall_clock(key: str) -> bool:
-    return key in ("time", "env_time_share") or key.startswith("time_") or key.endswith("_per_s") or key in ("wall_s", "elapsed_s")
+from hpc_rlhf.utils.metrics import is_wall_clock
 
 
 def rows(path: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if not wall_clock(k)}
+    return [{k: v for k, v in json.loads(line).items() if not is_wall_clock(k)}
             for line in path.read_text().splitlines() if line.strip()]
 
 

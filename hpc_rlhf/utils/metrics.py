@@ -29,6 +29,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def is_wall_clock(key: str) -> bool:
+    """Whether a metrics key is a wall-clock figure (step and phase times, rates, the environments' share of the
+    time): the one kind of figure that a seeded run does not repeat bit for bit."""
+    return key in ("time", "env_time_share", "wall_s", "elapsed_s") or key.startswith("time_") or key.endswith("_per_s")
+
+
 class MetricsError(ValueError):
     """A metrics.jsonl whose rows cannot be read back (a line in its middle is not a JSON row)."""
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from hpc_rlhf.utils.metrics import MetricsError, MetricsLogger, read_metrics
+from hpc_rlhf.utils.metrics import MetricsError, MetricsLogger, is_wall_clock, read_metrics
 
 
 def test_metrics_jsonl_and_tensorboard(tmp_path):
@@ -64,3 +64,10 @@ def test_a_run_that_starts_over_keeps_the_earlier_runs_metrics(tmp_path):
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 2.0)]
     kept = [json.loads((tmp_path / f"metrics.jsonl.{n}").read_text())["loss"] for n in (1, 2)]
     assert kept == [0.0, 1.0]
+
+
+def test_wall_clock_figures_are_told_from_the_ones_a_seeded_run_repeats():
+    assert all(map(is_wall_clock, ["time", "time_step", "time_generate", "samples_per_s", "tokens_per_s",
+                                   "env_time_share", "wall_s", "elapsed_s"]))
+    assert not any(map(is_wall_clock, ["step", "reward", "policy_loss", "kl_k1", "response_length", "pad_share",
+                                       "env_s", "tokens_per_step", "timeout_episodes"]))
