@@ -241,7 +241,9 @@ def test_sequence_parallel_roles_train_as_data_parallel_ones(tmp_path):
     """Sequence parallelism (issue 40): a PPO run whose actor, critic, ref and reward model each share every packed
     row between their two ranks (`<kind>_sp=2`) trains as the same run with the two ranks data-parallel, up to
     float rounding: the same samples (the hybrid engines generate the same), rewards, losses, KL and gradient
-    norms, over three steps. And without packed rows it is refused at configuration, naming the keys."""
+    norms, over three steps, with the actor under ZeRO-3 and the critic under ZeRO-2 (DeepSpeed partitions them
+    over the role's two ranks, which are also the one sequence block that exchanges activations). And
+    without packed rows it is refused at configuration, naming the keys."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "+".join(["1"] * k) + "=", "answer": str(k)}) + "\n"
                                for k in range(1, 17)))
@@ -249,7 +251,8 @@ def test_sequence_parallel_roles_train_as_data_parallel_ones(tmp_path):
               f"data.train_files=[{prompts}]", f"reward.models=[{TINY_MODEL}]", "rl.padding_free=true",
               "rollout.prompts_per_step=8", "rollout.n_samples=2", "rollout.max_new_tokens=8", "train.batch_size=16",
               "train.micro_batch_size=4", "critic_train.batch_size=16", "critic_train.micro_batch_size=4",
-              "train.lr=1e-3", "train.max_steps=3", "log.eval_every_steps=0", "checkpoint.every_steps=0", *QUIET]
+              "train.lr=1e-3", "train.max_steps=3", "log.eval_every_steps=0", "checkpoint.every_steps=0",
+              "train.zero_stage=3", "critic_train.zero_stage=2", *QUIET]
     placement = "actor+critic+ref+reward=2,rollout@actor"
     sharded = f"{placement},actor_sp=2,critic_sp=2,ref_sp=2,reward_sp=2"
     figures = {}
