@@ -128,7 +128,7 @@ def remote_rewards(url: str, prompts: list[str], responses: list[str], answers: 
     reply of `max_reply_mb` at most. Every failure is one RewardFunctionError naming the URL (as `shown_url`
     shows it: no credentials, no query) and the cause."""
     shown = shown_url(url)
-    problem = url_problem(url)
+    problem = url_problem(url, "reward.http_headers_from_env")
     if problem is not None:
         raise RewardFunctionError(f"reward.http_url {problem}")
     # one request id for the call, repeated by its tries: an endpoint can tell a retry from a new batch

@@ -106,6 +106,10 @@ def test_remote_urls_with_credentials_are_refused_without_showing_them():
         rewards.remote_rewards("http://me:hunter2@127.0.0.1:1/score", ["p"], ["r"], [None])
     assert "reward.http_url holds a user name or password" in str(caught.value)
     assert "hunter2" not in str(caught.value)
+    with pytest.raises(rewards.RewardFunctionError) as caught:
+        rewards.remote_rewards("http://127.0.0.1:1/score?token=hunter2", ["p"], ["r"], [None])
+    assert "reward.http_url holds a credential in the query parameter 'token'" in str(caught.value)
+    assert "reward.http_headers_from_env" in str(caught.value) and "hunter2" not in str(caught.value)
 
 
 def test_a_busy_endpoint_is_tried_again_with_the_same_request_id(monkeypatch):

@@ -14,7 +14,8 @@ class EnvSection:
     name: str | None = field(None, help="environment class: path/to/file.py:Class, package.module:Class or a "
                                         "built-in (calculator, guess_number)")
     http_url: str | None = field(None, help="environment behind HTTP: POST URL/reset and URL/step (JSON); http:// or "
-                                            "https://, no user:password@ (use env.headers_from_env)")
+                                            "https://, no credentials in it (user:password@, ?token=...: use "
+                                            "env.headers_from_env)")
     headers_from_env: dict[str, str] = field({}, help="HTTP: headers sent with every call, as header name -> the "
                                                       "environment variable holding its value (e.g. {Authorization: "
                                                       "ENV_TOKEN}); values never reach logs or config.yaml")
@@ -42,8 +43,9 @@ class EnvSection:
         if self.name and self.http_url:
             raise ConfigError(f"env.name={self.name!r} and env.http_url={shown_url(self.http_url)!r} are both set; an "
                               f"episode runs in one environment: keep one of them")
-        if self.http_url is not None and url_problem(self.http_url) is not None:
-            raise ConfigError(f"env.http_url {url_problem(self.http_url)}")
+        problem = None if self.http_url is None else url_problem(self.http_url, "env.headers_from_env")
+        if problem is not None:
+            raise ConfigError(f"env.http_url {problem}")
         if self.max_reply_mb <= 0:
             raise ConfigError(f"env.max_reply_mb must be > 0, got {self.max_reply_mb}")
         problem = header_mapping_problem(self.headers_from_env, "env.headers_from_env")

@@ -40,7 +40,7 @@ class HttpEnvironment:
 
     def __init__(self, url: str, *, timeout_s: float = 60.0, retries: int = 2, backoff_s: float = 0.5,
                  max_reply_mb: float = 1.0, headers: Mapping[str, str] | None = None):
-        problem = url_problem(url)
+        problem = url_problem(url, "env.headers_from_env")
         if problem is not None:
             raise HttpEnvError(f"env.http_url {problem}")
         self.url = url.rstrip("/")

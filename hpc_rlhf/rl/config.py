@@ -84,7 +84,8 @@ class RewardSection:
     functions: list[str] = field([], help="rule rewards: file.py:function, module:function or exact_match")
     function_weights: list[float] = field([], help="weight of each rule function (default 1 each)")
     http_url: str | None = field(None, help="remote reward endpoint (JSON POST); http:// or https://, no "
-                                            "user:password@ (use reward.http_headers_from_env)")
+                                            "credentials in it (user:password@, ?token=...: use "
+                                            "reward.http_headers_from_env)")
     http_weight: float = field(1.0)
     http_timeout_s: float = field(60.0, min=1, help="seconds one try of the remote reward call may take (a "
                                                     "wall-clock deadline; 3 tries in all)")
@@ -251,8 +252,9 @@ class Config:
 
     def _check_reward_endpoint(self) -> None:
         reward = self.reward
-        if reward.http_url is not None and url_problem(reward.http_url) is not None:
-            raise ConfigError(f"reward.http_url {url_problem(reward.http_url)}")
+        problem = None if reward.http_url is None else url_problem(reward.http_url, "reward.http_headers_from_env")
+        if problem is not None:
+            raise ConfigError(f"reward.http_url {problem}")
         if reward.http_max_reply_mb <= 0:
             raise ConfigError(f"reward.http_max_reply_mb must be > 0, got {reward.http_max_reply_mb}")
         problem = header_mapping_problem(reward.http_headers_from_env, "reward.http_headers_from_env")

@@ -10,9 +10,12 @@ whether trying again can help:
   Content-Length says so); the body is never read whole first.
 - threads and sockets: the call runs in the caller's thread and closes its connection on every path, so a given-up
   try leaves nothing behind.
-- URLs: http and https only; a URL with a user name or password in it is refused (credentials go in headers read
-  from environment variables: `headers_from_env`), and messages show URLs without their query (`shown_url`), so no
-  secret reaches a log, an error or config.yaml.
+- URLs: http and https only. A URL that carries a credential (`url_credential`: a user name or password, or a
+  query parameter named like one: key, token, secret, password, auth, sig, ...) is refused when the config is
+  checked, since config.yaml keeps the URL as given; credentials go in headers whose values are read from
+  environment variables the config names (`headers_from_env`), and those values reach no log, error or file.
+  Messages show URLs without their query (`shown_url`); a query parameter under another name is allowed and is
+  written to config.yaml with its URL.
 
 Plain stdlib (http.client): no new dependency.
 """
@@ -27,11 +30,16 @@ import re
 import socket
 import time
 from typing import Any, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 SCHEMES = ("http", "https")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 _READ_CHUNK = 64 * 1024
+# Query parameter names that hold a credential: these exactly, any name containing one of _CREDENTIAL_WORDS, and any
+# name that ends in "key" (api_key, X-Api-Key, accesskey; not keyword or keys).
+_CREDENTIAL_NAMES = frozenset({"token", "secret", "password", "passwd", "pwd", "auth", "authorization", "signature",
+                               "sig"})
+_CREDENTIAL_WORDS = ("token", "secret", "password")
 
 
 class HttpCallError(Exception):
@@ -43,8 +51,25 @@ class HttpCallError(Exception):
         self.retry = retry
 
 
-def url_problem(url: str) -> str | None:
-    """Why `url` cannot be called (None when it can): not http/https, no host, or credentials in it."""
+def url_credential(url: str) -> str | None:
+    """What in `url` carries a credential, in words for a message that never hold its value ("a user name or
+    password", "a credential in the query parameter 'token'"); None when nothing does. Raises ValueError where
+    urlsplit does."""
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        return "a user name or password"
+    for pair in re.split(r"[&;]", parts.query):  # ';' too: some servers split a query there
+        name = unquote_plus(pair.partition("=")[0]).strip()
+        lowered = name.lower()
+        if lowered in _CREDENTIAL_NAMES or lowered.endswith("key") or any(w in lowered for w in _CREDENTIAL_WORDS):
+            return f"a credential in the query parameter {name!r}"
+    return None
+
+
+def url_problem(url: str, headers_key: str) -> str | None:
+    """Why `url` cannot be called (None when it can): not http/https, no host, or a credential in it, which would
+    be written to config.yaml with the URL; `headers_key` names the config key for headers read from environment
+    variables, where the credential belongs."""
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number
@@ -54,9 +79,11 @@ def url_problem(url: str) -> str | None:
         return f"must start with http:// or https:// (got {shown_url(url)!r})"
     if not parts.hostname:
         return f"has no host ({shown_url(url)!r})"
-    if parts.username is not None or parts.password is not None:
-        return (f"holds a user name or password ({shown_url(url)!r}): they would end up in logs and config.yaml; "
-                f"send credentials as a header read from an environment variable instead")
+    credential = url_credential(url)
+    if credential is not None:
+        return (f"holds {credential} ({shown_url(url)!r}), which config.yaml and logs would keep: "
+                f"send it as a header whose value is read from an environment variable named in {headers_key} "
+                f"(e.g. {headers_key}: {{Authorization: MY_TOKEN}}) and remove it from the URL")
     return None
 
 

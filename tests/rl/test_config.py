@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from hpc_rlhf.config import ConfigError, load_config
+from hpc_rlhf.config import ConfigError, load_config, save_config
 from hpc_rlhf.rl import grpo, ppo
 from hpc_rlhf.rl.config import reference_mode, slow_endpoints
 
@@ -55,7 +55,7 @@ def test_contradictions_are_refused_at_configuration(overrides, message):
 
 def test_endpoints_slower_than_the_collective_timeout_are_named_with_their_figures():
     # the defaults: 3 tries of 60 s with pauses of 0.5 and 1 s, + 1 s margin = 182.5 s a call; reset and 4 steps
-    cfg = load_config(grpo.Config, None, ["env.http_url=http://env:8000?key=secret", "reward.functions=[]"])
+    cfg = load_config(grpo.Config, None, ["env.http_url=http://env:8000?lang=en", "reward.functions=[]"])
     [line] = slow_endpoints(cfg)
     assert line.startswith("env.http_url http://env:8000?...: one episode may wait 912.5 s on its environment "
                            "(reset and env.max_turns = 4 steps, each up to (env.retries + 1 = 3) tries of "
@@ -83,6 +83,40 @@ def test_endpoint_settings_are_checked_before_any_rank_starts(overrides, message
     with pytest.raises(ConfigError, match=re.escape(message)) as caught:
         load_config(grpo.Config, None, overrides)
     assert ":pw@" not in str(caught.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.http_url=http://env:8000/x?key=s3cret", "reward.functions=[]"],
+     "command line: env.http_url holds a credential in the query parameter 'key' ('http://env:8000/x?...'), which "
+     "config.yaml and logs would keep: send it as a header whose value is read from an environment variable named in "
+     "env.headers_from_env (e.g. env.headers_from_env: {Authorization: MY_TOKEN}) and remove it from the URL"),
+    (["reward.http_url=https://judge/score?lang=en&token=s3cret"],
+     "command line: reward.http_url holds a credential in the query parameter 'token' ('https://judge/score?...'), "
+     "which config.yaml and logs would keep: send it as a header whose value is read from an environment variable "
+     "named in reward.http_headers_from_env"),
+    (["reward.http_url=http://me:s3cret@judge/score"],
+     "command line: reward.http_url holds a user name or password ('http://judge/score'), which config.yaml and logs "
+     "would keep: send it as a header whose value is read from an environment variable named in "
+     "reward.http_headers_from_env"),
+])
+def test_a_url_carrying_a_credential_is_refused_in_one_line_naming_the_key_without_the_secret(overrides, message):
+    with pytest.raises(ConfigError) as caught:
+        load_config(grpo.Config, None, overrides)
+    line = str(caught.value)
+    assert line.startswith(message) and "\n" not in line and "s3cret" not in line
+
+
+def test_a_saved_config_keeps_ordinary_queries_and_the_names_of_header_variables_but_no_header_value(tmp_path,
+                                                                                                     monkeypatch):
+    monkeypatch.setenv("HPC_RLHF_TEST_JUDGE_TOKEN", "Bearer s3cret")
+    cfg = load_config(grpo.Config, None, ["reward.http_url=http://judge/score?lang=en",
+                                          "reward.http_headers_from_env={Authorization: HPC_RLHF_TEST_JUDGE_TOKEN}",
+                                          "env.http_url=http://env:8000?lang=en",
+                                          "env.headers_from_env={X-Api-Key: HPC_RLHF_TEST_JUDGE_TOKEN}"])
+    save_config(cfg, tmp_path / "config.yaml")
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "http_url: http://judge/score?lang=en" in saved and "HPC_RLHF_TEST_JUDGE_TOKEN" in saved
+    assert "s3cret" not in saved
 
 
 TEACHER = "distill.teacher=examples/tiny/assets/models/llama-tiny"

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 
 from hpc_rlhf.utils.http_post import (HttpCallError, decode_json_object, header_mapping_problem, headers_from_env,
-                                      post_json, shown_url, url_problem)
+                                      post_json, shown_url, url_credential, url_problem)
 
 
 def read_request(connection):
@@ -156,13 +156,42 @@ def test_replies_that_are_not_a_json_object_are_named(raw, message):
 
 
 def test_urls_are_http_only_without_credentials_and_shown_without_secrets():
-    assert url_problem("http://host:8000/score") is None and url_problem("https://host/x") is None
-    assert "must start with http:// or https://" in url_problem("ftp://host/x")
-    assert "must start with http:// or https://" in url_problem("file:///etc/passwd")
-    assert "has no host" in url_problem("http:///path")
-    problem = url_problem("https://user:hunter2@host/score")
+    assert url_problem("http://host:8000/score", "k") is None and url_problem("https://host/x", "k") is None
+    assert "must start with http:// or https://" in url_problem("ftp://host/x", "k")
+    assert "must start with http:// or https://" in url_problem("file:///etc/passwd", "k")
+    assert "has no host" in url_problem("http:///path", "k")
+    problem = url_problem("https://user:hunter2@host/score", "k")
     assert "user name or password" in problem and "hunter2" not in problem
     assert shown_url("https://user:hunter2@host:8/score?token=abc") == "https://host:8/score?..."
+
+
+@pytest.mark.parametrize("url, credential", [
+    ("https://user:hunter2@host/score", "a user name or password"),
+    ("https://user@host/score", "a user name or password"),
+    ("http://env:8000/x?key=s3cret", "a credential in the query parameter 'key'"),
+    ("http://judge/score?lang=en&TOKEN=s3cret", "a credential in the query parameter 'TOKEN'"),
+    ("http://judge/score?X-Api-Key=s3cret", "a credential in the query parameter 'X-Api-Key'"),
+    ("http://judge/score?client_secret=s3cret", "a credential in the query parameter 'client_secret'"),
+    ("http://judge/score?sig=s3cret", "a credential in the query parameter 'sig'"),
+    ("http://judge/score?a=1;pwd=s3cret", "a credential in the query parameter 'pwd'"),
+    ("http://judge/score?%74oken=s3cret", "a credential in the query parameter 'token'"),  # percent-encoded name
+    ("http://judge/score?access_token", "a credential in the query parameter 'access_token'"),  # without a value
+    ("http://judge/score", None),
+    ("http://judge/score?lang=en&n=2&mode=", None),
+    ("http://judge/score?note=token", None),  # a word in a value is not a parameter's name
+    ("http://judge/score?keyword=sum&keys=3", None),  # "key" counts at the end of a name only
+])
+def test_a_url_carries_a_credential_in_its_user_info_or_a_query_parameter_named_like_one(url, credential):
+    assert url_credential(url) == credential
+
+
+def test_a_url_with_a_credential_is_refused_naming_the_header_key_and_not_the_value():
+    problem = url_problem("http://env:8000/x?key=s3cret", "env.headers_from_env")
+    assert problem.startswith("holds a credential in the query parameter 'key' ('http://env:8000/x?...'), which "
+                              "config.yaml and logs would keep: send it as a header whose value is read from an "
+                              "environment variable named in env.headers_from_env")
+    assert "s3cret" not in problem and "\n" not in problem
+    assert url_problem("http://env:8000/x?lang=en", "env.headers_from_env") is None
 
 
 def test_headers_come_from_environment_variables_and_their_values_stay_out_of_errors():
