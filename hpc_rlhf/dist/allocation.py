@@ -237,10 +237,13 @@ def _groups_text(plan: Plan, name: str) -> list[str]:
 
 
 def _setting(key: str, value) -> str:
-    """How the user writes `key` set to `value`: a flag (`--zero-stage 3`, `--adam-offload`) or a key (`x=3`)."""
+    """How the user writes `key` set to `value`: a flag (`--zero-stage 3`, `--adam-offload`, or for a switch that
+    is off, "no --adam-offload") or a key (`x=3`)."""
     if not key.startswith("--"):
         return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
-    return key if value is True else f"{key} {value}"
+    if isinstance(value, bool):
+        return key if value else f"no {key}"
+    return f"{key} {value}"
 
 
 def _advice(name: str, load: RoleLoad, row: dict, allocation: Allocation, sequence_fix: int | None = None) -> str:
@@ -302,9 +305,14 @@ def refusal(report: dict) -> str | None:
     for name, row in report["roles"].items():
         if not row["fits"]:
             return report["_advice"][name]
-    if not report["host"]["fits"]:
-        return report["_advice"]["_host"]
-    return None
+    return host_refusal(report)
+
+
+def host_refusal(report: dict) -> str | None:
+    """None when every node's host memory fits (or none was given); else the one line naming the setting to change.
+    `hpc-rlhf simulate` refuses on this alone: it reports each rank's GPU memory instead, since the layouts it is
+    for (its 1,024-rank example's rollout engines, ZeRO-0 at scale) are over the GPU's and still worth simulating."""
+    return None if report["host"]["fits"] else report["_advice"]["_host"]
 
 
 def public(report: dict) -> dict:

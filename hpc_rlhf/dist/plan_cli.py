@@ -121,17 +121,20 @@ def format_report(result: dict) -> str:
                  f"parameters ({100 * lora['share_of_model']:.2f}% of the model); a weight sync moves "
                  f"{lora['sync_gb'] * 1e3:.0f} MB (bf16) instead of {lora['full_sync_gb']:.1f} GB; the reference is "
                  "the actor with its adapter off (no ref role needed)")
-    host = result["host"]
-    limit = f"node memory {host['limit_gb']:g} GB" if host["limit_gb"] is not None else \
-        "node memory not given (--host-memory-gb): not checked"
-    host_line = (f"host memory per node (offloaded optimizer states, sleeping engines' weights, "
-                 f"{HOST_OVERHEAD_GB:g} GB per rank's process): "
-                 + ", ".join(f"node {n} {gb:,.0f} GB" for n, gb in enumerate(host["gb_per_node"]))
-                 + f"; {limit}" + ("" if host["fits"] else ": does NOT fit"))
     verdict = "the plan fits" if result["fits"] else "the plan does NOT fit: see the rows marked NO" \
         if not all(r["fits"] for r in result["roles"].values()) else "the plan does NOT fit: host memory"
     return (f"{head}\n\n{table}\n\nper-role GB per rank (GB/rank adds colocated roles and "
-            f"{result['overhead_gb']:g} GB overhead):\n{breakdown}\n\n{host_line}\n\n{verdict}")
+            f"{result['overhead_gb']:g} GB overhead):\n{breakdown}\n\n{host_line(result['host'])}\n\n{verdict}")
+
+
+def host_line(host: dict) -> str:
+    """The line `hpc-rlhf plan` and `hpc-rlhf simulate` print for a report's `host` (check_allocation's)."""
+    limit = f"node memory {host['limit_gb']:g} GB" if host["limit_gb"] is not None else \
+        "node memory not given (--host-memory-gb): not checked"
+    return (f"host memory per node (offloaded optimizer states, sleeping engines' weights, "
+            f"{HOST_OVERHEAD_GB:g} GB per rank's process): "
+            + ", ".join(f"node {n} {gb:,.0f} GB" for n, gb in enumerate(host["gb_per_node"]))
+            + f"; {limit}" + ("" if host["fits"] else ": does NOT fit"))
 
 
 def refuse(prog: str, exc: AllocationError) -> int:

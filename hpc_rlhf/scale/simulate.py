@@ -19,9 +19,11 @@ broadcasts (a broadcast delivers every message to every rank of its group); rece
 
 Per rank it reports the groups it belongs to and their sizes, its point-to-point peers, its communicators (see
 hpc_rlhf.scale.communicators: groups, peers, and DeepSpeed's model-parallel group under ZeRO-0), the messages and
-bytes it sends and receives in each phase and the largest message, and the planner's memory figure for it. It
-also checks that the planner's count of communicators (computed without torch) is what the real set-up holds, on
-every rank.
+bytes it sends and receives in each phase and the largest message, and the planner's memory figure for it; per
+node, the planner's host memory. It also checks that the planner's count of communicators (computed without torch)
+is what the real set-up holds, on every rank. A node short of host memory (`--host-memory-gb`) is refused as
+`hpc-rlhf plan` refuses it, after the report: one line naming the setting, exit code 2. GPU memory is reported,
+not refused (hpc_rlhf.dist.allocation.host_refusal says why).
 
 What it does not run: the models (no forward pass, no data; message sizes come from the batch settings, the
 longest possible responses), vLLM's own processes and their tensor-parallel communicators, and the training
@@ -38,7 +40,8 @@ import time
 
 import torch
 
-from hpc_rlhf.dist import exchange, fake_world, groups, weight_sync
+from hpc_rlhf.dist import exchange, fake_world, groups, plan_cli, weight_sync
+from hpc_rlhf.dist.allocation import host_refusal, public
 from hpc_rlhf.dist.placement import Plan, format_rows
 from hpc_rlhf.engines import deepspeed_compat
 from hpc_rlhf.engines.rollout.base import hf_named_tensors
@@ -198,7 +201,8 @@ P2P_OPS = ("send", "recv", "isend", "irecv")
 
 
 def simulate(args: argparse.Namespace) -> dict:
-    """The report `--json` prints (see the module docstring). Raises JobInputError for bad input."""
+    """The report `--json` prints (see the module docstring) and, under `_host_refusal`, the line a node short of
+    host memory is refused with (None when every node fits). Raises JobInputError for bad input."""
     if args.eval_rows < 0:
         raise JobInputError("--eval-rows", f"must be at least 0, got {args.eval_rows}")
     started = time.perf_counter()
@@ -255,6 +259,7 @@ def simulate(args: argparse.Namespace) -> dict:
         "planner_agrees": not disagree, "planner_disagrees_on": disagree[:20],
         "nccl_communicator_gb": communicators.NCCL_COMMUNICATOR_GB,
         "max_memory_gb": max(r.memory_gb for r in reports),
+        "host": planned["host"], "_host_refusal": host_refusal(planned),
         "seconds": round(time.perf_counter() - started, 2),
         **({"step_time": planned["step_time"]} if "step_time" in planned else {}),
         "ranks": [r.to_dict() for r in reports],
@@ -305,7 +310,7 @@ def format_report(result: dict) -> str:
             f"the planner's count agrees on every rank: {'yes' if result['planner_agrees'] else 'NO'}\n"
             f"(MB out/in: the most a rank of the row sends and receives in one RL step's phase; communicators: groups, "
             f"point-to-point peers and, under ZeRO-0, DeepSpeed's model-parallel group; "
-            f"{result['nccl_communicator_gb']} GB each in GB/rank)")
+            f"{result['nccl_communicator_gb']} GB each in GB/rank)\n\n{plan_cli.host_line(result['host'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,8 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     except exchange.ExchangeError as exc:  # a message the set-up could not build: a bug, said plainly
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
-    text = json.dumps(result) if args.json else format_report(result)
+    text = json.dumps(public(result)) if args.json else format_report(result)
     if "step_time" in result and not args.json:
         text += "\n\n" + plan_command.format_step_time(result["step_time"])
     print(text)
+    if result["_host_refusal"] is not None:  # as `hpc-rlhf plan` refuses a plan that does not fit: after showing it
+        print(f"{PROG}: {result['_host_refusal']}", file=sys.stderr)
+        return 2
     return 0

@@ -165,3 +165,28 @@ def test_a_teacher_beside_the_reference_keeps_the_bound_and_on_its_own_ranks_add
     assert beside["max_groups_per_rank"] == 8 and apart["max_groups_per_rank"] == 9
     rank_0 = next(r for r in beside["ranks"] if r["rank"] == 0)
     assert "scores/ref,scores/teacher" in rank_0["communicator_names"]
+
+
+LAYOUT_PPO_70B = "actor=8,critic=8,ref=4,reward=4,rollout=8,rollout_tp=4"  # examples/cluster/ppo_70b.yaml's
+
+
+def test_a_node_short_of_host_memory_is_refused_as_plan_refuses_it(capsys):
+    """PPO of a 70B model with Adam offload keeps ~1.1 TB of Adam states on the actor's node and on the critic's:
+    512 GB nodes are refused by the line `hpc-rlhf plan` prints, naming --adam-offload, exit 2; 2 TB nodes pass,
+    and both outputs give each node's host memory."""
+    job = ["--world-size", "32", "--gpus-per-node", "8", "--model", "70b", "--placement", LAYOUT_PPO_70B,
+           "--adam-offload"]
+    assert main(["plan", *job, "--host-memory-gb", "512"]) == 2
+    planned = capsys.readouterr().err
+
+    assert main(["simulate", *job, *SMALL_BATCH, "--host-memory-gb", "512"]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("hpc-rlhf simulate: --adam-offload: node 0 needs 1136 GB"), err
+    assert err.removeprefix("hpc-rlhf simulate") == planned.removeprefix("hpc-rlhf plan")
+    assert "or no --adam-offload on GPUs" in err  # a switch is not given a value ("--adam-offload False")
+    assert "node 0 1,136 GB, node 1 1,131 GB, node 2 32 GB, node 3 32 GB; node memory 512 GB: does NOT fit" in out
+
+    result = simulate(capsys, 32, LAYOUT_PPO_70B, "--adam-offload", "--host-memory-gb", "2048", model="70b")
+    assert result["host"]["limit_gb"] == 2048 and result["host"]["fits"]
+    assert result["host"]["gb_per_node"] == [1135.6, 1131.4, 32.0, 32.0]
+    assert "_host_refusal" not in result  # --json prints the public report
