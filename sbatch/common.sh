@@ -17,7 +17,9 @@
 #   PLAN_MODEL          model shape for the check of roles whose model folder is a placeholder (7b, 70b, ...)
 #   GPU_MEMORY_GB       memory of one GPU for the check (default 80)
 #   HOST_MEMORY_GB      memory of one node for the check (offloaded optimizer states, the ranks' processes);
-#                       default: the job's --mem (SLURM_MEM_PER_NODE) when it is > 0, else not checked
+#                       default: the job's --mem (SLURM_MEM_PER_NODE) when it is > 0, else (--mem=0 or no --mem)
+#                       the smallest RealMemory of the job's nodes (scontrol show node); not checked when
+#                       scontrol cannot say
 #   CONTAINER           an Apptainer image (.sif): every rank runs `apptainer exec --nv $CONTAINER python ...`;
 #                       binds come from APPTAINER_BIND (e.g. APPTAINER_BIND=/scratch,/datasets)
 #   MAX_RESTARTS        requeue a preempted job at most this many times (default 20)
@@ -103,9 +105,8 @@ hpc_check_plan() {
   local model=() host
   [ -z "${PLAN_MODEL:-}" ] || model=(--model "$PLAN_MODEL")
   [ "${CHECK_FILES:-1}" = 0 ] || model+=(--check-files)
-  host=$(hpc_host_memory_gb)
-  if [ -n "$host" ]; then model+=(--host-memory-gb "$host")
-  else hpc_log "host memory not checked: set HOST_MEMORY_GB (GB per node) or #SBATCH --mem"; fi
+  host=$(hpc_host_memory_gb)  # empty: not known, and hpc_host_memory_gb said why on stderr
+  [ -z "$host" ] || model+=(--host-memory-gb "$host")
   "${HPC_PYTHON[@]}" -m hpc_rlhf "${HPC_MODE_ARGS[@]}" --dry-run --world-size "$SLURM_NTASKS" \
     --gpus-per-node "$(hpc_ranks_per_node)" --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "${model[@]}" \
     --stop-lead-s "${STOP_LEAD_S:-600}" --requeue-margin-s "${REQUEUE_MARGIN_S:-120}" \
@@ -115,13 +116,41 @@ hpc_check_plan() {
 }
 
 # The memory of one node for the check, in GB (1e9 bytes): HOST_MEMORY_GB, else the job's --mem
-# (SLURM_MEM_PER_NODE, MiB) when it is > 0; nothing when neither is known. scontrol's RealMemory is not used: it
-# is what the administrator configured, often below the node's memory.
+# (SLURM_MEM_PER_NODE, MiB) when it is > 0, else the smallest RealMemory of the job's nodes: RealMemory is the
+# memory Slurm hands out on a node, all of which a job with --mem=0 (ppo_70b) gets, and the nodes of one job may
+# differ. Prints nothing, and one line on stderr, when none of them is known.
 hpc_host_memory_gb() {
-  if [ -n "${HOST_MEMORY_GB:-}" ]; then echo "$HOST_MEMORY_GB"
-  elif [ "${SLURM_MEM_PER_NODE:-0}" -gt 0 ] 2>/dev/null; then
-    awk -v mib="$SLURM_MEM_PER_NODE" 'BEGIN { printf "%.1f", mib * 1.048576 / 1000 }'
+  local mib
+  if [ -n "${HOST_MEMORY_GB:-}" ]; then echo "$HOST_MEMORY_GB"; return 0; fi
+  if [ "${SLURM_MEM_PER_NODE:-0}" -gt 0 ] 2>/dev/null; then mib=$SLURM_MEM_PER_NODE
+  else mib=$(hpc_nodes_real_memory_mib) || return 0; fi
+  awk -v mib="$mib" 'BEGIN { printf "%.1f", mib * 1.048576 / 1000 }'
+}
+
+# The smallest RealMemory (MiB, what `scontrol show node` reports) over the job's nodes; fails, with one line on
+# stderr, when scontrol is missing or one node's record has no RealMemory, or one under 1 GiB: Slurm's default for a
+# node whose memory the administrator did not configure is 1 MiB, which would refuse every job.
+hpc_nodes_real_memory_mib() {
+  local unknown="host memory not checked: set HOST_MEMORY_GB (GB per node) or #SBATCH --mem;"
+  if ! command -v scontrol >/dev/null; then
+    hpc_log "$unknown scontrol is not on PATH to read the nodes' RealMemory" >&2; return 1
   fi
+  local node mem smallest=""
+  for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null); do
+    mem=$(scontrol show node "$node" 2>/dev/null | grep -o 'RealMemory=[0-9]*' | head -n 1)
+    mem=${mem#RealMemory=}
+    if ! [ "${mem:-0}" -gt 0 ] 2>/dev/null; then
+      hpc_log "$unknown 'scontrol show node $node' gave no RealMemory" >&2; return 1
+    fi
+    if [ "$mem" -lt 1024 ]; then
+      hpc_log "$unknown node $node has RealMemory=$mem MiB (not configured in slurm.conf?)" >&2; return 1
+    fi
+    if [ -z "$smallest" ] || [ "$mem" -lt "$smallest" ]; then smallest=$mem; fi
+  done
+  if [ -z "$smallest" ]; then
+    hpc_log "$unknown 'scontrol show hostnames $SLURM_JOB_NODELIST' named no node" >&2; return 1
+  fi
+  echo "$smallest"
 }
 
 # An all-reduce across every task (`hpc-rlhf bandwidth`: NCCL on GPUs, gloo on CPUs), its time and bandwidth

@@ -174,7 +174,10 @@ MinJobAge=3600
 KillWait=10
 InactiveLimit=0
 Waittime=0
-NodeName=node[1-2] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=$CPUS_PER_NODE RealMemory=4000 State=UNKNOWN
+# RealMemory is the node memory sbatch/common.sh's check reads for jobs with --mem=0 or without --mem: it must hold
+# the check's estimate for the test jobs (4 GB a rank's process, up to 2 ranks a node). CR_Core does not schedule
+# memory, and config_overrides keeps a host with less from draining the nodes.
+NodeName=node[1-2] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=$CPUS_PER_NODE RealMemory=32000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }

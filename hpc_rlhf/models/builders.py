@@ -84,8 +84,9 @@ def check_attn_implementation(name: str) -> str:
     if name == "flash_attention_2":
         if importlib.util.find_spec("flash_attn") is None:
             raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is "
-                              "not installed: install the `gpu` extra (pip install 'hpc_rlhf[gpu]') on a CUDA "
-                              "machine, or use model.attn_implementation=sdpa")
+                              "not installed: install the `flash-attn` extra (pip install --no-build-isolation "
+                              "'hpc_rlhf[flash-attn]') on a CUDA machine, or build the image with --build-arg "
+                              "FLASH_ATTN=1, or use model.attn_implementation=sdpa")
         if not torch.cuda.is_available():
             raise ConfigError("model.attn_implementation=flash_attention_2 needs a CUDA GPU; "
                               "use model.attn_implementation=sdpa on the CPU")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import configparser
 import re
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -163,7 +164,7 @@ def test_extras_are_those_of_setup_cfg_and_pins_satisfy_them():
     extras = setup_cfg_extras()
     gpu_extras = {"gpu", "vllm", "mpi"}
     assert gpu_extras <= set(extras)
-    named = re.findall(r'"\.\[([\w,]+)\]"', SECTIONS["post"])
+    named = re.findall(r'"\.\[([\w,-]+)\]"', SECTIONS["post"])
     assert named, "the package is not installed with extras"
     installed = {e for group in named for e in group.split(",")}
     assert installed <= set(extras), installed - set(extras)
@@ -182,3 +183,77 @@ def test_extras_are_those_of_setup_cfg_and_pins_satisfy_them():
 def test_environment_keeps_compute_nodes_offline():
     env = SECTIONS["environment"]
     assert "export HF_HUB_OFFLINE=1" in env and "export HPC_RLHF_HOME=/opt/hpc_rlhf" in env
+
+
+# --------------------------------------------------------------------------------------- flash-attn, optional
+def build_arguments() -> dict[str, str]:
+    """%arguments: NAME=default lines, the values of {{ NAME }} unless `apptainer build --build-arg` sets them."""
+    pairs = [line.strip().partition("=") for line in SECTIONS.get("arguments", "").splitlines() if line.strip()]
+    return {name: value for name, _, value in pairs}
+
+
+def if_block(body: str, condition: str) -> str:
+    """The `if` line holding `condition` through its `fi`, as in the section: a piece of shell to run alone."""
+    lines = body.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("if ") and condition in line)
+    indent = lines[start][:len(lines[start]) - len(lines[start].lstrip())]
+    end = next(i for i in range(start + 1, len(lines)) if lines[i] == indent + "fi")
+    return "\n".join(lines[start:end + 1])
+
+
+def run_with_fake_python(script: str, tmp_path: Path, python_exit: int = 0) -> str:
+    """Run a shell piece with a `python` that logs its arguments and exits `python_exit`; returns the log."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / "python.log"
+    fake = bin_dir / "python"
+    fake.write_text(f'#!/bin/bash\necho "$*" >> {log}\nexit {python_exit}\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", "-c", "set -eu; stubs=/stubs\n" + textwrap.dedent(script)], capture_output=True,
+                          text=True, env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    return (log.read_text() if log.exists() else "") + proc.stdout
+
+
+def test_flash_attn_is_an_extra_of_its_own_with_its_pin():
+    extras = setup_cfg_extras()
+    assert [str(r) for r in extras["flash-attn"]] == ["flash-attn>=2.6"]
+    assert all(r.name != "flash-attn" for name, group in extras.items() if name != "flash-attn" for r in group)
+    assert "flash-attn" not in (REPO / "requirements-gpu.txt").read_text()
+
+
+def test_the_image_installs_flash_attn_only_when_its_build_argument_asks():
+    """The package's line names no flash-attn; `.[flash-attn]` is installed in a block that runs only with
+    `--build-arg FLASH_ATTN=1` (default 0), after the package, so that it compiles against the image's torch."""
+    assert build_arguments() == {"FLASH_ATTN": "0"}
+    used = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", DEF.read_text()))
+    assert used == set(build_arguments())  # a name without a default would fail every build that does not set it
+    post = SECTIONS["post"]
+    package = next(line for line in pip_installs(post) if '".[' in line)
+    assert '".[gpu,vllm,mpi]"' in package and "flash" not in package
+    block = if_block(post, "{{ FLASH_ATTN }}")
+    assert '"{{ FLASH_ATTN }}" = 1' in block and '".[flash-attn]"' in block and "--no-build-isolation" in block
+    assert post.index('".[gpu,vllm,mpi]"') < post.index('".[flash-attn]"')
+    commands = [line for line in post.replace(block, "").splitlines() if not line.lstrip().startswith("#")]
+    assert not any("flash" in line for line in commands)  # the block is the only place that installs it
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_the_flash_attn_block_installs_it_for_1_only(tmp_path, value):
+    block = if_block(SECTIONS["post"], "{{ FLASH_ATTN }}").replace("{{ FLASH_ATTN }}", value)
+    calls = run_with_fake_python(block, tmp_path)
+    assert ("pip install --no-build-isolation .[flash-attn]" in calls) == (value == "1"), calls
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_the_image_test_checks_flash_attn_only_when_it_is_installed(tmp_path, installed):
+    """%test loads flash-attn's kernels when its distribution is there, and otherwise says it is absent and passes;
+    bitsandbytes is still required outside that block."""
+    check = SECTIONS["test"]
+    block = if_block(check, "flash-attn")
+    assert "importlib.metadata" in block and "flash_attn_2_cuda" in block
+    outside = check.replace(block, "")
+    assert "flash_attn" not in outside and "'bitsandbytes'" in outside
+    calls = run_with_fake_python(block, tmp_path, python_exit=0 if installed else 1)
+    assert ("flash_attn_2_cuda" in calls) == installed, calls
+    assert ("flash-attn not installed" in calls) == (not installed), calls

@@ -133,8 +133,17 @@ printf 'srun' >> "$FAKE_LOG"; printf ' %q' "$@" >> "$FAKE_LOG"; echo >> "$FAKE_L
 env | grep -E '^(MASTER_ADDR|MASTER_PORT|NCCL_[A-Z_]+|SRUN_CPUS_PER_TASK|HF_[A-Z_]+_OFFLINE)=' | sort >> "$FAKE_LOG"
 exit "${FAKE_SRUN_EXIT:-0}"
 """
+# `scontrol show node NAME` prints a node record with RealMemory=$FAKE_REAL_MEMORY_NAME (MiB) when that is set,
+# else fails as for a node Slurm does not know.
 FAKE_SCONTROL = """#!/bin/bash
 if [ "$1 $2" = "show hostnames" ]; then printf 'node7\\nnode8\\n'; exit 0; fi
+if [ "$1 $2" = "show node" ]; then
+  memory=FAKE_REAL_MEMORY_$3
+  if [ -z "${!memory:-}" ]; then echo "Node $3 not found" >&2; exit 1; fi
+  printf 'NodeName=%s Arch=x86_64 CoresPerSocket=16\\n   CPUAlloc=0 CPUEfctv=32 CPUTot=32 CPULoad=0.01\\n' "$3"
+  printf '   RealMemory=%s AllocMem=0 FreeMem=1000 Sockets=2 Boards=1\\n   State=IDLE ThreadsPerCore=1\\n' "${!memory}"
+  exit 0
+fi
 echo "scontrol $*" >> "$FAKE_LOG"
 """
 
@@ -230,14 +239,39 @@ def test_a_role_mode_without_placement_runs_the_configs_own(fake_slurm):
 
 def test_the_check_weighs_host_memory_from_host_memory_gb_or_the_jobs_mem(fake_slurm):
     """HOST_MEMORY_GB, else the job's --mem (SLURM_MEM_PER_NODE, MiB), is the node memory the dry run checks; with
-    neither the job log says it was not checked. 4 tiny ranks need their processes' 4 x 4 GB per node of 2."""
+    neither, and no RealMemory from scontrol, the job log says on stderr that it was not checked. 4 tiny ranks need
+    their processes' 4 x 4 GB per node of 2."""
     proc, calls = fake_slurm("tiny_cpu.sbatch", HOST_MEMORY_GB="6")
     assert proc.returncode == 2 and "srun" not in calls
     assert "node 0 needs 8 GB of host memory, more than 6 GB (--host-memory-gb)" in proc.stderr
     proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="16000")  # 16.8 GB
     assert proc.returncode == 0 and "node memory 16.8 GB" in proc.stdout, proc.stderr
-    proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="0")
-    assert proc.returncode == 0 and "host memory not checked: set HOST_MEMORY_GB" in proc.stdout
+    proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="0")  # and scontrol knows neither node
+    assert proc.returncode == 0 and "node memory not given (--host-memory-gb): not checked" in proc.stdout
+    assert "host memory not checked: set HOST_MEMORY_GB" in proc.stderr
+    assert "'scontrol show node node7' gave no RealMemory" in proc.stderr
+
+
+def test_with_mem_0_the_check_weighs_the_smallest_realmemory_of_the_jobs_nodes(fake_slurm):
+    """--mem=0 (ppo_70b) or no --mem: the node memory is scontrol's RealMemory (MiB), the smallest over the job's
+    nodes (node7, node8); the 4 tiny ranks need 8 GB per node."""
+    proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="0", FAKE_REAL_MEMORY_node7="64000",
+                             FAKE_REAL_MEMORY_node8="16000")  # 16.8 GB
+    assert proc.returncode == 0 and "node memory 16.8 GB" in proc.stdout, proc.stderr
+    assert "host memory not checked" not in proc.stdout + proc.stderr
+    proc, later_calls = fake_slurm("tiny_cpu.sbatch", FAKE_REAL_MEMORY_node7="64000", FAKE_REAL_MEMORY_node8="5000")
+    assert proc.returncode == 2 and "srun" not in later_calls[len(calls):]
+    assert "node 0 needs 8 GB of host memory, more than 5.2 GB (--host-memory-gb)" in proc.stderr
+    proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="0", FAKE_REAL_MEMORY_node7="64000",
+                             FAKE_REAL_MEMORY_node8="unknown")
+    assert proc.returncode == 0 and "'scontrol show node node8' gave no RealMemory" in proc.stderr
+    assert "node memory not given (--host-memory-gb): not checked" in proc.stdout
+    # Slurm's RealMemory for a node the administrator gave none: 1 MiB, which must not refuse every job.
+    proc, calls = fake_slurm("tiny_cpu.sbatch", FAKE_REAL_MEMORY_node7="1", FAKE_REAL_MEMORY_node8="64000")
+    assert proc.returncode == 0 and "node node7 has RealMemory=1 MiB (not configured" in proc.stderr
+    proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="0", HOST_MEMORY_GB="6",
+                             FAKE_REAL_MEMORY_node7="64000", FAKE_REAL_MEMORY_node8="64000")
+    assert proc.returncode == 2 and "more than 6 GB (--host-memory-gb)" in proc.stderr  # HOST_MEMORY_GB first
 
 
 def test_nccl_settings_reach_the_ranks_only_when_set(fake_slurm):

@@ -105,7 +105,7 @@ def test_flash_attention_without_flash_attn_says_how_to_fix():
 
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
-    with pytest.raises(ConfigError, match=r"`gpu` extra.*attn_implementation=sdpa"):
+    with pytest.raises(ConfigError, match=r"`flash-attn` extra.*FLASH_ATTN=1.*attn_implementation=sdpa"):
         check_attn_implementation("flash_attention_2")
 
 
