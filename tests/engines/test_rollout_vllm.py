@@ -48,6 +48,43 @@ def teacher_forced(model, prompt, response, temperature):
     return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
 
 
+class LongObservations:
+    """An environment whose every observation is 20 tokens (digits, one token each in the tiny tokenizer), so that
+    an episode's context grows by about 24 tokens a turn."""
+
+    def reset(self, row: dict) -> str:
+        return ""
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        return "01234567890123456789", 0.0, False
+
+
+def play_crowded_episodes(engine, seed: int):
+    """100 seeded episodes of 3 turns: their first turn's prompts hold 1,200 tokens, their third turn's contexts
+    about 6,000, more than vLLM's CPU scheduler takes in one step (4,096). Returns the episodes' tokens and the
+    largest turn's token count."""
+    from transformers import AutoTokenizer
+
+    from hpc_rlhf.envs.config import EnvSection
+    from hpc_rlhf.envs.episodes import run_episodes
+    from hpc_rlhf.envs.loading import EnvFactory
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    prompts = [[1] + [3 + (i + j) % 90 for j in range(11)] for i in range(100)]
+    contexts = []
+
+    def generate(prompt_ids, sampling):
+        contexts.append(sum(len(p) for p in prompt_ids))
+        return engine.generate(prompt_ids, sampling)
+
+    settings = EnvSection(name="long_observations", max_turns=3, max_episode_tokens=52)
+    batch = run_episodes([{"prompt": str(i)} for i in range(100)], prompts, generate,
+                         SamplingParams(n=1, temperature=1.0, max_new_tokens=4, seed=seed),
+                         env=EnvFactory(name="long_observations", make=LongObservations), tokenizer=tokenizer,
+                         settings=settings)
+    return [torch.as_tensor(e.tokens).tolist() for e in batch.episodes], contexts
+
+
 def _rank_main(out: str) -> None:
     """Rank 0: the actor, sends two updates over the group. Rank 1: drives vLLM and records what it sees."""
     import torch.distributed as dist
@@ -109,6 +146,10 @@ def _rank_main(out: str) -> None:
     result["crowd_prompt_tokens"] = sum(len(p) for p in crowd)
     result["crowd_repeats"] = ([t.tolist() for t in crowded.flat_responses()] ==
                                [t.tolist() for t in engine.generate(crowd, crowd_sampling).flat_responses()])
+    # Multi-turn episodes, where the later turns are the crowd: every live episode's whole context is a prompt.
+    episodes, result["episode_turn_tokens"] = play_crowded_episodes(engine, seed=11)
+    result["episodes_repeat"] = episodes == play_crowded_episodes(engine, seed=11)[0]
+    result["episode_lengths"] = sorted({len(tokens) for tokens in episodes})
     for seed in (1, 2):
         stats = weight_sync.receive_weights(src=0, group=group, load_fn=engine.load_weights)
         perturbed(model, seed)  # what the actor now holds
@@ -164,6 +205,15 @@ def test_seeded_prompts_beyond_one_steps_token_budget_generate_and_repeat(run):
     split, engine_kwargs) and the seeded samples still repeat."""
     assert run["crowd_prompt_tokens"] > 4096
     assert run["crowd_repeats"]
+
+
+def test_seeded_episodes_whose_later_turns_exceed_one_steps_token_budget_play_out_and_repeat(run):
+    """Multi-turn episodes on the vLLM engine (issue 38): the first turn's prompts fit one scheduler step, the third
+    turn's contexts do not; every episode plays its 3 turns and the seeded episodes repeat token for token."""
+    first, *later = run["episode_turn_tokens"]
+    assert len(later) == 2 and first < 4096 < later[-1], run["episode_turn_tokens"]
+    assert run["episodes_repeat"]
+    assert min(run["episode_lengths"]) > 20  # past the first turn: an observation of 20 tokens and more turns
 
 
 def test_weight_sync_over_the_group_reaches_the_worker_bit_for_bit(run):
