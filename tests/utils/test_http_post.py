@@ -4,6 +4,7 @@ not JSON; and the URL and header rules that keep secrets out of messages."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -100,9 +101,15 @@ def answer_with(raw: bytes):
     return reply
 
 
+def open_sockets() -> int:
+    """This process's open socket descriptors (the test server's and the client's)."""
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
 def test_a_slow_drip_reply_ends_at_the_deadline_and_leaves_no_thread_behind():
     with raw_server(drip) as url:
-        threads = threading.active_count()
+        threads, sockets = threading.active_count(), open_sockets()
         for _ in range(3):
             started = time.monotonic()
             with pytest.raises(HttpCallError) as caught:
@@ -111,19 +118,19 @@ def test_a_slow_drip_reply_ends_at_the_deadline_and_leaves_no_thread_behind():
             assert str(caught.value) == ("no complete answer within 0.3 s (reward.http_timeout_s, a deadline per "
                                          "try)")
             assert caught.value.retry
-        # the client made none; the server's end as they find their connection closed
-        assert settles(lambda: threading.active_count() <= threads)
+        # the client made none; the server's end as they find their connection closed, and no socket stays open
+        assert settles(lambda: threading.active_count() <= threads and open_sockets() <= sockets)
 
 
 def test_an_endless_body_ends_at_the_cap():
     with raw_server(endless) as url:
-        threads = threading.active_count()
+        threads, sockets = threading.active_count(), open_sockets()
         for _ in range(3):
             with pytest.raises(HttpCallError) as caught:
                 post_json(url, b"{}", timeout_s=30, max_bytes=2 ** 16, cap_key="env.max_reply_mb")
             assert str(caught.value) == "answered more than the cap of 0.0625 MB (env.max_reply_mb)"
             assert not caught.value.retry
-        assert settles(lambda: threading.active_count() <= threads)
+        assert settles(lambda: threading.active_count() <= threads and open_sockets() <= sockets)
 
 
 def test_a_declared_length_over_the_cap_is_refused_before_reading():
