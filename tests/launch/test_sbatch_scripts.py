@@ -131,6 +131,8 @@ def test_common_sh_starts_ranks_through_launch_srun_sh_and_requeues_on_75():
 FAKE_SRUN = """#!/bin/bash
 printf 'srun' >> "$FAKE_LOG"; printf ' %q' "$@" >> "$FAKE_LOG"; echo >> "$FAKE_LOG"
 env | grep -E '^(MASTER_ADDR|MASTER_PORT|NCCL_[A-Z_]+|SRUN_CPUS_PER_TASK|HF_[A-Z_]+_OFFLINE)=' | sort >> "$FAKE_LOG"
+# the tasks' store secret, apart from the log (which the test compares with the job's output)
+printf '%s\n' "${HPC_RLHF_STORE_SECRET:-}" >> "$FAKE_LOG.secret"
 exit "${FAKE_SRUN_EXIT:-0}"
 """
 # `scontrol show node NAME` prints a node record with RealMemory=$FAKE_REAL_MEMORY_NAME (MiB) when that is set,
@@ -185,6 +187,27 @@ def test_a_finished_step_is_not_requeued(fake_slurm):
     assert "MASTER_ADDR=node7" in calls and f"MASTER_PORT={SLURM_PORT_BASE + 4242 % SLURM_PORT_SPAN}" in calls
     assert SLURM_PORT_BASE + SLURM_PORT_SPAN <= 32768
     assert "requeue" not in calls
+
+
+def test_the_tasks_get_one_store_secret_per_job_that_the_job_never_prints(fake_slurm, tmp_path):
+    """sbatch/common.sh makes the job's store secret once (launch/env.sh hpc_store_secret) and srun hands it to
+    every task; it is never in the job's output. A requeued job (another batch shell) makes a new one; one the
+    user set is kept."""
+    secrets = tmp_path / "calls.log.secret"
+
+    def job_secrets(*env: str) -> set[str]:
+        """The secrets the job's srun steps were given."""
+        seen = len(secrets.read_text().split()) if secrets.exists() else 0
+        proc, calls = fake_slurm("tiny_cpu.sbatch", "train.max_steps=3", **dict(kv.split("=", 1) for kv in env))
+        assert proc.returncode == 0, proc.stderr
+        given = set(secrets.read_text().split()[seen:])
+        assert not any(secret in proc.stdout + proc.stderr + calls for secret in given)
+        return given
+
+    [secret] = job_secrets()  # one for every step of the job
+    assert re.fullmatch(r"[0-9a-f]{64}", secret)  # 32 random bytes
+    assert job_secrets() != {secret}
+    assert job_secrets("HPC_RLHF_STORE_SECRET=users-own") == {"users-own"}
 
 
 def test_exit_75_requeues_the_job(fake_slurm):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import stat
 import subprocess
@@ -66,6 +67,22 @@ def test_the_job_script_starts_the_requeue_guard_before_the_tasks():
     assert " requeue_guard 200 100 $$ &" in text
     assert " requeue_guard 120 " in _make_sbatch_string(command="true", folder="/tmp/x/%j",
                                                         **slurm_parameters(signal_delay_s=600))
+
+
+def test_the_job_script_makes_the_store_secret_in_the_job_not_in_the_script():
+    """`hpc-rlhf submit`'s job script (a file other users may read) holds no secret: its shell makes one before
+    srun starts the tasks, which inherit it, unless the user's environment gave one (store_guard)."""
+    text = _make_sbatch_string(command="true", folder="/tmp/x/%j", **slurm_parameters())
+    [line] = [line for line in text.splitlines() if "HPC_RLHF_STORE_SECRET=" in line]
+    assert text.index(line) < text.index("srun")
+
+    def secret_made(**env: str) -> str:
+        return subprocess.run(["bash", "-c", f'{line}\nprintf %s "$HPC_RLHF_STORE_SECRET"'], capture_output=True,
+                              text=True, check=True, env={"PATH": os.environ["PATH"], **env}).stdout
+
+    first, second = secret_made(), secret_made()
+    assert re.fullmatch(r"[0-9a-f]{64}", first) and first != second and first not in text
+    assert secret_made(HPC_RLHF_STORE_SECRET="users-own") == "users-own"
 
 
 @pytest.mark.parametrize("margin", [90, 120, -1, 1.5])
