@@ -33,13 +33,15 @@ TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 DISTILL_RUN = ["rollout.n_samples=2", "train.batch_size=32", "train.micro_batch_size=32", "eval.max_rows=300"]
 DISTILL_STEPS = 3
 DISTILL_MARGIN = 0.005  # the control gives 0; the smallest gain measured, +0.017, is 5 prompts of 300
-TOWARDS_TEACHER = 1 / 3  # of the way from the SFT base to the teacher (the 8-sample recipe's AMD seed 2: 0.42)
+# Of the way from the SFT base to the teacher, the issue's half: the two-sample recipe reached 0.57-0.98 on Intel
+# (seed 0: 0.57); the eight-sample recipe before it got 0.42 at AMD's seed 2, when the test asked a third.
+TOWARDS_TEACHER = 0.5
 
 
 @pytest.mark.learning
 def test_distilling_an_rl_trained_teacher_beats_grpo_alone_at_the_same_step(tmp_path, sft_base, grpo_teacher):
     """The SFT base samples, GRPO's rule reward and the teacher's per-token reverse KL both in its advantages: after
-    DISTILL_STEPS steps its held-out exact match is at least a third of the way from the SFT base to the teacher,
+    DISTILL_STEPS steps its held-out exact match is at least half of the way from the SFT base to the teacher,
     and above GRPO alone (the same run without the teacher) at the same step from the same start."""
     teacher = Curve(grpo_teacher.parent).end["eval_accuracy"]
     runs = {}
@@ -59,7 +61,7 @@ def test_distilling_an_rl_trained_teacher_beats_grpo_alone_at_the_same_step(tmp_
     assert student.values("eval_accuracy")[0] == sft, "the two runs did not start from the same model"
     assert student.values("teacher_kl"), "the teacher scored no token"
     assert reached >= sft + TOWARDS_TEACHER * (teacher - sft), (
-        f"student {reached} after {DISTILL_STEPS} steps, not a third of the way from the SFT base {sft} to the teacher "
+        f"student {reached} after {DISTILL_STEPS} steps, not half of the way from the SFT base {sft} to the teacher "
         f"{teacher}")
     assert reached >= grpo_alone + DISTILL_MARGIN, (f"student {reached} against GRPO alone {grpo_alone} at step "
                                                     f"{DISTILL_STEPS}")
