@@ -12,6 +12,9 @@ Rank 0, the actor's leader, logs the step's figures. The routes:
 - `eval`: an evaluation's greedy responses, from the hub to rank 0 only (the one rank that decodes them);
 - `scores/ROLE` (actor, critic, ref, teacher, reward, reward2, ..., and `rules` for the rule/remote rewards): that
   role's per-sample results, from its leader (the rule rewards' rank for `rules`) to the trained roles and rank 0;
+  the roles whose leaders are not trained ranks send over one group of the trained ranks and all those leaders
+  (each of them gets the others' scores too), so that a teacher or a second reward model on ranks of its own adds
+  no group on the trained ranks;
 - `figures/critic` (a gather): the critic's training figures, to rank 0, which logs them, over the trained
   ranks (only the critic's leader has figures; the others take part in the gather with nothing to say).
 
@@ -21,8 +24,9 @@ receives from point to point. One route per engine (what this table had before) 
 group per engine: 515 communicators on a scoring rank of a 1,024-GPU job. Here the engines meet in one group
 and their messages reach the scoring ranks as one batch from the hub, so what a rank holds is its roles' groups,
 the weight-sync group and at most a handful of these, whatever the number of engines (`hpc-rlhf simulate`
-checks it on the real set-up of 1,024 ranks). Every message still goes only to the ranks that consume it; the
-hub relays the batch (one more hop, a few megabytes at most per step).
+checks it on the real set-up of 1,024 ranks). Every message goes only to the ranks that consume it, but for the
+scores of the untrained scoring roles, which also reach each other's leaders (one group for all of them); the hub
+relays the batch (one more hop, a few megabytes at most per step).
 
 A job's table is a `Routes`: the RL recipe builds it once from its plan and reference mode and hands it to every
 message call (messages.py) and to hpc_rlhf.dist.groups (the rank sets that need a group), so no module holds a
@@ -108,12 +112,16 @@ def routes_of(plan: Plan, ref_role: str = "ref") -> dict[str, Route | Gather]:
         routes[ENGINES] = Gather(ENGINES, hub, leaders)
         add("responses", hub, scorers)
         add("eval", hub, {LOGGING_RANK})
-    for name, role in plan.roles.items():
-        if role.kind != "rollout":
-            add(f"scores/{name}", role.leader, trained)
+    senders = {f"scores/{name}": role.leader for name, role in plan.roles.items() if role.kind != "rollout"}
     if ref_role != "ref":
-        add("scores/ref", plan.role(ref_role).leader, trained)
-    add("scores/rules", rule_reward_rank(plan), trained)
+        senders["scores/ref"] = plan.role(ref_role).leader
+    senders["scores/rules"] = rule_reward_rank(plan)
+    # The senders outside the trained ranks (ref, teacher, reward models) share one group with them: each more
+    # such role would otherwise add a group on every trained rank. Each of these senders also receives the others'
+    # scores, which it does not use (a few megabytes a step at most).
+    outside = {src for src in senders.values() if src not in trained}
+    for key, src in senders.items():
+        add(key, src, trained if src in trained else trained | outside)
     if plan.has("critic"):
         routes["figures/critic"] = Gather("figures/critic", LOGGING_RANK, tuple(sorted(trained)))
     return routes

@@ -41,9 +41,10 @@ def test_json_matches_the_memory_model(capsys):
     assert set(result["roles"]) == {"actor", "critic", "ref", "reward", "rollout"}
     critic = result["roles"]["critic"]
     assert critic["ranks"] == [4, 5] and critic["nodes"] == [0]
-    # the critic's ranks hold 5 NCCL communicators: its role group, the batch's group and three score groups
-    assert critic["communicators"] == 5 and critic["breakdown_gb"]["nccl"] == pytest.approx(5 * 0.6)
-    want = estimate("critic", ModelShape.preset("7b"), 2, zero_stage=2, overhead_gb=0)["total"] + 1.5 + 5 * 0.6
+    # the critic's ranks hold 4 NCCL communicators: its role group, the batch's group and two score groups (the
+    # trained ranks'; those and the ref's and the reward model's leaders)
+    assert critic["communicators"] == 4 and critic["breakdown_gb"]["nccl"] == pytest.approx(4 * 0.6)
+    want = estimate("critic", ModelShape.preset("7b"), 2, zero_stage=2, overhead_gb=0)["total"] + 1.5 + 4 * 0.6
     assert critic["memory_gb_per_rank"] == pytest.approx(want, abs=1e-3)
     assert result["roles"]["rollout"]["engines"] == [[8, 9], [10, 11], [12, 13], [14, 15]]
 
@@ -66,8 +67,8 @@ def test_gpu_memory_decides_fits(capsys):
     with_offload = json.loads(run_plan(capsys, *layout_70b, "--adam-offload")[1])
     assert with_offload["roles"]["actor"]["breakdown_gb"]["optimizer"] == 0
     assert with_offload["roles"]["actor"]["breakdown_gb"]["cpu_optimizer"] > 200
-    # 77 GB of its own, 1 GB overhead and 7 communicators on the actor's leader: not on 80 GB, on 94 GB (H100 NVL)
-    assert with_offload["fits"] is False and with_offload["roles"]["actor"]["communicators"] == 7
+    # 77 GB of its own, 1 GB overhead and 6 communicators on the actor's leader: not on 80 GB, on 94 GB (H100 NVL)
+    assert with_offload["fits"] is False and with_offload["roles"]["actor"]["communicators"] == 6
     assert json.loads(run_plan(capsys, *layout_70b, "--adam-offload", "--gpu-memory-gb", "94")[1])["fits"] is True
     tiny_gpu = json.loads(run_plan(capsys, *layout_70b, "--adam-offload", "--gpu-memory-gb", "40")[1])
     assert tiny_gpu["fits"] is False

@@ -79,7 +79,9 @@ def test_no_rank_holds_more_route_groups_as_engines_are_added():
 
     small = most("actor=4,critic=4,ref=4,reward=4,rollout=16,rollout_tp=4", 32)
     assert small == most("actor=64,critic=32,ref=16,reward=16,rollout=128,rollout_tp=2", 256) == \
-        most("actor=256,critic=128,ref=64,reward=64,rollout=512,rollout_tp=1", 1024) == 5
+        most("actor=256,critic=128,ref=64,reward=64,rollout=512,rollout_tp=1", 1024) == 4
+    # nor with more scoring roles on ranks of their own: their scores share one group with the trained ranks
+    assert most("actor=64,critic=32,ref=16,teacher=16,reward=16,reward2=16,rollout=96,rollout_tp=2", 256) == 4
 
 
 def test_a_hub_that_scores_keeps_its_batch():
@@ -100,11 +102,14 @@ def test_a_hub_that_scores_keeps_its_batch():
 
 
 def test_each_reward_model_sends_its_own_scores():
-    """reward, reward2, reward3: one `scores/ROLE` route each from the model's leader to the trained ranks; every
-    model receives the batch; the rule rewards run on the first model's leader."""
+    """reward, reward2, reward3: one `scores/ROLE` route each from the model's leader to the trained ranks, over
+    one group of the trained ranks and the three leaders (each leader gets the others' scores too); every model
+    receives the batch; the rule rewards run on the first model's leader."""
     table = routes.Routes(make_plan("actor=1,critic=1,reward=1,reward2=1,reward3=1,rollout=1", 6, 6))
     assert {key: (table[key].src, table[key].ranks) for key in table.keys() if key.startswith("scores/reward")} == {
-        "scores/reward": (2, (0, 1, 2)), "scores/reward2": (3, (0, 1, 3)), "scores/reward3": (4, (0, 1, 4))}
+        "scores/reward": (2, (0, 1, 2, 3, 4)), "scores/reward2": (3, (0, 1, 2, 3, 4)),
+        "scores/reward3": (4, (0, 1, 2, 3, 4))}
+    assert table["scores/actor"].ranks == table["scores/critic"].ranks == (0, 1)  # the trained ranks alone
     assert table["responses"].consumers == (0, 1, 2, 3, 4)
     assert table.rule_reward_rank == table["scores/rules"].src == 2
 
@@ -115,7 +120,7 @@ def test_the_rule_rewards_run_on_the_first_reward_models_leader_else_on_the_acto
     # actor 0-1, critic 2, reward 3-4, reward2 5, rollout 6
     with_two = make_plan("actor=2,critic=1,reward=2,reward2=1,rollout=1", 7, 7)
     assert routes.rule_reward_rank(with_two) == 3 == routes.Routes(with_two)["scores/rules"].src
-    assert routes.Routes(with_two)["scores/rules"].ranks == (0, 1, 2, 3)
+    assert routes.Routes(with_two)["scores/rules"].ranks == (0, 1, 2, 3, 5)  # reward2's leader shares the group
     on_the_actor = make_plan("actor+reward=2,critic=1,rollout=1", 4, 4)  # the reward model shares ranks 0-1
     assert routes.rule_reward_rank(on_the_actor) == 0
 

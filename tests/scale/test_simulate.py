@@ -45,14 +45,15 @@ def test_32_ranks_groups_order_and_communicators(world_32):
     result = world_32
     assert result["world_size"] == 32 and result["planner_agrees"] is True
     # 4 role groups, the weight-sync group, then the message groups: the engines' first ranks, the batch's
-    # consumers and three sets of score receivers; the same list on every rank (or the simulation raises)
-    assert result["new_group_calls"] == 10
+    # consumers and two sets of score receivers (the trained ranks; those and the ref's and reward model's leaders);
+    # the same list on every rank (or the simulation raises)
+    assert result["new_group_calls"] == 9
     assert result["new_group_order"][:5] == ["role/actor", "role/critic", "role/ref", "role/reward", "weight_sync"]
     by_rank = {r["rank"]: r for r in result["ranks"]}
-    # rank 0: its role, the weight-sync group, the batch's group, three score groups and the hub (eval)
-    assert by_rank[0]["communicators"] == 7 and by_rank[0]["peers"] == [16]
+    # rank 0: its role, the weight-sync group, the batch's group, two score groups and the hub (eval)
+    assert by_rank[0]["communicators"] == 6 and by_rank[0]["peers"] == [16]
     assert by_rank[17]["communicator_names"] == ["weight_sync"]  # a rollout rank that leads no engine
-    assert result["max_groups_per_rank"] == 7
+    assert result["max_groups_per_rank"] == 6
 
 
 def test_32_ranks_bytes_are_what_the_messages_carry(world_32):
@@ -86,13 +87,13 @@ def test_1024_ranks_hold_no_more_communicators_than_256(capsys):
     big = simulate(capsys, 1024, LAYOUT_1024, "--zero-stage", "0")
     small = simulate(capsys, 256, LAYOUT_256, "--zero-stage", "0")
     assert big["planner_agrees"] and small["planner_agrees"]
-    assert big["max_groups_per_rank"] == small["max_groups_per_rank"] == 8
-    assert big["new_group_calls"] == small["new_group_calls"] == 10
-    # rank 0: its role, the weight-sync group, the batch's group, three score groups, the hub (eval) and
+    assert big["max_groups_per_rank"] == small["max_groups_per_rank"] == 7
+    assert big["new_group_calls"] == small["new_group_calls"] == 9
+    # rank 0: its role, the weight-sync group, the batch's group, two score groups, the hub (eval) and
     # DeepSpeed's model-parallel group; under ZeRO 1-3 DeepSpeed leaves the last one unused
     worst = next(r for r in big["ranks"] if r["rank"] == 0)
-    assert worst["communicators"] == 8 and communicators.SINGLETON in worst["communicator_names"]
-    assert max(map(len, communicators.communicators_of(make_plan(LAYOUT_1024, 1024, 8), zero_stage=3))) == 7
+    assert worst["communicators"] == 7 and communicators.SINGLETON in worst["communicator_names"]
+    assert max(map(len, communicators.communicators_of(make_plan(LAYOUT_1024, 1024, 8), zero_stage=3))) == 6
 
 
 @pytest.mark.parametrize("command", ["plan", "simulate"])
@@ -118,7 +119,7 @@ def test_bad_input_is_refused_in_one_line(capsys, tmp_path, command, change, fla
 
 def test_256_ranks_with_the_actor_in_sequence_blocks_of_4_add_one_communicator_on_the_actors_ranks(capsys):
     """actor_sp=4 on LAYOUT_256's 64 actor ranks: 16 blocks, 16 more new_group calls on every rank (in the same
-    order), and one more communicator on an actor rank (its block), none elsewhere: 9 at most under ZeRO-0 (8
+    order), and one more communicator on an actor rank (its block), none elsewhere: 8 at most under ZeRO-0 (7
     without sequence blocks). The count does not grow with the job: 1,024 ranks with the actor in blocks of 4 hold
     as many as 256 (counted by the planner, which the simulation agrees with on every rank)."""
     plain = simulate(capsys, 256, LAYOUT_256, "--zero-stage", "0")
@@ -128,7 +129,7 @@ def test_256_ranks_with_the_actor_in_sequence_blocks_of_4_add_one_communicator_o
     order = split["new_group_order"]
     assert order[order.index("role/reward") + 1:order.index("weight_sync")] == [f"sequence/actor/{i}"
                                                                                    for i in range(16)]
-    assert split["max_groups_per_rank"] == plain["max_groups_per_rank"] + 1 == 9
+    assert split["max_groups_per_rank"] == plain["max_groups_per_rank"] + 1 == 8
     plan = make_plan(LAYOUT_256 + ",actor_sp=4", 256, 8)
     for before, after in zip(plain["ranks"], split["ranks"]):
         extra = 1 if after["rank"] in plan.role("actor").ranks else 0
@@ -136,8 +137,8 @@ def test_256_ranks_with_the_actor_in_sequence_blocks_of_4_add_one_communicator_o
     rank_5 = next(r for r in split["ranks"] if r["rank"] == 5)
     assert ["sequence/actor/1", 4] in rank_5["groups"]
     big = make_plan(LAYOUT_1024 + ",actor_sp=4", 1024, 8)
-    assert max(map(len, communicators.communicators_of(big, zero_stage=0))) == 9
-    assert max(map(len, communicators.communicators_of(big, zero_stage=3))) == 8
+    assert max(map(len, communicators.communicators_of(big, zero_stage=0))) == 8
+    assert max(map(len, communicators.communicators_of(big, zero_stage=3))) == 7
 
 
 def test_a_hybrid_layout_runs_and_the_planner_agrees(capsys):
@@ -154,17 +155,19 @@ def test_a_hybrid_layout_runs_and_the_planner_agrees(capsys):
     assert all(r["phases"]["weight_sync"]["messages"] == 0 for r in result["ranks"])
 
 
-def test_a_teacher_beside_the_reference_keeps_the_bound_and_on_its_own_ranks_adds_one_group(capsys):
+def test_a_teacher_beside_the_reference_or_on_its_own_ranks_keeps_the_bound(capsys):
     """On-policy distillation's teacher at 256 ranks (the count does not grow with the job: the test above):
     colocated with the reference its scores leave from the reference's leader to the same ranks, over the same
-    group, so the bound holds (8 under ZeRO-0); on ranks of its own its leader's route is one more group on the
-    trained ranks, as a second reward model's is."""
+    group; on ranks of its own its leader joins the one group the untrained scoring roles' leaders share with the
+    trained ranks (hpc_rlhf.rl.routes), as a second reward model's does: 7 under ZeRO-0 either way."""
     beside = simulate(capsys, 256, "actor=64,critic=32,ref+teacher=16,reward=16,rollout=128", "--zero-stage", "0")
     apart = simulate(capsys, 256, "actor=64,critic=32,ref=16,teacher=16,reward=16,rollout=112", "--zero-stage", "0")
     assert beside["planner_agrees"] and apart["planner_agrees"]
-    assert beside["max_groups_per_rank"] == 8 and apart["max_groups_per_rank"] == 9
+    assert beside["max_groups_per_rank"] == apart["max_groups_per_rank"] == 7
     rank_0 = next(r for r in beside["ranks"] if r["rank"] == 0)
-    assert "scores/ref,scores/teacher" in rank_0["communicator_names"]
+    assert "scores/ref,scores/teacher,scores/reward,scores/rules" in rank_0["communicator_names"]
+    rank_0 = next(r for r in apart["ranks"] if r["rank"] == 0)
+    assert "scores/ref,scores/teacher,scores/reward,scores/rules" in rank_0["communicator_names"]
 
 
 LAYOUT_PPO_70B = "actor=8,critic=8,ref=4,reward=4,rollout=8,rollout_tp=4"  # examples/cluster/ppo_70b.yaml's
