@@ -195,10 +195,11 @@ def test_the_tasks_get_one_store_secret_per_job_that_the_job_never_prints(fake_s
     user set is kept."""
     secrets = tmp_path / "calls.log.secret"
 
-    def job_secrets(*env: str) -> set[str]:
-        """The secrets the job's srun steps were given."""
+    def job_secrets(users_secret: str | None = None) -> set[str]:
+        """The secrets the job's srun steps were given (the session's own, which an in-process world exports into
+        this process's environment, is not handed on: unset unless `users_secret`)."""
         seen = len(secrets.read_text().split()) if secrets.exists() else 0
-        proc, calls = fake_slurm("tiny_cpu.sbatch", "train.max_steps=3", **dict(kv.split("=", 1) for kv in env))
+        proc, calls = fake_slurm("tiny_cpu.sbatch", "train.max_steps=3", HPC_RLHF_STORE_SECRET=users_secret)
         assert proc.returncode == 0, proc.stderr
         given = set(secrets.read_text().split()[seen:])
         assert not any(secret in proc.stdout + proc.stderr + calls for secret in given)
@@ -207,7 +208,7 @@ def test_the_tasks_get_one_store_secret_per_job_that_the_job_never_prints(fake_s
     [secret] = job_secrets()  # one for every step of the job
     assert re.fullmatch(r"[0-9a-f]{64}", secret)  # 32 random bytes
     assert job_secrets() != {secret}
-    assert job_secrets("HPC_RLHF_STORE_SECRET=users-own") == {"users-own"}
+    assert job_secrets("users-own") == {"users-own"}
 
 
 def test_exit_75_requeues_the_job(fake_slurm):
