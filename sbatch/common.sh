@@ -135,12 +135,15 @@ hpc_nodes_real_memory_mib() {
   if ! command -v scontrol >/dev/null; then
     hpc_log "$unknown scontrol is not on PATH to read the nodes' RealMemory" >&2; return 1
   fi
-  local node mem smallest=""
+  local records node mem smallest=""
+  # One request for all the job's nodes ("NAME MIB" a line): one per node would be hundreds for slurmctld to answer
+  # at the start of a large job. `scontrol show hostnames` expands the list without asking it.
+  records=$(scontrol show node "$SLURM_JOB_NODELIST" 2>/dev/null | awk '{ for (i = 1; i <= NF; i++) {
+    if ($i ~ /^NodeName=/) name = substr($i, 10); if ($i ~ /^RealMemory=/) print name, substr($i, 12) } }')
   for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null); do
-    mem=$(scontrol show node "$node" 2>/dev/null | grep -o 'RealMemory=[0-9]*' | head -n 1)
-    mem=${mem#RealMemory=}
+    mem=$(awk -v node="$node" '$1 == node { print $2; exit }' <<< "$records")
     if ! [ "${mem:-0}" -gt 0 ] 2>/dev/null; then
-      hpc_log "$unknown 'scontrol show node $node' gave no RealMemory" >&2; return 1
+      hpc_log "$unknown 'scontrol show node $SLURM_JOB_NODELIST' gave no RealMemory for $node" >&2; return 1
     fi
     if [ "$mem" -lt 1024 ]; then
       hpc_log "$unknown node $node has RealMemory=$mem MiB (not configured in slurm.conf?)" >&2; return 1

@@ -135,15 +135,20 @@ env | grep -E '^(MASTER_ADDR|MASTER_PORT|NCCL_[A-Z_]+|SRUN_CPUS_PER_TASK|HF_[A-Z
 printf '%s\n' "${HPC_RLHF_STORE_SECRET:-}" >> "$FAKE_LOG.secret"
 exit "${FAKE_SRUN_EXIT:-0}"
 """
-# `scontrol show node NAME` prints a node record with RealMemory=$FAKE_REAL_MEMORY_NAME (MiB) when that is set,
-# else fails as for a node Slurm does not know.
+# `scontrol show node LIST` (the job's node list, or one name) prints a record with RealMemory=$FAKE_REAL_MEMORY_NAME
+# (MiB) for each node that has that set, and says on stderr that the others are not found; each request is logged.
 FAKE_SCONTROL = """#!/bin/bash
 if [ "$1 $2" = "show hostnames" ]; then printf 'node7\\nnode8\\n'; exit 0; fi
 if [ "$1 $2" = "show node" ]; then
-  memory=FAKE_REAL_MEMORY_$3
-  if [ -z "${!memory:-}" ]; then echo "Node $3 not found" >&2; exit 1; fi
-  printf 'NodeName=%s Arch=x86_64 CoresPerSocket=16\\n   CPUAlloc=0 CPUEfctv=32 CPUTot=32 CPULoad=0.01\\n' "$3"
-  printf '   RealMemory=%s AllocMem=0 FreeMem=1000 Sockets=2 Boards=1\\n   State=IDLE ThreadsPerCore=1\\n' "${!memory}"
+  echo "scontrol $*" >> "$FAKE_LOG.scontrol"
+  case "$3" in node\\[*) names="node7 node8" ;; *) names=$3 ;; esac
+  for name in $names; do
+    memory=FAKE_REAL_MEMORY_$name
+    if [ -z "${!memory:-}" ]; then echo "Node $name not found" >&2; continue; fi
+    printf 'NodeName=%s Arch=x86_64 CoresPerSocket=16\\n   CPUAlloc=0 CPUEfctv=32 CPUTot=32 CPULoad=0.01\\n' "$name"
+    printf '   RealMemory=%s AllocMem=0 FreeMem=1000 Sockets=2 Boards=1\\n   State=IDLE ThreadsPerCore=1\\n\\n' \\
+      "${!memory}"
+  done
   exit 0
 fi
 echo "scontrol $*" >> "$FAKE_LOG"
@@ -273,22 +278,24 @@ def test_the_check_weighs_host_memory_from_host_memory_gb_or_the_jobs_mem(fake_s
     proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="0")  # and scontrol knows neither node
     assert proc.returncode == 0 and "node memory not given (--host-memory-gb): not checked" in proc.stdout
     assert "host memory not checked: set HOST_MEMORY_GB" in proc.stderr
-    assert "'scontrol show node node7' gave no RealMemory" in proc.stderr
+    assert "'scontrol show node node[7-8]' gave no RealMemory for node7" in proc.stderr
 
 
-def test_with_mem_0_the_check_weighs_the_smallest_realmemory_of_the_jobs_nodes(fake_slurm):
+def test_with_mem_0_the_check_weighs_the_smallest_realmemory_of_the_jobs_nodes(fake_slurm, tmp_path):
     """--mem=0 (ppo_70b) or no --mem: the node memory is scontrol's RealMemory (MiB), the smallest over the job's
     nodes (node7, node8); the 4 tiny ranks need 8 GB per node."""
     proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="0", FAKE_REAL_MEMORY_node7="64000",
                              FAKE_REAL_MEMORY_node8="16000")  # 16.8 GB
     assert proc.returncode == 0 and "node memory 16.8 GB" in proc.stdout, proc.stderr
+    # one request for the job's nodes, not one a node (a large job's start would send slurmctld hundreds)
+    assert (tmp_path / "calls.log.scontrol").read_text().splitlines() == ["scontrol show node node[7-8]"]
     assert "host memory not checked" not in proc.stdout + proc.stderr
     proc, later_calls = fake_slurm("tiny_cpu.sbatch", FAKE_REAL_MEMORY_node7="64000", FAKE_REAL_MEMORY_node8="5000")
     assert proc.returncode == 2 and "srun" not in later_calls[len(calls):]
     assert "node 0 needs 8 GB of host memory, more than 5.2 GB (--host-memory-gb)" in proc.stderr
     proc, calls = fake_slurm("tiny_cpu.sbatch", SLURM_MEM_PER_NODE="0", FAKE_REAL_MEMORY_node7="64000",
                              FAKE_REAL_MEMORY_node8="unknown")
-    assert proc.returncode == 0 and "'scontrol show node node8' gave no RealMemory" in proc.stderr
+    assert proc.returncode == 0 and "'scontrol show node node[7-8]' gave no RealMemory for node8" in proc.stderr
     assert "node memory not given (--host-memory-gb): not checked" in proc.stdout
     # Slurm's RealMemory for a node the administrator gave none: 1 MiB, which must not refuse every job.
     proc, calls = fake_slurm("tiny_cpu.sbatch", FAKE_REAL_MEMORY_node7="1", FAKE_REAL_MEMORY_node8="64000")
