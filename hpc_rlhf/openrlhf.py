@@ -45,6 +45,7 @@ ADVANTAGES = {"gae": "gae", "reinforce": "reinforce_pp", "rloo": "rloo", "reinfo
               "group_norm": "grpo", "dr_grpo": "dr_grpo"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 ATTENTION = ("flash_attention_2", "sdpa", "eager")
+OPENRLHF_TRAIN_MAX_TOKENS = 16192  # train_ppo_ray's default --train_max_tokens_per_gpu
 
 
 class ConversionError(ValueError):
@@ -342,11 +343,15 @@ def _flags() -> list[Flag]:
           apply=lambda c, v: _packing(c), note="PPO: rl.padding_free (rows of real tokens in scoring and training); "
                                                "the other modes: data.packing"),
         F(("--use_dynamic_batch", "--train.dynamic_batch_enable"), ppo, takes="switch",
-          refused="no token-budget batches: hpc_rlhf's micro-batches count sequences"),
+          keys="rl.micro_batch_tokens, rl.score_micro_batch_tokens", apply=_keep_switch("dynamic_batch"),
+          note="micro-batches by token count: --train_max_tokens_per_gpu (default 16192) for training, "
+               "--rollout_max_tokens_per_gpu (default: the training one) for scoring"),
         F(("--rollout_max_tokens_per_gpu", "--rollout.max_tokens_per_gpu"), ppo, cast=int,
-          refused="only with --use_dynamic_batch (refused)"),
+          keys="rl.score_micro_batch_tokens", apply=_keep("rollout_max_tokens"),
+          note="read only with --use_dynamic_batch, as OpenRLHF does"),
         F(("--train_max_tokens_per_gpu", "--train.max_tokens_per_gpu"), ppo, cast=int,
-          refused="only with --use_dynamic_batch (refused)"),
+          keys="rl.micro_batch_tokens", apply=_keep("train_max_tokens"),
+          note="read only with --use_dynamic_batch, as OpenRLHF does"),
         F(("--ref_reward_offload",), ppo, takes="switch", refused="no offloading of the reference or reward model"),
         F(("--ref.offload",), ppo, takes="switch", refused="no offloading of the reference model"),
         F(("--reward.offload",), ppo, takes="switch", refused="no offloading of the reward model"),
@@ -609,6 +614,21 @@ def _flags() -> list[Flag]:
     return flags
 
 
+def _keep(slot: str) -> Callable[["Conversion", Any], None]:
+    """A flag whose key follows from others (Conversion.finish): its value kept until then."""
+    def apply(conv: "Conversion", value: Any) -> None:
+        if value < 1:
+            raise ConversionError(f"{conv.flag} {value}: a micro-batch holds at least one token")
+        conv.kept[slot] = value
+    return apply
+
+
+def _keep_switch(slot: str) -> Callable[["Conversion", Any], None]:
+    def apply(conv: "Conversion", value: Any) -> None:
+        conv.kept[slot] = bool(value)
+    return apply
+
+
 def _packing(conv: "Conversion") -> None:
     if conv.mode == "ppo":  # the RL step packs rows of real tokens (issue 37)
         conv.set("rl.padding_free", True)
@@ -689,6 +709,11 @@ class Conversion:
         if self.mode == "ppo":
             self.set_derived("rl.kl_in_reward", not self.kept.get("kl_loss", False))
             self._roles_and_placement(defaults)
+            if self.kept.get("dynamic_batch"):  # OpenRLHF's token budgets per GPU, its defaults
+                self.flag = "--use_dynamic_batch"
+                train_tokens = self.kept.get("train_max_tokens", OPENRLHF_TRAIN_MAX_TOKENS)
+                self.set_derived("rl.micro_batch_tokens", train_tokens)
+                self.set_derived("rl.score_micro_batch_tokens", self.kept.get("rollout_max_tokens", train_tokens))
         for key, value in self.sets.items():
             if key in self.keys and self.keys[key] != value:
                 raise ConversionError(f"--set {key}={value!r} contradicts {self.source[key]}, which sets "

@@ -158,6 +158,26 @@ def test_the_printed_yaml_names_the_ignored_flags_and_the_defaults_it_keeps(tmp_
     assert yaml.safe_load(out)["actor"]["path"] == "/m"
 
 
+def test_dynamic_batches_become_micro_batches_by_tokens_with_openrlhfs_defaults(tmp_path, capsys):
+    """--use_dynamic_batch: training's micro-batches of --train_max_tokens_per_gpu tokens (OpenRLHF's default 16192),
+    scoring's of --rollout_max_tokens_per_gpu (default: the training one); without it the budgets are inert, as
+    in OpenRLHF."""
+    base = ["--pretrain", "/m/sft", "--reward_pretrain", "/m/rm", "--micro_train_batch_size", "1",
+            "--train_batch_size", "64"]
+    for flags, train_tokens, score_tokens in (
+            (["--use_dynamic_batch"], 16192, 16192),
+            (["--use_dynamic_batch", "--train_max_tokens_per_gpu", "4096"], 4096, 4096),
+            (["--use_dynamic_batch", "--train_max_tokens_per_gpu", "4096", "--rollout_max_tokens_per_gpu", "8192"],
+             4096, 8192),
+            (["--train_max_tokens_per_gpu", "4096"], 0, 0)):
+        code, cfg, err = converted(tmp_path, capsys, "ppo", base + flags, ["train.max_steps=10"])
+        assert code == 0, err
+        assert (cfg.rl.micro_batch_tokens, cfg.rl.score_micro_batch_tokens) == (train_tokens, score_tokens), flags
+    code, _, err = converted(tmp_path, capsys, "ppo", base + ["--use_dynamic_batch", "--train_max_tokens_per_gpu",
+                                                              "0"], ["train.max_steps=10"])
+    assert code == 2 and "--train_max_tokens_per_gpu 0: a micro-batch holds at least one token" in err, err
+
+
 def test_ring_attention_becomes_sequence_blocks_of_every_trained_and_scoring_role(tmp_path, capsys):
     """OpenRLHF's --ring_attn_size K (ring attention in every model, on packed samples) is K ranks of each of actor,
     critic, ref and reward sharing a packed row; --ring_head_stride has no meaning for heads sent by all-to-all and

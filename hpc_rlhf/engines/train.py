@@ -258,7 +258,12 @@ class TrainEngine:
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, boundary: bool | None = None) -> None:
+        """`boundary`: whether this micro-batch ends the gradient accumulation, when the caller's micro-batches
+        per optimizer step vary (RL's micro-batches by tokens); None: DeepSpeed counts to its configured
+        accumulation steps. DeepSpeed still divides the loss by those steps: the caller scales for them."""
+        if boundary is not None:
+            self.engine.set_gradient_accumulation_boundary(boundary)
         with self._in_group():
             self.engine.backward(loss)
 

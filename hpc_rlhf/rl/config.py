@@ -148,6 +148,14 @@ class RLSection:
     padding_free_row_tokens: int = field(0, min=0, help="rl.padding_free: tokens per packed row at most (0 = the "
                                                         "longest sample of the micro-batch: each row costs attention "
                                                         "no more than a padded row)")
+    micro_batch_tokens: int = field(0, min=0, help="training's micro-batches of at most this many tokens (prompt + "
+                                                   "response; a longer sample alone) instead of "
+                                                   "train.micro_batch_size / critic_train.micro_batch_size samples: "
+                                                   "even work per micro-batch when lengths are long-tailed (0 = by "
+                                                   "samples)")
+    score_micro_batch_tokens: int = field(0, min=0, help="scoring's micro-batches (forwards without gradients) of at "
+                                                         "most this many tokens (0 = rl.micro_batch_tokens; both 0: "
+                                                         "train.micro_batch_size samples)")
     entropy_coef: float = field(0.0, min=0)
     loss_agg: str = field("auto", choices=["auto", *LOSS_AGGREGATIONS],
                           help="how token losses add up to the step's loss (auto = the policy loss's paper: "

@@ -53,8 +53,10 @@ def step_timing(t0: float, t_generate: float, t_score: float, t_train: float, t_
             "time_sync": t_sync - t_train, "time_step": elapsed, "samples_per_s": samples / max(elapsed, 1e-9)}
 
 
-def pad_share(batch: SampleBatch, micro: int, layout: Layout) -> float:
-    """The share of pad tokens in a forward over the step's samples in order, `micro` at a time, in the layout the
-    roles use (padded rows, or packed ones with rl.padding_free): what the scoring and training forwards waste."""
+def pad_share(batch: SampleBatch, micro: int, layout: Layout, micro_tokens: int = 0) -> float:
+    """The share of pad tokens in a forward over the step's samples in order, `micro` at a time (or at most
+    `micro_tokens` tokens: rl.micro_batch_tokens), in the layout the roles use (padded rows, or packed ones with
+    rl.padding_free): what the scoring and training forwards waste."""
     lengths = sample_lengths(batch)
-    return 1.0 - sum(lengths) / processed_tokens(lengths, micro, layout.padding_free, layout.row_tokens)
+    return 1.0 - sum(lengths) / processed_tokens(lengths, micro, layout.padding_free, layout.row_tokens,
+                                                 micro_tokens)

@@ -28,6 +28,7 @@ from hpc_rlhf.dist import groups
 from hpc_rlhf.data.packing import bins_first_fit_decreasing, packed_model_kwargs
 from hpc_rlhf.models.sequence_parallel import SequenceContext, SequenceShard, gather_sequence, inner_attention
 from hpc_rlhf.models.value_model import normalized_scores, sequence_scores, token_values
+from hpc_rlhf.rl import micro_batches
 from hpc_rlhf.rl.batches import SampleBatch, response_logprobs
 
 
@@ -129,13 +130,14 @@ def unpack_next_token(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor
     return torch.where(real.to(values.device), out, torch.zeros_like(out))
 
 
-def processed_tokens(lengths: Sequence[int], micro: int, padding_free: bool, row_tokens: int = 0) -> int:
-    """Tokens a forward over these samples processes, `micro` samples at a time: each micro-batch padded to its
-    longest sample, or packed into rows (`pack_batch`) padded to the longest row. The step logs
-    pad_share = 1 - real tokens / this."""
+def processed_tokens(lengths: Sequence[int], micro: int, padding_free: bool, row_tokens: int = 0,
+                     micro_tokens: int = 0) -> int:
+    """Tokens a forward over these samples processes in micro-batches of `micro` samples (or of at most
+    `micro_tokens` tokens, hpc_rlhf/rl/micro_batches.py): each micro-batch padded to its longest sample, or packed
+    into rows (`pack_batch`) padded to the longest row. The step logs pad_share = 1 - real tokens / this."""
     total = 0
-    for start in range(0, len(lengths), micro):
-        part = list(lengths[start:start + micro])
+    for lo, hi in micro_batches.cuts(lengths, micro, micro_tokens):
+        part = list(lengths[lo:hi])
         if not padding_free:
             total += len(part) * max(part)
             continue

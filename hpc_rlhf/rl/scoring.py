@@ -11,7 +11,6 @@ the frozen roles (never the whole model at once), and keep DeepSpeed's collectiv
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from hpc_rlhf import rewards as reward_fns
 from hpc_rlhf.dist import exchange, groups, watchdog
 from hpc_rlhf.models.lora import adapter_disabled
-from hpc_rlhf.rl import episodes, messages
+from hpc_rlhf.rl import episodes, messages, micro_batches
 from hpc_rlhf.rl.batches import SampleBatch, make_batch, shard_bounds, to_ragged
 from hpc_rlhf.rl.config import reward_role_names
 from hpc_rlhf.rl.packed import PADDED, Layout, policy_forward, score_forward, value_forward
@@ -29,24 +28,29 @@ from hpc_rlhf.utils.http_post import headers_from_env, shown_url
 
 
 def score_on_shard(role: str, samples: int, micro: int, batch_of: Callable[[int, int], SampleBatch],
-                   one: Callable[[SampleBatch], list[torch.Tensor]], name: str | None = None
-                   ) -> list[torch.Tensor] | None:
-    """`one` over this rank's contiguous shard of the `samples` in micro-batches; the role leader gets every
-    rank's results in sample order (None elsewhere). Every rank of the role runs as many passes as the one with
-    the largest shard (a ZeRO-3 model gathers parameters collectively in each): the extra ones on one sample,
+                   one: Callable[[SampleBatch], list[torch.Tensor]], name: str | None = None, *,
+                   lengths: Sequence[int] | None = None, micro_tokens: int = 0) -> list[torch.Tensor] | None:
+    """`one` over this rank's contiguous shard of the `samples` in micro-batches of `micro` samples, or of at most
+    `micro_tokens` tokens (rl.micro_batch_tokens; `lengths`: every sample's tokens); the role leader gets every
+    rank's results in sample order (None elsewhere). Every rank of the role runs as many passes as the replica
+    that needs the most (a ZeRO-3 model gathers parameters collectively in each): the extra ones on one sample,
     dropped. `name`: what is computed, when not the role's own result (the reference on the actor's ranks).
     A sequence-parallel role's blocks (placement key `<kind>_sp`) take a shard each, computed together by the
     block's ranks; the block's first rank hands the results on."""
     size, index = len(groups.role_ranks(role)), groups.rank_in_role(role)
     per_block = len(groups.sequence_ranks(role))
     replicas = size // per_block
-    start, end = shard_bounds(samples, replicas, index // per_block)
-    passes = math.ceil(math.ceil(samples / replicas) / micro)
+    if micro_tokens and lengths is None:
+        raise ValueError("micro-batches by tokens need the samples' lengths")
+    lengths = list(lengths) if lengths is not None else [0] * samples
+    bounds = [shard_bounds(samples, replicas, r) for r in range(replicas)]
+    start, end = bounds[index // per_block]
+    mine = [(start + a, start + b) for a, b in micro_batches.cuts(lengths[start:end], micro, micro_tokens)]
+    passes = micro_batches.passes([lengths[a:b] for a, b in bounds], micro, micro_tokens)
     results = []
     for p in range(passes):
-        lo, hi = start + p * micro, min(start + (p + 1) * micro, end)
-        if lo < hi:
-            results += one(batch_of(lo, hi))
+        if p < len(mine):
+            results += one(batch_of(*mine[p]))
         else:
             one(batch_of(0, 1))
     if index % per_block:
@@ -116,16 +120,20 @@ def scores_of(model, normalize: bool, layout: Layout = PADDED) -> Callable[[Samp
 @torch.no_grad()
 def score_roles(scorers: dict[str, Callable[[SampleBatch], list[torch.Tensor]]],
                 sample_prompts: Sequence[Sequence[int]], responses: Sequence[torch.Tensor], pad_id: int, micro: int,
-                device: Any, computed_by: dict[str, str] | None = None) -> dict[str, list | None]:
+                device: Any, computed_by: dict[str, str] | None = None, micro_tokens: int = 0
+                ) -> dict[str, list | None]:
     """Each role this rank holds (`scorers`: role -> what it computes for a micro-batch) on its shard of the
     samples (prompt ids and responses per sample); per role, every rank's results on the role's leader, None on
     its other ranks. `computed_by`: the role whose ranks compute a result that is not a role of its own (the
-    reference of ref_mode=adapter_disabled: "ref" -> "actor")."""
+    reference of ref_mode=adapter_disabled: "ref" -> "actor"). `micro_tokens`: micro-batches of at most that many
+    tokens instead of `micro` samples (rl.micro_batch_tokens)."""
     def batch_of(start: int, end: int) -> SampleBatch:
         return make_batch(sample_prompts[start:end], responses[start:end], pad_id).to(device)
 
     computed_by = computed_by or {}
-    return {name: score_on_shard(computed_by.get(name, name), len(sample_prompts), micro, batch_of, one, name)
+    lengths = [len(p) + len(r) for p, r in zip(sample_prompts, responses)] if micro_tokens else None
+    return {name: score_on_shard(computed_by.get(name, name), len(sample_prompts), micro, batch_of, one, name,
+                                 lengths=lengths, micro_tokens=micro_tokens)
             for name, one in scorers.items()}
 
 
@@ -175,7 +183,8 @@ class Scoring:
         cfg = self.cfg
         responses = None if generated is None else generated.responses
         local = score_roles(self.scorers, prompt_ids, responses, self.tokenizer.pad_token_id,
-                            cfg.train.micro_batch_size, self.device, computed_by=self.computed_by)
+                            cfg.train.micro_batch_size, self.device, computed_by=self.computed_by,
+                            micro_tokens=cfg.rl.score_micro_batch_tokens or cfg.rl.micro_batch_tokens)
         rules = (rule_scores(self.routes, cfg, self.rule_functions, self.tokenizer, texts, responses, answers)
                  if self.with_rules else None)
         with watchdog.phase("exchange"):  # failure handling: phase for heartbeats and fault injection

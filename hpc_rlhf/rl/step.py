@@ -252,7 +252,8 @@ class RLRecipe:
                 metrics.update(sample_figures(exp, cfg.rl.kl_estimator, "ref" in scored,
                                               params["cap"] if mode == "tis_token" else None, "actor" in scored))
                 metrics.update(assembly_figures)
-                metrics["pad_share"] = pad_share(exp.batch, cfg.train.micro_batch_size, self.layout)
+                metrics["pad_share"] = pad_share(exp.batch, cfg.train.micro_batch_size, self.layout,
+                                                 cfg.rl.micro_batch_tokens)
                 metrics.update(round_figures)
                 metrics.update(episode_figures)
                 metrics.update(step_timing(t0, t_generate, t_score, t_train, t_sync, len(generated)))

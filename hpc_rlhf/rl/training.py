@@ -23,8 +23,9 @@ from hpc_rlhf.dist import exchange, groups
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.lora import unwrap_model, value_head_name
 from hpc_rlhf.rl.config import Config, clip_range, loss_aggregation
+from hpc_rlhf.rl import micro_batches
 from hpc_rlhf.rl.batches import Experience, shard_bounds
-from hpc_rlhf.rl.packed import PADDED, Layout, policy_forward, value_forward
+from hpc_rlhf.rl.packed import PADDED, Layout, policy_forward, sample_lengths, value_forward
 from hpc_rlhf.utils import faults
 
 
@@ -78,7 +79,7 @@ def train_actor(actor: TrainEngine, cfg: Config, step: int, exp: Experience, dev
         return loss, figures
 
     return train_role("actor", actor, cfg.train, rl.ppo_epochs, loss_aggregation(rl), step, exp, exp.loss_mask,
-                      loss_of, ACTOR_SHUFFLE, device)
+                      loss_of, ACTOR_SHUFFLE, device, micro_tokens=rl.micro_batch_tokens)
 
 
 def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, device, layout: Layout = PADDED
@@ -97,7 +98,8 @@ def train_critic(critic: TrainEngine, cfg: Config, step: int, exp: Experience, d
         return loss, {"value_loss": loss.detach(), "value_clip_fraction": clip_fraction * share}
 
     return train_role("critic", critic, cfg.critic_train, cfg.rl.ppo_epochs, loss_aggregation(cfg.rl), step, exp,
-                      exp.batch.action_mask, loss_of, CRITIC_SHUFFLE, device)
+                      exp.batch.action_mask, loss_of, CRITIC_SHUFFLE, device,
+                      micro_tokens=cfg.rl.micro_batch_tokens)
 
 
 def train(actor: TrainEngine | None, critic: TrainEngine | None, cfg: Config, step: int, exp: Experience | None,
@@ -115,10 +117,14 @@ def train(actor: TrainEngine | None, critic: TrainEngine | None, cfg: Config, st
 
 
 def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: int, loss_agg: str, step: int,
-               exp: Experience, token_mask: torch.Tensor, loss_of, shuffle: Shuffle, device) -> dict[str, float]:
+               exp: Experience, token_mask: torch.Tensor, loss_of, shuffle: Shuffle, device, micro_tokens: int = 0
+               ) -> dict[str, float]:
     """PPO's mini-batch loop for one trained role: `ppo_epochs` passes over the step's samples in a seeded
     order, one optimizer step per `train.batch_size` samples, each rank of the role taking its contiguous
-    share in micro-batches (on `device`).
+    share in micro-batches (on `device`) of `train.micro_batch_size` samples, or of at most `micro_tokens` tokens
+    (rl.micro_batch_tokens, hpc_rlhf/rl/micro_batches.py). Micro-batches by tokens vary in number from one
+    optimizer step to the next: every rank of the role runs as many as its busiest replica needs, and tells
+    DeepSpeed which backward ends the accumulation.
 
     `loss_of(micro, tokens, policy_normalizer, share)` returns (loss, figures) where the loss and each figure are
     this micro-batch's part of a mean over the optimizer step's `tokens` tokens of `token_mask` (B, T-1: the loss
@@ -139,7 +145,8 @@ def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: 
     replicas, replica = size // per_block, index // per_block
     gradient_scale = engine.gradient_accumulation_steps * size
     sums: dict[str, torch.Tensor] = {}
-    infos, updates = [], 0
+    infos, updates, passes = [], 0, 0
+    lengths = sample_lengths(exp.batch)
     for epoch in range(ppo_epochs):
         seed = shuffle.seed(train.seed, step, epoch)
         order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(seed))
@@ -148,15 +155,21 @@ def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: 
             chosen_mask = token_mask[chosen]
             tokens = max(float(chosen_mask.sum()), 1.0)
             policy_normalizer = loss_normalizer(chosen_mask, loss_agg)
-            lo, hi = shard_bounds(len(chosen), replicas, replica)
-            mine = chosen[lo:hi]
-            for m in range(0, len(mine), train.micro_batch_size):
-                rows = mine[m:m + train.micro_batch_size]
+            shards = [chosen[slice(*shard_bounds(len(chosen), replicas, r))] for r in range(replicas)]
+            mine = shards[replica]
+            parts = micro_batches.cuts([lengths[i] for i in mine], train.micro_batch_size, micro_tokens)
+            if micro_tokens:
+                count = micro_batches.passes([[lengths[i] for i in s] for s in shards], train.micro_batch_size,
+                                             micro_tokens)
+                parts = micro_batches.split_to(parts, count)
+            passes += len(parts)
+            for k, (a, b) in enumerate(parts):
+                rows = mine[a:b]
                 micro = exp.select(rows, device=device)
                 share = float(token_mask[rows].sum()) / tokens  # counted on the host: no device sync
                 loss, figures = loss_of(micro, tokens, policy_normalizer, share)
                 loss = faults.poison(loss, step + 1)  # failure handling: HPC_RLHF_FAULT kind=nan
-                engine.backward(loss * gradient_scale)
+                engine.backward(loss * gradient_scale, boundary=(k == len(parts) - 1) if micro_tokens else None)
                 infos.append(engine.step())
                 for key, value in figures.items():
                     sums[key] = sums.get(key, 0.0) + value.detach().double()
@@ -170,4 +183,5 @@ def train_role(role: str, engine: TrainEngine, train: TrainSection, ppo_epochs: 
     out[f"{role}_grad_norm"] = stepped[-1].grad_norm if stepped else float("nan")
     out[f"{role}_lr"] = stepped[-1].lr if stepped else engine.lr
     out[f"{role}_skipped"] = float(any(i.skipped for i in stepped))
+    out[f"{role}_micro_batches"] = passes / max(updates, 1)  # per optimizer step, on every rank of the role
     return out

@@ -237,6 +237,38 @@ def test_padding_free_steps_train_as_padded_ones_on_fewer_tokens(tmp_path):
             assert packed[key] == pytest.approx(padded[key], rel=1e-3, abs=1e-5), (key, padded, packed)
 
 
+def test_micro_batches_by_tokens_train_as_micro_batches_by_samples(tmp_path):
+    """rl.micro_batch_tokens (issue 37): a 2-rank PPO run whose actor (ZeRO-3) and critic (ZeRO-2) train, and whose
+    four roles score, in micro-batches of at most 40 tokens trains as the same run in micro-batches of 4 samples, up
+    to float rounding: the loss of an optimizer step is a mean over its tokens whatever its micro-batches. Prompts
+    of 1 to 16 terms, so that each rank's share needs another number of micro-batches from step to step and from
+    the other rank's (both run the larger number: ZeRO-3 gathers parameters collectively in each pass); scoring by
+    a budget of its own (rl.score_micro_batch_tokens)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "+".join(["1"] * k) + "=", "answer": str(k)}) + "\n"
+                               for k in range(1, 17)))
+    common = ["--config", "examples/tiny/ppo.yaml", f"actor.path={TINY_MODEL}", f"critic.path={TINY_MODEL}",
+              f"data.train_files=[{prompts}]", f"reward.models=[{TINY_MODEL}]",
+              "placement=actor+critic+ref+reward=2,rollout@actor", "rollout.prompts_per_step=8",
+              "rollout.n_samples=2", "rollout.max_new_tokens=8", "train.batch_size=16", "train.micro_batch_size=4",
+              "critic_train.batch_size=16", "critic_train.micro_batch_size=4", "train.lr=1e-3", "train.max_steps=2",
+              "log.eval_every_steps=0", "checkpoint.every_steps=0", "train.zero_stage=3", "critic_train.zero_stage=2",
+              *QUIET]
+    figures = {}
+    for name, budget in (("by_samples", []),
+                         ("by_tokens", ["rl.micro_batch_tokens=40", "rl.score_micro_batch_tokens=70"])):
+        out = tmp_path / name
+        hpc_rlhf_cli("ppo", *common, f"output_dir={out}", *budget)
+        figures[name] = read_metrics(out)
+    for samples, tokens in zip(figures["by_samples"], figures["by_tokens"], strict=True):
+        assert samples["actor_micro_batches"] == 2  # 8 samples a rank, 4 at a time
+        assert tokens["actor_micro_batches"] > 2, tokens["actor_micro_batches"]
+        assert tokens["response_length"] == samples["response_length"]
+        for key in ("reward", "policy_loss", "value_loss", "actor_grad_norm", "critic_grad_norm", "entropy", "kl_k1",
+                    "rollout_logprob_abs_diff"):
+            assert tokens[key] == pytest.approx(samples[key], rel=1e-3, abs=1e-5), (key, samples, tokens)
+
+
 def test_sequence_parallel_roles_train_as_data_parallel_ones(tmp_path):
     """Sequence parallelism (issue 40): a PPO run whose actor, critic, ref and reward model each share every packed
     row between their two ranks (`<kind>_sp=2`) trains as the same run with the two ranks data-parallel, up to
