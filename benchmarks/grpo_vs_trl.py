@@ -20,11 +20,13 @@ Note the disjoint layout uses 4 processes against TRL's one: on a 2-core machine
 
 `--task long-tailed`: both sides read the length-varied task instead (benchlib.write_long_tailed_prompts: sums of
 2-24 numbers, prompts of 5-72 tokens; its prompt and response limits, benchlib.LONG_TAILED, with up to 48 new
-tokens); `--set KEY=VALUE` adds a setting to hpc_rlhf's runs (e.g. rl.padding_free=true).
+tokens); `--set KEY=VALUE` adds a setting to hpc_rlhf's runs (e.g. rl.padding_free=true). `--alternate KEY=VALUE`
+runs each hpc_rlhf layout twice a round, without and with the setting, in the rotated order with TRL: a before/after
+of the same load, with the per-round ratio of the two.
 
     .venv/bin/python benchmarks/grpo_vs_trl.py                       # GRPO, 3 rounds
     .venv/bin/python benchmarks/grpo_vs_trl.py --algos grpo rloo --rounds 3 --steps 20
-    .venv/bin/python benchmarks/grpo_vs_trl.py --task long-tailed --set rl.padding_free=true
+    .venv/bin/python benchmarks/grpo_vs_trl.py --task long-tailed --alternate rl.padding_free=true
 """
 
 from __future__ import annotations
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the prompts: the tiny addition task, or the length-varied one")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of hpc_rlhf's runs, e.g. rl.padding_free=true (repeatable)")
+    parser.add_argument("--alternate", action="append", default=[], metavar="KEY=VALUE",
+                        help="run each hpc_rlhf layout without and with these settings in every round (repeatable: "
+                             "all of them together)")
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1")
@@ -171,7 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     import trl  # noqa: F401  (fail before any measurement when TRL is missing)
 
     benchlib.header("GRPO/RLOO completions per second: hpc_rlhf vs TRL")
-    sides = [f"hpc_rlhf {layout}" for layout in args.layouts] + ["trl"]
+    variants = {"": []}
+    if args.alternate:
+        variants["+" + " ".join(args.alternate)] = list(args.alternate)
+    runs = {f"hpc_rlhf {layout}{(' ' + name) if name else ''}": (layout, settings)
+            for layout in args.layouts for name, settings in variants.items()}  # side -> its layout and settings
+    sides = [*runs, "trl"]
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -186,15 +196,16 @@ def main(argv: list[str] | None = None) -> int:
             for algo in args.algos:
                 order = sides[r % len(sides):] + sides[:r % len(sides)]  # rotate who goes first
                 for side in order:
-                    out = tmp / f"{algo}-{side.replace(' ', '-')}-{r}"
+                    out = tmp / f"{algo}-{sides.index(side)}-{r}"
                     if side == "trl":
                         value = run_trl(algo, model_dir, out, args.steps, args.warmup, args.rows, prompts,
                                         max_new_tokens)
                     else:
-                        value = run_hpc(algo, side.split()[1], model_dir, out, args.steps, args.warmup,
-                                        args.rows, task)
+                        layout, settings = runs[side]
+                        value = run_hpc(algo, layout, model_dir, out, args.steps, args.warmup, args.rows,
+                                        task + settings)
                     results.setdefault((algo, side), []).append(value)
-                    print(f"   round {r + 1} {algo} {side:<18} {value:7.1f} completions/s", flush=True)
+                    print(f"   round {r + 1} {algo} {side:<30} {value:7.1f} completions/s", flush=True)
     print(f"   machine after: {benchlib.machine_state()}\n")
     rows = []
     for algo in args.algos:
@@ -202,11 +213,22 @@ def main(argv: list[str] | None = None) -> int:
         for side in sides:
             values = results[(algo, side)]
             paired = [v / t for v, t in zip(values, trl_rounds)]  # same round: the same load, near in time
-            processes = {"trl": 1, "hpc_rlhf disjoint": 4, "hpc_rlhf hybrid": 1}[side]
+            processes = 1 if side == "trl" else {"disjoint": 4, "hybrid": 1}[runs[side][0]]
             rows.append([algo, side, processes, benchlib.median(values), benchlib.spread(values),
                          "" if side == "trl" else f"{benchlib.median(paired):.2f}x ({benchlib.spread(paired)})"])
     print(benchlib.table(["algo", "side", "processes", "completions/s (median)", "min-max",
                           "vs TRL (median of per-round ratios, min-max)"], rows))
+    if args.alternate:
+        name = next(n for n in variants if n)
+        pairs = []
+        for algo in args.algos:
+            for layout in args.layouts:
+                after = results[(algo, f"hpc_rlhf {layout} {name}")]
+                before = results[(algo, f"hpc_rlhf {layout}")]
+                paired = [a / b for a, b in zip(after, before)]
+                pairs.append([algo, layout, f"{benchlib.median(paired):.2f}x ({benchlib.spread(paired)})"])
+        print(f"\n   {name} against without, per round:")
+        print(benchlib.table(["algo", "layout", "completions/s ratio (median, min-max)"], pairs))
     return 0
 
 

@@ -44,19 +44,22 @@ TRL_VENV = benchlib.REPO / ".venv-trl112"
 
 
 # ------------------------------------------------------------------------------------------- hpc_rlhf side
-def run_hpc(layout: str, actor: Path, value: Path, out: Path, steps: int, warmup: int, rows: int) -> float:
+def run_hpc(layout: str, actor: Path, value: Path, out: Path, steps: int, warmup: int, rows: int,
+            task: list[str]) -> float:
+    """Episodes per second of `hpc-rlhf ppo` in `layout`; `task`: settings after the matched ones (the task's
+    prompt file and lengths, --set, --alternate)."""
     args = ["--config", str(benchlib.REPO / "examples/tiny/ppo.yaml"), f"output_dir={out}",
             f"placement={LAYOUTS[layout]}", f"actor.path={actor}", "actor.dtype=float32", f"critic.path={value}",
             "critic.dtype=float32", f"reward.models=[{value}]", f"rollout.prompts_per_step={EPISODES}",
-            "rollout.n_samples=1", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0",
+            "rollout.n_samples=1", "rollout.temperature=1.0",
             "rl.advantage=gae", f"rl.kl_coef={KL}", "rl.kl_estimator=k1", "rl.kl_in_reward=true", "rl.gamma=1.0",
             "rl.lam=0.95", "rl.clip_eps=0.2", "rl.value_clip_eps=0.2", "rl.ppo_epochs=1", f"train.lr={LR}",
             f"train.batch_size={EPISODES}", f"train.micro_batch_size={MICRO}", f"critic_train.batch_size={EPISODES}",
             f"critic_train.micro_batch_size={MICRO}", f"train.max_steps={warmup + steps}",
             f"critic_train.max_steps={warmup + steps}",
-            f"data.train_files=[{benchlib.DATA / 'prompts_train.jsonl'}]", f"data.max_train_rows={rows}",
+            f"data.max_train_rows={rows}",
             "data.eval_files=[]", "log.every_steps=1", "log.eval_every_steps=0", "log.tensorboard=false",
-            "log.progress=false", "checkpoint.resume=false"]
+            "log.progress=false", "checkpoint.resume=false", *task]
     benchlib.run_command([sys.executable, "-m", "hpc_rlhf", "ppo", *args], what=f"hpc_rlhf ppo ({layout})",
                          timeout=1200)
     times = benchlib.rl_step_times_from_metrics(benchlib.read_jsonl(out / "metrics.jsonl"), warmup)
@@ -64,7 +67,8 @@ def run_hpc(layout: str, actor: Path, value: Path, out: Path, steps: int, warmup
 
 
 # ------------------------------------------------------------------------------------------------ TRL side
-def trl_worker(actor: Path, out: Path, steps: int, warmup: int, rows: int) -> int:
+def trl_worker(actor: Path, out: Path, steps: int, warmup: int, rows: int, prompt_file: Path,
+               new_tokens: int) -> int:
     """Runs inside .venv-trl112: TRL 1.12's PPOTrainer; writes the step-end timestamps to out/steps.json."""
     import contextlib
 
@@ -92,11 +96,11 @@ def trl_worker(actor: Path, out: Path, steps: int, warmup: int, rows: int) -> in
         return AutoModelForSequenceClassification.from_pretrained(str(actor), num_labels=1, dtype=torch.float32,
                                                                   attn_implementation="sdpa")
 
-    prompts = [r["prompt"] for r in benchlib.read_jsonl(benchlib.DATA / "prompts_train.jsonl")[:rows]]
+    prompts = [r["prompt"] for r in benchlib.read_jsonl(prompt_file)[:rows]]
     data = Dataset.from_list([{"input_ids": tokenizer(p)["input_ids"]} for p in prompts])
     config = PPOConfig(output_dir=str(out), per_device_train_batch_size=MICRO,
                        gradient_accumulation_steps=EPISODES // MICRO, num_mini_batches=1, num_ppo_epochs=1,
-                       total_episodes=EPISODES * (warmup + steps), response_length=NEW_TOKENS, temperature=1.0,
+                       total_episodes=EPISODES * (warmup + steps), response_length=new_tokens, temperature=1.0,
                        kl_coef=KL, kl_estimator="k1", gamma=1.0, lam=0.95, cliprange=0.2, cliprange_value=0.2,
                        stop_token="eos", missing_eos_penalty=None, local_rollout_forward_batch_size=EPISODES,
                        num_sample_generations=0, learning_rate=LR, lr_scheduler_type="constant", adam_beta2=0.95,
@@ -113,12 +117,14 @@ def trl_worker(actor: Path, out: Path, steps: int, warmup: int, rows: int) -> in
     return 0
 
 
-def run_trl(actor: Path, out: Path, steps: int, warmup: int, rows: int) -> tuple[float, str]:
+def run_trl(actor: Path, out: Path, steps: int, warmup: int, rows: int, prompt_file: Path,
+            new_tokens: int) -> tuple[float, str]:
     """(episodes/s, TRL version) of the TRL 1.12 worker."""
     python = TRL_VENV / "bin" / "python"
     out.mkdir(parents=True, exist_ok=True)
     benchlib.run_command([str(python), str(Path(__file__).resolve()), "--trl-worker", str(actor), str(out),
-                          str(steps), str(warmup), str(rows)], what="TRL 1.12 PPO", timeout=1200)
+                          str(steps), str(warmup), str(rows), str(prompt_file), str(new_tokens)],
+                         what="TRL 1.12 PPO", timeout=1200)
     result = json.loads((out / "steps.json").read_text())
     times = benchlib.grouped_step_times(result["stamps"], 1, warmup)  # one optimizer step per PPO step here
     return EPISODES / benchlib.median(times), result["trl"]
@@ -140,14 +146,22 @@ def make_models(folder: Path) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--trl-worker"]:
-        actor, out, steps, warmup, rows = argv[1:6]
-        return trl_worker(Path(actor), Path(out), int(steps), int(warmup), int(rows))
+        actor, out, steps, warmup, rows, prompt_file, new_tokens = argv[1:8]
+        return trl_worker(Path(actor), Path(out), int(steps), int(warmup), int(rows), Path(prompt_file),
+                          int(new_tokens))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="timed PPO steps (64 episodes each) per run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rows", type=int, default=1024, help="prompts loaded (set-up cost only)")
+    parser.add_argument("--task", choices=("tiny", "long-tailed"), default="tiny",
+                        help="the prompts: the tiny addition task, or the length-varied one")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of hpc_rlhf's runs, e.g. rl.padding_free=true (repeatable)")
+    parser.add_argument("--alternate", action="append", default=[], metavar="KEY=VALUE",
+                        help="run each hpc_rlhf layout without and with these settings in every round (repeatable: "
+                             "all of them together)")
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1")
@@ -157,34 +171,59 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     benchlib.ensure_assets()
     benchlib.header("PPO episodes per second: hpc_rlhf vs TRL 1.12 PPOTrainer")
-    sides = [f"hpc_rlhf {layout}" for layout in args.layouts] + ["trl 1.12"]
+    variants = {"": []}
+    if args.alternate:
+        variants["+" + " ".join(args.alternate)] = list(args.alternate)
+    runs = {f"hpc_rlhf {layout}{(' ' + name) if name else ''}": (layout, settings)
+            for layout in args.layouts for name, settings in variants.items()}  # side -> its layout and settings
+    sides = [*runs, "trl 1.12"]
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         actor, value = make_models(tmp)
+        if args.task == "tiny":
+            prompt_file, new_tokens = benchlib.DATA / "prompts_train.jsonl", NEW_TOKENS
+            task = [f"data.train_files=[{prompt_file}]", f"rollout.max_new_tokens={NEW_TOKENS}"]
+        else:
+            prompt_file = benchlib.write_long_tailed_prompts(tmp / "long_tailed_prompts.jsonl", args.rows)
+            task = benchlib.long_tailed_settings(prompt_file)
+            new_tokens = benchlib.LONG_TAILED["rollout.max_new_tokens"]
+        task += args.set
         print(f"   model: Llama h128 x 2 layers, {benchlib.count_params(actor):,} parameters (policy, ref; critic and "
-              f"reward the same body + scalar head), random init; {EPISODES} episodes/step, {NEW_TOKENS} new tokens; "
-              f"{args.steps} timed steps after {args.warmup}; {args.rounds} round(s)", flush=True)
+              f"reward the same body + scalar head), random init; task {args.task}: {EPISODES} episodes/step, "
+              f"{new_tokens} new tokens; {args.steps} timed steps after {args.warmup}; {args.rounds} round(s); "
+              f"hpc_rlhf {' '.join(args.set) or 'as configured'}", flush=True)
         for r in range(args.rounds):
             for side in sides[r % len(sides):] + sides[:r % len(sides)]:
-                out = tmp / f"{side.replace(' ', '-')}-{r}"
+                out = tmp / f"{sides.index(side)}-{r}"
                 if side.startswith("trl"):
-                    value_s, version = run_trl(actor, out, args.steps, args.warmup, args.rows)
+                    value_s, version = run_trl(actor, out, args.steps, args.warmup, args.rows, prompt_file,
+                                               new_tokens)
                     if r == 0:
                         print(f"   TRL side: trl {version} from {TRL_VENV.name}", flush=True)
                 else:
-                    value_s = run_hpc(side.split()[1], actor, value, out, args.steps, args.warmup, args.rows)
+                    layout, settings = runs[side]
+                    value_s = run_hpc(layout, actor, value, out, args.steps, args.warmup, args.rows,
+                                      task + settings)
                 results.setdefault(side, []).append(value_s)
-                print(f"   round {r + 1} {side:<19} {value_s:7.1f} episodes/s", flush=True)
+                print(f"   round {r + 1} {side:<30} {value_s:7.1f} episodes/s", flush=True)
     print(f"   machine after: {benchlib.machine_state()}\n")
-    processes = {"hpc_rlhf disjoint": 6, "hpc_rlhf colocated": 1, "trl 1.12": 1}
     rows = []
     for side in sides:
         paired = [v / t for v, t in zip(results[side], results["trl 1.12"])]  # same round, about the same load
-        rows.append([side, processes[side], benchlib.median(results[side]), benchlib.spread(results[side]),
+        processes = 1 if side.startswith("trl") else {"disjoint": 6, "colocated": 1}[runs[side][0]]
+        rows.append([side, processes, benchlib.median(results[side]), benchlib.spread(results[side]),
                      "" if side.startswith("trl") else f"{benchlib.median(paired):.2f}x"])
     print(benchlib.table(["side", "processes", "episodes/s (median)", "min-max", "vs TRL (per-round ratios, median)"],
                          rows))
+    if args.alternate:
+        name = next(n for n in variants if n)
+        pairs = []
+        for layout in args.layouts:
+            paired = [a / b for a, b in zip(results[f"hpc_rlhf {layout} {name}"], results[f"hpc_rlhf {layout}"])]
+            pairs.append([layout, f"{benchlib.median(paired):.2f}x ({benchlib.spread(paired)})"])
+        print(f"\n   {name} against without, per round:")
+        print(benchlib.table(["layout", "episodes/s ratio (median, min-max)"], pairs))
     return 0
 
 

@@ -256,12 +256,12 @@ def _one_node(info: LaunchInfo) -> bool:
 
 def _rendezvous_store(info: LaunchInfo, timeout_s: float, secret: str):
     """A client of the TCPStore at MASTER_ADDR:MASTER_PORT, served by rank 0's store process or torchrun's agent
-    (or, in a one-rank world, by this process), seen through the job's secret (store_guard). No rank waits for
+    (or, in a one-rank world without that agent, by this process), seen through the job's secret (store_guard). No rank waits for
     the others here: `_check_same_world_size` does, and says what is wrong."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    if info.world_size == 1:
+    if info.world_size == 1 and not (info.launcher == "torchrun" and uses_agent_store(os.environ)):
         listening = store_host.listen_socket(store_host.listen_host(info.master_addr, True), info.master_port)
         port = listening.getsockname()[1]
         # detach(): the store owns the descriptor from now on (the socket object would close it when collected)
