@@ -26,7 +26,8 @@ of the same load, with the per-round ratio of the two.
 
     .venv/bin/python benchmarks/grpo_vs_trl.py                       # GRPO, 3 rounds
     .venv/bin/python benchmarks/grpo_vs_trl.py --algos grpo rloo --rounds 3 --steps 20
-    .venv/bin/python benchmarks/grpo_vs_trl.py --task long-tailed --alternate rl.padding_free=true
+    .venv/bin/python benchmarks/grpo_vs_trl.py --task long-tailed --set rl.padding_free=false \
+        --alternate rl.padding_free=true
 """
 
 from __future__ import annotations

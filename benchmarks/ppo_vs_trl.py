@@ -15,8 +15,15 @@ one process (policy and value trained together). A run's figure is 64 episodes /
 time between step ends) after the warmup steps; median over the rounds; the order of the sides rotates from round to
 round, and ratios are medians of the per-round ratios (runs of one round saw about the same load).
 
+`--task long-tailed`: both sides read the length-varied task instead (benchlib.write_long_tailed_prompts: sums of
+2-24 numbers, prompts of 5-72 tokens, up to 48 new tokens: benchlib.LONG_TAILED). `--set KEY=VALUE` adds a setting
+to hpc_rlhf's runs; `--alternate KEY=VALUE` runs each hpc_rlhf layout twice a round, without and with the setting,
+in the rotated order with TRL, and prints the per-round ratio of the two.
+
     .venv/bin/python benchmarks/ppo_vs_trl.py
     .venv/bin/python benchmarks/ppo_vs_trl.py --layouts colocated --rounds 3 --steps 20
+    .venv/bin/python benchmarks/ppo_vs_trl.py --task long-tailed --set rl.padding_free=false \
+        --alternate rl.padding_free=true
 """
 
 from __future__ import annotations

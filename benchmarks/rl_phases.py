@@ -24,7 +24,8 @@ about as much as the messages it measured.
     .venv/bin/python benchmarks/rl_phases.py --steps 30 --placement actor=2,critic=1,ref=1,reward=1,rollout=1
     .venv/bin/python benchmarks/rl_phases.py --config examples/tiny/grpo.yaml --placement actor=1,ref=1,rollout=2 \
         --set rl.max_staleness=1
-    .venv/bin/python benchmarks/rl_phases.py --task long-tailed --alternate rl.padding_free=true --rounds 2
+    .venv/bin/python benchmarks/rl_phases.py --task long-tailed --set rl.padding_free=false \
+        --alternate rl.padding_free=true
     .venv/bin/python benchmarks/rl_phases.py --smoke       # does it run (the suite's smoke run): no figures to keep
 """
 

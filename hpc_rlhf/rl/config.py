@@ -141,10 +141,10 @@ class RLSection:
                                    "the engine itself); first_forward = the first training forward's, detached (one "
                                    "optimizer step per batch, rl.ppo_epochs=1, and nothing before training that "
                                    "reads them)")
-    padding_free: bool = field(False, help="every role scores and trains on packed rows of real tokens (position ids "
-                                           "restarting per sample, attention kept within a sample) instead of "
-                                           "right-padded ones; the same numbers within float rounding "
-                                           "(docs/recipes.md)")
+    padding_free: bool = field(True, help="every role scores and trains on packed rows of real tokens (position ids "
+                                          "restarting per sample, attention kept within a sample) instead of "
+                                          "right-padded ones; the same numbers within float rounding "
+                                          "(docs/recipes.md); false = right-padded rows")
     padding_free_row_tokens: int = field(0, min=0, help="rl.padding_free: tokens per packed row at most (0 = the "
                                                         "longest sample of the micro-batch: each row costs attention "
                                                         "no more than a padded row)")

@@ -131,6 +131,8 @@ def score_roles(scorers: dict[str, Callable[[SampleBatch], list[torch.Tensor]]],
         return make_batch(sample_prompts[start:end], responses[start:end], pad_id).to(device)
 
     computed_by = computed_by or {}
+    if not scorers:
+        return {}  # a rank without a scoring role (a rollout engine's) has no responses here
     lengths = [len(p) + len(r) for p, r in zip(sample_prompts, responses)] if micro_tokens else None
     return {name: score_on_shard(computed_by.get(name, name), len(sample_prompts), micro, batch_of, one, name,
                                  lengths=lengths, micro_tokens=micro_tokens)

@@ -145,6 +145,20 @@ def test_score_roles_builds_the_micro_batches_and_scores_a_result_on_the_role_th
     assert [t.tolist() for t in got["ref"]] == [[8.0], [10.0]]
 
 
+def test_micro_batches_by_tokens_score_in_sample_order_and_a_rank_without_scorers_needs_no_responses(actor_alone):
+    """rl.score_micro_batch_tokens: micro-batches of at most 7 tokens (PROMPTS + RESPONSES are 5 each: one sample
+    a pass), the results in sample order; a rollout engine's rank scores nothing and holds no responses."""
+    seen = []
+
+    def lengths(sub):
+        seen.append(len(sub.prompt_lens))
+        return [torch.tensor([float(p), float(r)]) for p, r in zip(sub.prompt_lens, sub.response_lens)]
+
+    got = scoring.score_roles({"actor": lengths}, PROMPTS, RESPONSES, PAD, micro=2, device="cpu", micro_tokens=7)
+    assert [t.tolist() for t in got["actor"]] == [[3.0, 2.0], [2.0, 3.0]] and seen == [1, 1]
+    assert scoring.score_roles({}, PROMPTS, None, PAD, micro=2, device="cpu", micro_tokens=7) == {}
+
+
 # ------------------------------------------------------------------------------ what each role computes
 def test_logprobs_are_those_of_the_sampling_distribution_at_the_response_tokens():
     """log softmax(logits / T) at each response token, from the position before it, as the engines sample."""

@@ -237,69 +237,78 @@ def test_padding_free_steps_train_as_padded_ones_on_fewer_tokens(tmp_path):
             assert packed[key] == pytest.approx(padded[key], rel=1e-3, abs=1e-5), (key, padded, packed)
 
 
-def test_micro_batches_by_tokens_train_as_micro_batches_by_samples(tmp_path):
-    """rl.micro_batch_tokens (issue 37): a 2-rank PPO run whose actor (ZeRO-3) and critic (ZeRO-2) train, and whose
+TWO_RANK_PLACEMENT = "actor+critic+ref+reward=2,rollout@actor"
+
+
+def two_rank_args(prompts, out, *settings: str) -> list[str]:
+    """A 2-rank PPO of three steps, actor under ZeRO-3 and critic under ZeRO-2 (DeepSpeed partitions them over the
+    role's two ranks), on `prompts`; `settings` after the rest."""
+    return ["--config", "examples/tiny/ppo.yaml", f"actor.path={TINY_MODEL}", f"critic.path={TINY_MODEL}",
+            f"data.train_files=[{prompts}]", f"reward.models=[{TINY_MODEL}]", "rl.padding_free=true",
+            "rollout.prompts_per_step=8", "rollout.n_samples=2", "rollout.max_new_tokens=8", "train.batch_size=16",
+            "train.micro_batch_size=4", "critic_train.batch_size=16", "critic_train.micro_batch_size=4",
+            "train.lr=1e-3", "train.max_steps=3", "log.eval_every_steps=0", "checkpoint.every_steps=0",
+            "train.zero_stage=3", "critic_train.zero_stage=2", *QUIET, f"output_dir={out}",
+            f"placement={TWO_RANK_PLACEMENT}", *settings]
+
+
+def two_rank_ppo(prompts, out, *settings: str) -> list[dict]:
+    """The metrics of `two_rank_args`' run."""
+    hpc_rlhf_cli("ppo", *two_rank_args(prompts, out, *settings))
+    return read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def two_rank_baseline(tmp_path_factory):
+    """(prompts, metrics) of the 2-rank PPO as configured: micro-batches of 4 samples, the two ranks data-parallel;
+    what the micro-batches by tokens and the sequence-parallel run must train as."""
+    folder = tmp_path_factory.mktemp("two_rank_ppo")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "+".join(["1"] * k) + "=", "answer": str(k)}) + "\n"
+                               for k in range(1, 17)))
+    return prompts, two_rank_ppo(prompts, folder / "data_parallel")
+
+
+TRAINED_ALIKE = ("reward", "policy_loss", "value_loss", "actor_grad_norm", "critic_grad_norm", "entropy", "kl_k1",
+                 "rollout_logprob_abs_diff")
+
+
+def test_micro_batches_by_tokens_train_as_micro_batches_by_samples(tmp_path, two_rank_baseline):
+    """rl.micro_batch_tokens (issue 37): the 2-rank PPO whose actor (ZeRO-3) and critic (ZeRO-2) train, and whose
     four roles score, in micro-batches of at most 40 tokens trains as the same run in micro-batches of 4 samples, up
     to float rounding: the loss of an optimizer step is a mean over its tokens whatever its micro-batches. Prompts
     of 1 to 16 terms, so that each rank's share needs another number of micro-batches from step to step and from
     the other rank's (both run the larger number: ZeRO-3 gathers parameters collectively in each pass); scoring by
     a budget of its own (rl.score_micro_batch_tokens)."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": "+".join(["1"] * k) + "=", "answer": str(k)}) + "\n"
-                               for k in range(1, 17)))
-    common = ["--config", "examples/tiny/ppo.yaml", f"actor.path={TINY_MODEL}", f"critic.path={TINY_MODEL}",
-              f"data.train_files=[{prompts}]", f"reward.models=[{TINY_MODEL}]",
-              "placement=actor+critic+ref+reward=2,rollout@actor", "rollout.prompts_per_step=8",
-              "rollout.n_samples=2", "rollout.max_new_tokens=8", "train.batch_size=16", "train.micro_batch_size=4",
-              "critic_train.batch_size=16", "critic_train.micro_batch_size=4", "train.lr=1e-3", "train.max_steps=2",
-              "log.eval_every_steps=0", "checkpoint.every_steps=0", "train.zero_stage=3", "critic_train.zero_stage=2",
-              *QUIET]
-    figures = {}
-    for name, budget in (("by_samples", []),
-                         ("by_tokens", ["rl.micro_batch_tokens=40", "rl.score_micro_batch_tokens=70"])):
-        out = tmp_path / name
-        hpc_rlhf_cli("ppo", *common, f"output_dir={out}", *budget)
-        figures[name] = read_metrics(out)
-    for samples, tokens in zip(figures["by_samples"], figures["by_tokens"], strict=True):
+    prompts, by_samples = two_rank_baseline
+    by_tokens = two_rank_ppo(prompts, tmp_path / "by_tokens", "rl.micro_batch_tokens=40",
+                             "rl.score_micro_batch_tokens=70")
+    assert len(by_tokens) == 3
+    for samples, tokens in zip(by_samples, by_tokens, strict=True):
         assert samples["actor_micro_batches"] == 2  # 8 samples a rank, 4 at a time
         assert tokens["actor_micro_batches"] > 2, tokens["actor_micro_batches"]
         assert tokens["response_length"] == samples["response_length"]
-        for key in ("reward", "policy_loss", "value_loss", "actor_grad_norm", "critic_grad_norm", "entropy", "kl_k1",
-                    "rollout_logprob_abs_diff"):
+        for key in TRAINED_ALIKE:
             assert tokens[key] == pytest.approx(samples[key], rel=1e-3, abs=1e-5), (key, samples, tokens)
 
 
-def test_sequence_parallel_roles_train_as_data_parallel_ones(tmp_path):
-    """Sequence parallelism (issue 40): a PPO run whose actor, critic, ref and reward model each share every packed
-    row between their two ranks (`<kind>_sp=2`) trains as the same run with the two ranks data-parallel, up to
-    float rounding: the same samples (the hybrid engines generate the same), rewards, losses, KL and gradient
+def test_sequence_parallel_roles_train_as_data_parallel_ones(tmp_path, two_rank_baseline):
+    """Sequence parallelism (issue 40): the 2-rank PPO whose actor, critic, ref and reward model each share every
+    packed row between their two ranks (`<kind>_sp=2`) trains as the same run with the two ranks data-parallel, up
+    to float rounding: the same samples (the hybrid engines generate the same), rewards, losses, KL and gradient
     norms, over three steps, with the actor under ZeRO-3 and the critic under ZeRO-2 (DeepSpeed partitions them
     over the role's two ranks, which are also the one sequence block that exchanges activations). And
     without packed rows it is refused at configuration, naming the keys."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": "+".join(["1"] * k) + "=", "answer": str(k)}) + "\n"
-                               for k in range(1, 17)))
-    common = ["--config", "examples/tiny/ppo.yaml", f"actor.path={TINY_MODEL}", f"critic.path={TINY_MODEL}",
-              f"data.train_files=[{prompts}]", f"reward.models=[{TINY_MODEL}]", "rl.padding_free=true",
-              "rollout.prompts_per_step=8", "rollout.n_samples=2", "rollout.max_new_tokens=8", "train.batch_size=16",
-              "train.micro_batch_size=4", "critic_train.batch_size=16", "critic_train.micro_batch_size=4",
-              "train.lr=1e-3", "train.max_steps=3", "log.eval_every_steps=0", "checkpoint.every_steps=0",
-              "train.zero_stage=3", "critic_train.zero_stage=2", *QUIET]
-    placement = "actor+critic+ref+reward=2,rollout@actor"
-    sharded = f"{placement},actor_sp=2,critic_sp=2,ref_sp=2,reward_sp=2"
-    figures = {}
-    for name, spec in (("data_parallel", placement), ("sequence_parallel", sharded)):
-        out = tmp_path / name
-        hpc_rlhf_cli("ppo", *common, f"output_dir={out}", f"placement={spec}")
-        figures[name] = read_metrics(out)
-    assert len(figures["sequence_parallel"]) == 3
-    for plain, shared in zip(figures["data_parallel"], figures["sequence_parallel"], strict=True):
+    prompts, plain_run = two_rank_baseline
+    sharded = f"{TWO_RANK_PLACEMENT},actor_sp=2,critic_sp=2,ref_sp=2,reward_sp=2"
+    shared_run = two_rank_ppo(prompts, tmp_path / "sequence_parallel", f"placement={sharded}")
+    assert len(shared_run) == 3
+    for plain, shared in zip(plain_run, shared_run, strict=True):
         assert shared["response_length"] == plain["response_length"]
-        for key in ("reward", "policy_loss", "value_loss", "actor_grad_norm", "critic_grad_norm", "entropy", "kl_k1",
-                    "rollout_logprob_abs_diff"):
+        for key in TRAINED_ALIKE:
             assert shared[key] == pytest.approx(plain[key], rel=1e-3, abs=1e-5), (key, plain, shared)
-    refused = hpc_rlhf_cli("ppo", *common, f"output_dir={tmp_path / 'padded'}", f"placement={sharded}",
-                           "rl.padding_free=false", check=False)
+    refused = hpc_rlhf_cli("ppo", *two_rank_args(prompts, tmp_path / "padded", f"placement={sharded}",
+                                                 "rl.padding_free=false"), check=False)
     assert refused.returncode != 0
     assert "actor_sp=2, critic_sp=2, ref_sp=2, reward_sp=2: sequence parallelism splits packed rows" in \
         refused.stdout + refused.stderr
