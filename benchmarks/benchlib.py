@@ -165,6 +165,26 @@ def long_tailed_settings(prompts: Path) -> list[str]:
     return [f"data.train_files=[{prompts}]", *(f"{key}={value}" for key, value in LONG_TAILED.items())]
 
 
+def add_task_arguments(parser) -> None:
+    """The options of the comparisons against TRL that choose hpc_rlhf's runs: --task, --set, --alternate."""
+    parser.add_argument("--task", choices=("tiny", "long-tailed"), default="tiny",
+                        help="the prompts: the tiny addition task, or the length-varied one")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of hpc_rlhf's runs, e.g. rl.padding_free=true (repeatable)")
+    parser.add_argument("--alternate", action="append", default=[], metavar="KEY=VALUE",
+                        help="run each hpc_rlhf layout without and with these settings in every round (repeatable: "
+                             "all of them together)")
+
+
+def alternated_sides(layouts: Sequence[str], alternate: Sequence[str]) -> tuple[str, dict[str, tuple[str, list[str]]]]:
+    """hpc_rlhf's sides of a comparison: (the name added to a side run with the --alternate settings, "" without
+    them; side -> (its layout, its settings)), each layout without, then with, those settings."""
+    name = ("+" + " ".join(alternate)) if alternate else ""
+    variants = {"": [], **({name: list(alternate)} if alternate else {})}
+    return name, {f"hpc_rlhf {layout}{(' ' + suffix) if suffix else ''}": (layout, settings)
+                  for layout in layouts for suffix, settings in variants.items()}
+
+
 def count_params(folder: str | Path) -> int:
     from safetensors import safe_open
 

@@ -161,13 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed RL steps (128 completions each) per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed RL steps at the start of every run")
     parser.add_argument("--rows", type=int, default=1024, help="prompts loaded (set-up cost only)")
-    parser.add_argument("--task", choices=("tiny", "long-tailed"), default="tiny",
-                        help="the prompts: the tiny addition task, or the length-varied one")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting of hpc_rlhf's runs, e.g. rl.padding_free=true (repeatable)")
-    parser.add_argument("--alternate", action="append", default=[], metavar="KEY=VALUE",
-                        help="run each hpc_rlhf layout without and with these settings in every round (repeatable: "
-                             "all of them together)")
+    benchlib.add_task_arguments(parser)
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1")
@@ -177,11 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import trl  # noqa: F401  (fail before any measurement when TRL is missing)
 
     benchlib.header("GRPO/RLOO completions per second: hpc_rlhf vs TRL")
-    variants = {"": []}
-    if args.alternate:
-        variants["+" + " ".join(args.alternate)] = list(args.alternate)
-    runs = {f"hpc_rlhf {layout}{(' ' + name) if name else ''}": (layout, settings)
-            for layout in args.layouts for name, settings in variants.items()}  # side -> its layout and settings
+    alternated, runs = benchlib.alternated_sides(args.layouts, args.alternate)  # side -> its layout, settings
     sides = [*runs, "trl"]
     results: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -220,15 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     print(benchlib.table(["algo", "side", "processes", "completions/s (median)", "min-max",
                           "vs TRL (median of per-round ratios, min-max)"], rows))
     if args.alternate:
-        name = next(n for n in variants if n)
         pairs = []
         for algo in args.algos:
             for layout in args.layouts:
-                after = results[(algo, f"hpc_rlhf {layout} {name}")]
+                after = results[(algo, f"hpc_rlhf {layout} {alternated}")]
                 before = results[(algo, f"hpc_rlhf {layout}")]
                 paired = [a / b for a, b in zip(after, before)]
                 pairs.append([algo, layout, f"{benchlib.median(paired):.2f}x ({benchlib.spread(paired)})"])
-        print(f"\n   {name} against without, per round:")
+        print(f"\n   {alternated} against without, per round:")
         print(benchlib.table(["algo", "layout", "completions/s ratio (median, min-max)"], pairs))
     return 0
 

@@ -162,13 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="timed PPO steps (64 episodes each) per run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rows", type=int, default=1024, help="prompts loaded (set-up cost only)")
-    parser.add_argument("--task", choices=("tiny", "long-tailed"), default="tiny",
-                        help="the prompts: the tiny addition task, or the length-varied one")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting of hpc_rlhf's runs, e.g. rl.padding_free=true (repeatable)")
-    parser.add_argument("--alternate", action="append", default=[], metavar="KEY=VALUE",
-                        help="run each hpc_rlhf layout without and with these settings in every round (repeatable: "
-                             "all of them together)")
+    benchlib.add_task_arguments(parser)
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1")
@@ -178,11 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     benchlib.ensure_assets()
     benchlib.header("PPO episodes per second: hpc_rlhf vs TRL 1.12 PPOTrainer")
-    variants = {"": []}
-    if args.alternate:
-        variants["+" + " ".join(args.alternate)] = list(args.alternate)
-    runs = {f"hpc_rlhf {layout}{(' ' + name) if name else ''}": (layout, settings)
-            for layout in args.layouts for name, settings in variants.items()}  # side -> its layout and settings
+    alternated, runs = benchlib.alternated_sides(args.layouts, args.alternate)  # side -> its layout, settings
     sides = [*runs, "trl 1.12"]
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     print(benchlib.table(["side", "processes", "episodes/s (median)", "min-max", "vs TRL (per-round ratios, median)"],
                          rows))
     if args.alternate:
-        name = next(n for n in variants if n)
         pairs = []
         for layout in args.layouts:
-            paired = [a / b for a, b in zip(results[f"hpc_rlhf {layout} {name}"], results[f"hpc_rlhf {layout}"])]
+            after, before = results[f"hpc_rlhf {layout} {alternated}"], results[f"hpc_rlhf {layout}"]
+            paired = [a / b for a, b in zip(after, before)]
             pairs.append([layout, f"{benchlib.median(paired):.2f}x ({benchlib.spread(paired)})"])
-        print(f"\n   {name} against without, per round:")
+        print(f"\n   {alternated} against without, per round:")
         print(benchlib.table(["layout", "episodes/s ratio (median, min-max)"], pairs))
     return 0
 
