@@ -256,8 +256,8 @@ def _one_node(info: LaunchInfo) -> bool:
 
 def _rendezvous_store(info: LaunchInfo, timeout_s: float, secret: str):
     """A client of the TCPStore at MASTER_ADDR:MASTER_PORT, served by rank 0's store process or torchrun's agent
-    (or, in a one-rank world without that agent, by this process), seen through the job's secret (store_guard). No rank waits for
-    the others here: `_check_same_world_size` does, and says what is wrong."""
+    (or, in a one-rank world without that agent, by this process), seen through the job's secret (store_guard).
+    No rank waits for the others here: `_check_same_world_size` does, and says what is wrong."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
