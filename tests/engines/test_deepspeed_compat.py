@@ -29,9 +29,10 @@ def world():
     import deepspeed.comm
     import torch.distributed as dist
 
+    # DeepSpeed insists on LOCAL_RANK, also in a world an earlier module made (its monkeypatch gone with it)
+    os.environ.setdefault("LOCAL_RANK", "0")
     if not dist.is_initialized():
         store = tempfile.mktemp(prefix="hpc_rlhf_compat_store_")
-        os.environ.setdefault("LOCAL_RANK", "0")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     deepspeed.comm.init_distributed("gloo")  # reuses the world, as deepspeed.initialize does
     yield dist

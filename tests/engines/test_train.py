@@ -90,9 +90,10 @@ def run_steps(engine, batches, rank: int = 0, ranks: int = 1):
 def world():
     import torch.distributed as dist
 
+    # DeepSpeed insists on LOCAL_RANK, also in a world an earlier module made (its monkeypatch gone with it)
+    os.environ.setdefault("LOCAL_RANK", "0")
     if not dist.is_initialized():
         store = tempfile.mktemp(prefix="hpc_rlhf_train_store_")
-        os.environ.setdefault("LOCAL_RANK", "0")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield dist
 
