@@ -3,14 +3,13 @@
     python scripts/run_suite.py [PYTEST ARGS...]        # e.g. -x, -k name; given to both lanes
 
 Lane `learning`: the tests that wait for the shared models (the SFT base and the reward model after it, trained
-in the background: tests/recipes.py), that is the learning tests but one, which then run one after the
-other, mostly one process on one core each, and after them the few test files of tests/conftest.py's
-LEARNING_LANE_TAIL, which even out the lanes' lengths. Lane `rest`: every other test, the SFT learning test (it trains from
-a random model) and the cluster tests last (they wait for the local Slurm's jobs, which go in when the learning
-lane's SFT base is trained: a gate shared through a folder, tests/background.py). In one pytest process the
-learning tests waited behind the others and then ran alone, a core idle about half of the last third of the
-suite. The learning lane is the longer one (fresh clones: 15m39s against 13m38s with the cluster tests in it,
-15m24s against 13m52s without), so what needs no shared model runs in the other.
+in the background: tests/recipes.py), that is most learning tests, which then run one after the other, mostly one
+process on one core each. Lane `rest`: every other test, the cluster tests last (they wait for the local Slurm's
+jobs, which go in when the learning lane's SFT base is trained: a gate shared through a folder, tests/background.py).
+Then both lanes end with the files of tests/conftest.py's EITHER_LANE, each run by the lane that reaches it first (a
+claim through the same folder), so that the lanes end at about the same time whichever would have been the longer.
+In one pytest process the learning tests waited behind the others and then ran alone, a core idle about half of
+the last third of the suite.
 
 Each lane's lines are printed as they come, prefixed with the lane's name; at the end, each lane's failed tests
 (pytest's FAILED and ERROR lines) and its pytest summary. The exit
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LANES = {"learning": ["-m", "learning_lane"], "rest": ["-m", "not learning_lane"]}
+LANES = {"learning": ["-m", "learning_lane or either_lane"], "rest": ["-m", "not learning_lane"]}
 NO_TESTS_COLLECTED = 5  # pytest's exit code
 OUTPUT_GRACE_S = 10.0
 MAX_FAILURE_LINE = 300

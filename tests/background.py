@@ -21,6 +21,10 @@ Gates reach across pytest processes when HPC_RLHF_TEST_GATES names a folder (scr
 both lanes): opening a gate also writes a file of its name there, and a process waiting at the gate goes on when
 the file appears. So the lane that runs the cluster tests lets the cluster's jobs go when the other lane's SFT
 base is trained.
+
+A claim shares out work that either process may do (tests/conftest.py EITHER_LANE): the first process to claim a
+name gets it, by creating a file of that name in the folder's `claims/` (the file system says which came first);
+a process alone (no folder) gets every claim.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ GATES_FOLDER = os.environ.get("HPC_RLHF_TEST_GATES") or None
 
 _JOBS: dict[str, Future] = {}
 _GATES: dict[str, threading.Event] = {}
+_CLAIMS: dict[str, bool] = {}
 _LOCK = threading.Lock()
 
 
@@ -120,3 +125,24 @@ def wait_at_gate(name: str) -> None:
     while not gate.wait(timeout=None if GATES_FOLDER is None else 1.0):
         if Path(GATES_FOLDER, name).exists():
             gate.set()
+
+
+def claim(name: str) -> bool:
+    """Whether this process does `name`: the first process of the suite to ask gets it, and keeps it (asking again
+    gives the same answer); without HPC_RLHF_TEST_GATES every claim is this process's."""
+    if GATES_FOLDER is None:
+        return True
+    with _LOCK:
+        if name not in _CLAIMS:
+            folder = Path(GATES_FOLDER, "claims")
+            folder.mkdir(exist_ok=True)
+            try:
+                fd = os.open(folder / name.replace("/", "__"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                _CLAIMS[name] = False
+            else:
+                os.write(fd, f"{os.getpid()}\n".encode())
+                os.close(fd)
+                _CLAIMS[name] = True
+                mark("claim", name)
+        return _CLAIMS[name]

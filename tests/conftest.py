@@ -22,36 +22,40 @@ torch.set_num_threads(1)
 # RL run), the reward model and the calculator's tool base, all trained from it.
 SHARED_MODELS = ("sft_base", "grpo_teacher", "ppo_reward_model", "tool_sft_base")
 
-# Test files the learning lane runs after its learning tests (scripts/run_suite.py): without them the rest lane ran
-# 8 minutes longer, alone on the machine with a core idle (fresh-clone suite of 2026-11-27, AMD EPYC: learning lane
-# 24m03s, rest lane 32m10s; these files took about 4.5 minutes of the rest lane). Self-contained runs of their own.
-# With the dry run free of torch the sbatch scripts' tests shrank from ~3 minutes to seconds, and the rest lane
-# ended 2 minutes after the learning lane (4b395d7: 25m58s against 24m01s): the entry points' tests went along.
-# With the local Slurm's ranks forked (4979c9f) the rest lane ended 4.5 minutes before the learning lane (36m52s
-# against 41m33s, a slow VM), the learning lane alone on the machine after it: the watchdog's tests (1.6 minutes
-# there) went back. With the 2-layer tiny Llama (d5632be) the learning lane ended first again (35m39s against
-# 39m33s): the simulator's tests (1.5 minutes of the rest lane, one process, no timing in them) went along.
-# With them the rest lane ended last again, by 5.8 minutes, alone on the machine (8879c38, 2026-11-29: learning
-# 34m39s, rest 40m27s): the zygotes', the reproducibility and the chat tests (2.5 minutes there, its last files)
-# went along (ff80c09, the same VM: learning 37m53s, rest 36m26s). The reward model scoring each pair in one row
-# and cheaper tests of the learning lane's tail (2026-11-29) took ~270 CPU-seconds from the learning lane and none
-# from the rest lane; the learning lane still ended last, with the bootstrap's tests moved along (a955db4: learning
-# 30m03s, rest 28m21s; the bootstrap's tests 45 s of it): they went back. With the tests' forked runs ending without
-# the interpreter's teardown (c0da0a3: ~3 CPU-seconds a run, most of them in the rest lane) the learning lane ended
-# last by 3 minutes (learning 28m27s, rest 25m29s): the zygotes' own tests (73 s there) went back.
-LEARNING_LANE_TAIL = ("tests/trainers/test_failures.py", "tests/launch/test_sbatch_scripts.py",
-                      "tests/launch/test_local.py", "tests/dist/test_store_host.py",
-                      "tests/launch/test_entry_points.py", "tests/scale/test_simulate.py",
-                      "tests/trainers/test_reproducibility.py", "tests/test_chat.py")
+# Test files either lane runs at its end, whichever reaches each first (tests/background.py `claim`): self-contained
+# runs that need no shared model and no cluster. For a year of sessions a fixed list of files went after the learning
+# tests to even out the lanes' lengths, and with every change of the suite, or of the machine, the other lane ended
+# last again, alone on the machine with a core idle: by 8 minutes (2026-11-27, AMD EPYC), 5.8 (8879c38), 3 (c0da0a3),
+# 1.5 and 2.3 (1c4c420, 5c69c9b, Intel Xeon), files moved between the lanes each time. Shared out as the lanes end,
+# the lanes end within about the length of the last file taken. Longest first (wall seconds in the fresh-clone
+# suites of 2026-11-30, Intel Xeon), so that what is left for the end is short.
+EITHER_LANE = ("tests/dist/test_watchdog.py",                 # 57-88 s
+               "tests/test_cli_zygote.py",                    # 65-70
+               "tests/dist/test_bootstrap.py",                # 23-53
+               "tests/launch/test_entry_points.py",           # 49-50
+               "tests/trainers/test_failures.py",             # 37-46
+               "tests/trainers/test_sft.py",                  # 37-38
+               "tests/launch/test_local.py",                  # 25-31
+               "tests/trainers/test_reproducibility.py",      # 21-29
+               "tests/trainers/test_resume_on_another_size.py",  # 18-22
+               "tests/dist/test_store_host.py",               # 18-20
+               "tests/scale/test_simulate.py",                # 13-17
+               "tests/launch/test_sbatch_scripts.py",         # 10-18
+               "tests/test_chat.py")                          # 1-2
 
 
-def _in_the_learning_lanes_tail(item) -> bool:
-    return item.nodeid.split("::", 1)[0] in LEARNING_LANE_TAIL
+def _file_of(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _either_lane(item) -> bool:
+    return _file_of(item) in EITHER_LANE
 
 
 def _runs_vllm(item) -> bool:
-    """Whether a test starts vLLM's engine or belongs with those that do (marker `vllm`, or vLLM in its name)."""
-    return item.get_closest_marker("vllm") is not None or "vllm" in item.nodeid.lower()
+    """Whether a test starts vLLM's engine or belongs with those that do (marker `vllm`, or vLLM in its name), and
+    runs with the vLLM tests at the start of its lane (not one of EITHER_LANE's files, which run at the end)."""
+    return (item.get_closest_marker("vllm") is not None or "vllm" in item.nodeid.lower()) and not _either_lane(item)
 
 
 def _waits_for(item) -> int:
@@ -59,22 +63,37 @@ def _waits_for(item) -> int:
     return max((i + 1 for i, name in enumerate(SHARED_MODELS) if name in item.fixturenames), default=0)
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects: the learning_lane marker is set here
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the lanes' markers are set here
 def pytest_collection_modifyitems(session, config, items):
-    """Tests that wait for work started in the background run last: the learning tests (they need the shared
-    models), then the cluster tests (they need the local Slurm's jobs). Among the learning tests, those that need
-    no shared model go first, then those that need the SFT base, then those that need the reward model: none waits
-    for a model while a test that could run is left for later. The files of LEARNING_LANE_TAIL come after the
-    learning tests. Otherwise the collected order stays.
+    """Tests that wait for work started in the background run late: the learning tests (they need the shared
+    models), then the cluster tests (they need the local Slurm's jobs), then the files of EITHER_LANE in its order.
+    Among the learning tests, those that need no shared model go first, then those that need the SFT base, then
+    those that need the reward model: none waits for a model while a test that could run is left for later.
+    Otherwise the collected order stays.
 
-    A test that waits for a shared model, or is in LEARNING_LANE_TAIL, is marked `learning_lane`
-    (scripts/run_suite.py runs those in a lane of their own)."""
+    A test that waits for a shared model is marked `learning_lane`, and one of EITHER_LANE's files `either_lane`
+    (scripts/run_suite.py runs the first in a lane of their own, the second in both lanes: pytest_runtest_protocol)."""
     for item in items:
-        if _waits_for(item) or _in_the_learning_lanes_tail(item):
+        if _either_lane(item):
+            item.add_marker(pytest.mark.either_lane)
+        elif _waits_for(item):
             item.add_marker(pytest.mark.learning_lane)
-    items.sort(key=lambda item: (item.get_closest_marker("cluster") is not None, _in_the_learning_lanes_tail(item),
+    items.sort(key=lambda item: (EITHER_LANE.index(_file_of(item)) + 1 if _either_lane(item) else 0,
+                                 item.get_closest_marker("cluster") is not None,
                                  item.get_closest_marker("learning") is not None, _waits_for(item),
                                  not (_runs_vllm(item) and not item.get_closest_marker("learning"))))  # stable
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A file of EITHER_LANE runs in the lane that reaches it first (tests/background.py `claim`); the other lane
+    passes over its tests: nothing set up, nothing reported (pytest counts them in the lane that ran them)."""
+    if not _either_lane(item) or background.claim(_file_of(item)):
+        return None  # pytest runs the test
+    # What pytest does after each test it runs: tear down what the next test does not share (here, what the last
+    # test this lane ran left set up; this file's fixtures were never set up).
+    item.session._setupstate.teardown_exact(nextitem)
+    return True
 
 
 def pytest_collection_finish(session):

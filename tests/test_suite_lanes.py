@@ -45,15 +45,54 @@ def test_tests_that_wait_for_a_shared_model_are_marked_for_their_lane_and_ordere
     # vLLM tests first, by marker or by name, but not among the learning tests
     engine, named = FakeItem("tmp_path", marks=("vllm",)), FakeItem("tmp_path", nodeid="tests/rl/t.py::test_on_vllm")
     vllm_on_base = FakeItem("sft_base", marks=("learning",), nodeid="tests/rl/test_ppo_vllm.py::test_learns")
-    # a file of the learning lane's tail: after the learning tests, in that lane
-    tail = FakeItem("tmp_path", nodeid=f"{suite_conftest.LEARNING_LANE_TAIL[0]}::test_a_failure")
-    items = [cluster, tail, on_reward, on_base, vllm_on_base, from_random, plain, named, engine]
+    # files either lane runs: last, in EITHER_LANE's order, a learning test or one named for vLLM among them too
+    first, last = suite_conftest.EITHER_LANE[0], suite_conftest.EITHER_LANE[-1]
+    either_late = FakeItem("tmp_path", nodeid=f"{last}::test_a_failure")
+    either_early = FakeItem("world", marks=("learning",), nodeid=f"{first}::test_on_vllm")
+    items = [cluster, either_late, on_reward, on_base, either_early, vllm_on_base, from_random, plain, named, engine]
     suite_conftest.pytest_collection_modifyitems(None, None, items)
-    assert items == [named, engine, plain, from_random, on_base, vllm_on_base, on_reward, tail, cluster]
-    assert [("learning_lane" in i.marks) for i in items] == [False, False, False, False, True, True, True, True,
-                                                              False]
-    assert load_run_suite().LANES == {"learning": ["-m", "learning_lane"], "rest": ["-m", "not learning_lane"]}
-    assert all((REPO / path).is_file() for path in suite_conftest.LEARNING_LANE_TAIL)
+    assert items == [named, engine, plain, from_random, on_base, vllm_on_base, on_reward, cluster, either_early,
+                     either_late]
+    assert [("learning_lane" in i.marks) for i in items] == [False] * 4 + [True] * 3 + [False] * 3
+    assert [("either_lane" in i.marks) for i in items] == [False] * 8 + [True] * 2
+    assert load_run_suite().LANES == {"learning": ["-m", "learning_lane or either_lane"],
+                                      "rest": ["-m", "not learning_lane"]}
+    assert all((REPO / path).is_file() for path in suite_conftest.EITHER_LANE)
+
+
+def test_the_first_process_to_claim_a_name_gets_it_and_keeps_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(background, "_CLAIMS", {})
+    monkeypatch.setattr(background, "GATES_FOLDER", None)
+    assert background.claim("tests/a.py")  # alone: every claim is this process's
+    monkeypatch.setattr(background, "GATES_FOLDER", str(tmp_path))
+    other = subprocess.run([sys.executable, "-c", "from tests import background as b; "
+                            "print(b.claim('tests/a.py'), b.claim('tests/a.py'))"], cwd=REPO, capture_output=True,
+                           text=True, env=dict(os.environ, HPC_RLHF_TEST_GATES=str(tmp_path)), check=True)
+    assert other.stdout.split() == ["True", "True"]  # the other lane asked first
+    assert not background.claim("tests/a.py") and not background.claim("tests/a.py")
+    assert background.claim("tests/dir/b.py") and background.claim("tests/dir/b.py")
+    assert sorted(p.name for p in (tmp_path / "claims").iterdir()) == ["tests__a.py", "tests__dir__b.py"]
+
+
+def test_a_lane_passes_over_the_files_the_other_lane_claimed(tmp_path):
+    """A lane of the suite, with the other lane holding one of EITHER_LANE's files: that file's tests are neither
+    run nor reported, and the tests after it set up as usual (pytest asserts that what the last test run left set up
+    is torn down to what the next one shares: here the package tests/launch, which the passed-over file shares with
+    the test before it and the test after it does not)."""
+    before, claimed, after = "tests/launch/test_local.py", "tests/launch/test_sbatch_scripts.py", "tests/test_chat.py"
+    order = suite_conftest.EITHER_LANE
+    assert order.index(before) < order.index(claimed) < order.index(after) == len(order) - 1
+    (tmp_path / "claims").mkdir()
+    (tmp_path / "claims" / claimed.replace("/", "__")).write_text("1\n")
+    lane = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", after, claimed,
+                           f"{before}::test_a_config_error_during_the_run_is_one_line_and_code_2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, HPC_RLHF_TEST_GATES=str(tmp_path), OMP_NUM_THREADS="1"))
+    assert lane.returncode == 0, lane.stdout[-3000:]
+    passed = [line.split()[1].split("::")[0] for line in lane.stdout.splitlines() if line.startswith("PASSED ")]
+    assert passed[0] == before and set(passed[1:]) == {after}, passed
+    assert sorted(p.name for p in (tmp_path / "claims").iterdir()) == sorted(
+        name.replace("/", "__") for name in (before, claimed, after))
 
 
 def test_a_gate_opened_in_another_process_opens_here_through_the_folder(tmp_path, monkeypatch):
