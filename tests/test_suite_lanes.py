@@ -60,14 +60,22 @@ def test_tests_that_wait_for_a_shared_model_are_marked_for_their_lane_and_ordere
     assert all((REPO / path).is_file() for path in suite_conftest.EITHER_LANE)
 
 
+def another_lane(gates: Path) -> dict[str, str]:
+    """The environment of a pytest process beside this one, sharing `gates`, with no timeline (in the suite, this
+    lane's own)."""
+    env = {k: v for k, v in os.environ.items() if k != "HPC_RLHF_TEST_TIMELINE"}
+    return dict(env, HPC_RLHF_TEST_GATES=str(gates), OMP_NUM_THREADS="1")
+
+
 def test_the_first_process_to_claim_a_name_gets_it_and_keeps_it(tmp_path, monkeypatch):
     monkeypatch.setattr(background, "_CLAIMS", {})
     monkeypatch.setattr(background, "GATES_FOLDER", None)
+    monkeypatch.delenv("HPC_RLHF_TEST_TIMELINE", raising=False)  # the suite's lane: its timeline is not for these
     assert background.claim("tests/a.py")  # alone: every claim is this process's
     monkeypatch.setattr(background, "GATES_FOLDER", str(tmp_path))
     other = subprocess.run([sys.executable, "-c", "from tests import background as b; "
                             "print(b.claim('tests/a.py'), b.claim('tests/a.py'))"], cwd=REPO, capture_output=True,
-                           text=True, env=dict(os.environ, HPC_RLHF_TEST_GATES=str(tmp_path)), check=True)
+                           text=True, env=another_lane(tmp_path), check=True)
     assert other.stdout.split() == ["True", "True"]  # the other lane asked first
     assert not background.claim("tests/a.py") and not background.claim("tests/a.py")
     assert background.claim("tests/dir/b.py") and background.claim("tests/dir/b.py")
@@ -87,7 +95,7 @@ def test_a_lane_passes_over_the_files_the_other_lane_claimed(tmp_path):
     lane = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", after, claimed,
                            f"{before}::test_a_config_error_during_the_run_is_one_line_and_code_2"],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, HPC_RLHF_TEST_GATES=str(tmp_path), OMP_NUM_THREADS="1"))
+                          env=another_lane(tmp_path))
     assert lane.returncode == 0, lane.stdout[-3000:]
     passed = [line.split()[1].split("::")[0] for line in lane.stdout.splitlines() if line.startswith("PASSED ")]
     assert passed[0] == before and set(passed[1:]) == {after}, passed
