@@ -23,12 +23,12 @@ torch.set_num_threads(1)
 SHARED_MODELS = ("sft_base", "grpo_teacher", "ppo_reward_model", "tool_sft_base")
 
 # Test files either lane runs at its end, whichever reaches each first (tests/background.py `claim`): self-contained
-# runs that need no shared model and no cluster. For a year of sessions a fixed list of files went after the learning
-# tests to even out the lanes' lengths, and with every change of the suite, or of the machine, the other lane ended
-# last again, alone on the machine with a core idle: by 8 minutes (2026-11-27, AMD EPYC), 5.8 (8879c38), 3 (c0da0a3),
-# 1.5 and 2.3 (1c4c420, 5c69c9b, Intel Xeon), files moved between the lanes each time. Shared out as the lanes end,
-# the lanes end within about the length of the last file taken. Longest first (wall seconds in the fresh-clone
-# suites of 2026-11-30, Intel Xeon), so that what is left for the end is short.
+# runs that need no shared model and no cluster. Since the lanes began (2026-11-27) a fixed list of files went after
+# the learning tests to even out the lanes' lengths, and with every change of the suite, or of the VM's speed, one
+# lane ended last again, alone on the machine with a core idle: by 8 minutes (2026-11-27, AMD EPYC), 5.8 (8879c38),
+# 3 (c0da0a3), 1.5 (1c4c420, Intel Xeon), files moved between the lanes each time. Shared out as the lanes end, the
+# lanes end within about the length of the last file taken (14 s apart in 7d42aaf's fresh clone). Longest first
+# (wall seconds in the fresh-clone suites of 2026-11-30, Intel Xeon), so that what is left for the end is short.
 EITHER_LANE = ("tests/dist/test_watchdog.py",                 # 57-88 s
                "tests/test_cli_zygote.py",                    # 65-70
                "tests/dist/test_bootstrap.py",                # 23-53
