@@ -14,7 +14,6 @@ The pages are made in memory at each build (mkdocs' on_files event): they are ne
 
 from __future__ import annotations
 
-import importlib
 import shlex
 import sys
 from pathlib import Path
@@ -41,9 +40,9 @@ def _range(info) -> str:
 def mode_reference(mode: str) -> str:
     """The table of one mode's keys."""
     from hpc_rlhf.config import key_infos
-    from hpc_rlhf.launch.modes import DESCRIPTIONS, TRAINING_MODES
+    from hpc_rlhf.launch.modes import DESCRIPTIONS, mode_config
 
-    config_class = importlib.import_module(TRAINING_MODES[mode]).Config
+    config_class = mode_config(mode)  # from the module that imports no torch: the build needs only the keys
     rows = [f"## hpc-rlhf {mode}", "", f"{DESCRIPTIONS.get(mode, '')}. `hpc-rlhf {mode} --help` prints the same keys.",
             "", "| key | type | default | range or choices | meaning |", "|---|---|---|---|---|"]
     for info in key_infos(config_class):
