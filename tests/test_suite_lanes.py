@@ -93,7 +93,7 @@ def test_a_lane_passes_over_the_files_the_other_lane_claimed(tmp_path):
     (tmp_path / "claims").mkdir()
     (tmp_path / "claims" / claimed.replace("/", "__")).write_text("1\n")
     lane = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                           f"{after}::test_chat_names_a_missing_model_folder", claimed,
+                           f"{after}::test_chat_names_a_folder_it_cannot_use[not a model]", claimed,
                            f"{before}::test_a_config_error_during_the_run_is_one_line_and_code_2"],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=another_lane(tmp_path))
