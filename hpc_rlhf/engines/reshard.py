@@ -27,12 +27,16 @@ Stage 0 needs no conversion: DeepSpeed saves the whole model and the optimizer (
 AdamW in fp32, its FP16_Optimizer wrapper with fp32 master weights in bf16/fp16) in one file that any number of
 ranks loads as it is.
 
-What cannot be resharded this way is refused before anything is read (`reshard_refusal`): engines with frozen
-parameters (a LoRA actor's base), whose weights the universal load would not restore (it restores parameters from
-the optimizer's fp32 copies, and frozen ones have none), and another ZeRO stage or dtype than the checkpoint's.
+Frozen parameters (a LoRA engine's base) are not in the universal checkpoint: it restores parameters from the
+optimizer's fp32 copies, and frozen ones have none. They are what the engine was built with at the resume (the
+base read again from `model.path`, as at the first start), so the checkpoint records a fingerprint of them
+(`frozen_fingerprint`: their element count, sum and sum of squares in float64, taken over the role's shards under
+ZeRO-3) and a resharded load compares it with the new engine's: another base is refused before anything is read,
+naming both figures. A checkpoint without the record (written before it existed) is refused under ZeRO 1-3 as
+before. What else cannot be resharded is refused too: another ZeRO stage or dtype than the checkpoint's.
 
 Measured on CPU (tests/engines/test_reshard.py): fp32 ZeRO 0-3 and bf16 ZeRO 0/2/3 saved on 2 ranks continue on 1
-and 3 ranks as the uninterrupted run does. fp16 is untested (DeepSpeed refuses fp16 on CPU); DeepSpeed's universal
+and 3 ranks as the uninterrupted run does, and so does a LoRA engine under ZeRO-3 saved on 2 ranks on 1. fp16 is untested (DeepSpeed refuses fp16 on CPU); DeepSpeed's universal
 checkpoint carries its loss scaler (zero/optimizer_state.pt).
 """
 
@@ -67,9 +71,39 @@ def needs_conversion(zero_stage: int) -> bool:
     return zero_stage > 0
 
 
+def frozen_fingerprint(pieces: list[torch.Tensor]) -> list[float]:
+    """[elements, sum, sum of squares] of the frozen parameters' values in `pieces` (whole tensors, or the shards
+    of them a rank holds under ZeRO-3: the figures of the shards add up to the whole's), in float64. Summed in
+    another order on another number of ranks they move by rounding only (~1e-16 relative), while another base
+    moves them at its first differing weight."""
+    elements, total, squares = 0, 0.0, 0.0
+    for piece in pieces:
+        values = piece.detach().reshape(-1)
+        elements += values.numel()
+        # On the tensor's own device, a slice at a time: a float64 copy of a whole embedding matrix would be
+        # four times its bf16 size.
+        for chunk in values.split(FINGERPRINT_CHUNK):
+            chunk = chunk.to(torch.float64)
+            total += float(chunk.sum())
+            squares += float(chunk.square().sum())
+    return [float(elements), total, squares]
+
+
+FINGERPRINT_CHUNK = 1 << 24  # elements: a 128 MB float64 temporary at most
+
+
+FINGERPRINT_RTOL = 1e-9  # far above the rounding of another summation order, far below any retrained weight
+
+
+def same_fingerprint(saved: list[float], current: list[float]) -> bool:
+    return saved[0] == current[0] and all(abs(a - b) <= FINGERPRINT_RTOL * max(abs(a), abs(b), 1.0)
+                                          for a, b in zip(saved[1:], current[1:]))
+
+
 def reshard_refusal(marker: dict, role_size: int, zero_stage: int, dtype: torch.dtype,
-                    frozen_parameters: list[str]) -> str | None:
-    """Why a checkpoint with this marker cannot be loaded by an engine on `role_size` ranks (None: it can)."""
+                    frozen_parameters: list[str], fingerprint: list[float] | None = None) -> str | None:
+    """Why a checkpoint with this marker cannot be loaded by an engine on `role_size` ranks (None: it can).
+    `fingerprint`: this engine's `frozen_fingerprint`, needed when it has frozen parameters and would reshard."""
     saved = marker.get("role_size")
     head = f"saved on {saved} ranks, loading on {role_size}"
     if marker.get("zero_stage") != zero_stage:
@@ -81,10 +115,22 @@ def reshard_refusal(marker: dict, role_size: int, zero_stage: int, dtype: torch.
     if saved_dtype is not None and saved_dtype != str(dtype).removeprefix("torch."):
         return f"{head}: saved in {saved_dtype}, this engine trains in {dtype} (resharding keeps the dtype)"
     if frozen_parameters and needs_conversion(zero_stage):
-        return (f"{head}: this engine has {len(frozen_parameters)} frozen parameters (e.g. "
-                f"{frozen_parameters[0]}; a LoRA base), which DeepSpeed's universal checkpoint does not restore "
-                f"(it loads parameters from the optimizer's fp32 copies); resume on {saved} ranks")
+        what = f"{len(frozen_parameters)} frozen parameters (e.g. {frozen_parameters[0]}; a LoRA base)"
+        recorded = marker.get("frozen_fingerprint")
+        if recorded is None:
+            return (f"{head}: this engine has {what}, which DeepSpeed's universal checkpoint does not restore, and "
+                    f"the checkpoint has no record of those it trained with (written by an older version); "
+                    f"resume on {saved} ranks")
+        if fingerprint is None or not same_fingerprint(recorded, fingerprint):
+            shown = "not computed" if fingerprint is None else _shown(fingerprint)
+            return (f"{head}: this engine's {what} are not those the checkpoint trained with (elements, sum, sum "
+                    f"of squares: saved {_shown(recorded)}, now {shown}); resharding keeps them as built, so "
+                    f"build the engine from the same base model (model.path) as the run that saved it")
     return None
+
+
+def _shown(fingerprint: list[float]) -> str:
+    return f"{int(fingerprint[0])}, {fingerprint[1]:.10g}, {fingerprint[2]:.10g}"
 
 
 def convert_to_universal(tag_folder: str | os.PathLike, output: str | os.PathLike, workers: int = 1,

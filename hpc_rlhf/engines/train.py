@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rlhf.config import ConfigError, TrainSection
+from hpc_rlhf.dist.exchange import comm_device
 from hpc_rlhf.engines import deepspeed_compat, reshard
 from hpc_rlhf.engines.schedule import warmup_cosine_scheduler
 from hpc_rlhf.models.lora import adapter_tensors, merged_tensors
@@ -393,10 +394,14 @@ class TrainEngine:
             self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, client_state=client_state or {},
                                         save_latest=False)
             dist.barrier(group=self.group)
+        fingerprint = self.frozen_fingerprint()
         if self.is_leader:
-            # role_size, zero_stage and dtype tell load_checkpoint whether and how to reshard (engines.reshard)
+            # role_size, zero_stage and dtype tell load_checkpoint whether and how to reshard (engines.reshard),
+            # the frozen parameters' fingerprint whether a resharded engine has the same ones
             marker = {"tag": CHECKPOINT_TAG, "global_step": self.global_step, "role_size": self.role_size,
                       "zero_stage": self.zero_stage, "dtype": str(self.dtype).removeprefix("torch.")}
+            if fingerprint is not None:
+                marker["frozen_fingerprint"] = fingerprint
             tmp = directory / (COMPLETE_MARKER + ".tmp")
             tmp.write_text(json.dumps(marker))
             tmp.replace(directory / COMPLETE_MARKER)
@@ -409,8 +414,8 @@ class TrainEngine:
         the optimizer state (fp32 master weights, Adam's moments) and the schedule and step counters kept: under
         ZeRO 1-3 through DeepSpeed's universal checkpoint, converted once by the role leader into
         `<directory>/engine_universal_from_<N>` (engines.reshard); ZeRO-0 (nothing partitioned) loads as it is.
-        What cannot be resharded (another ZeRO stage or dtype, frozen parameters) raises ValueError naming both
-        sizes and why. On the same number of ranks nothing of this runs: the load is DeepSpeed's own, bit for bit.
+        What cannot be resharded (another ZeRO stage or dtype, frozen parameters other than those the checkpoint
+        recorded) raises ValueError naming both sizes and why. On the same number of ranks nothing of this runs: the load is DeepSpeed's own, bit for bit.
         `reshard_workers`: the converter's worker processes (each holds one rank's optimizer shard in memory).
         """
         directory = Path(directory)
@@ -419,10 +424,13 @@ class TrainEngine:
             raise FileNotFoundError(f"{directory} is not a complete engine checkpoint: {COMPLETE_MARKER} is missing")
         marker = json.loads(marker_path.read_text())
         frozen = [name for name, p in self.module.named_parameters() if not p.requires_grad]
-        refusal = reshard.reshard_refusal(marker, self.role_size, self.zero_stage, self.dtype, frozen)
+        resharding = marker.get("role_size") != self.role_size and reshard.needs_conversion(self.zero_stage)
+        # Every rank of the role reads the same marker: all of them or none enter the fingerprint's collective.
+        fingerprint = self.frozen_fingerprint() if frozen and resharding else None
+        refusal = reshard.reshard_refusal(marker, self.role_size, self.zero_stage, self.dtype, frozen, fingerprint)
         if refusal is not None:
             raise ValueError(f"{directory}: {refusal}")
-        if marker["role_size"] != self.role_size and reshard.needs_conversion(self.zero_stage):
+        if resharding:
             return self._load_universal(directory, marker, reshard_workers)
         with self._in_group():
             path, client_state = self.engine.load_checkpoint(str(directory), tag=marker["tag"],
@@ -440,7 +448,8 @@ class TrainEngine:
         universal = reshard.universal_folder(directory, saved)
         # An attempt number from the leader names its failure note, so that no rank reads a note left by an
         # earlier failed attempt as this one's outcome.
-        attempt = torch.tensor([int.from_bytes(os.urandom(6), "little") if self.is_leader else 0], dtype=torch.int64)
+        attempt = torch.tensor([int.from_bytes(os.urandom(6), "little") if self.is_leader else 0], dtype=torch.int64,
+                               device=comm_device(self.group))  # NCCL refuses CPU tensors
         dist.broadcast(attempt, src=dist.get_global_rank(self.group, 0), group=self.group)
         try:
             if self.is_leader:
@@ -474,6 +483,26 @@ class TrainEngine:
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
         return client_state or {}
+
+    def frozen_fingerprint(self) -> list[float] | None:
+        """`reshard.frozen_fingerprint` of this engine's frozen parameters (None when it has none), the same on
+        every rank of the role. Under ZeRO-3 every rank adds up the shards it holds (a collective in the role):
+        nothing is gathered."""
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        if not frozen:
+            return None
+        if self.zero_stage != 3:
+            return reshard.frozen_fingerprint(frozen)
+        shards = []
+        for param in frozen:
+            shard = param.ds_tensor.reshape(-1)
+            # The last ranks' shards are padded up to an equal size with whatever memory held: only the
+            # parameter's own elements count.
+            mine = max(0, min(shard.numel(), param.ds_numel - shard.numel() * self.role_rank))
+            shards.append(shard.narrow(0, 0, mine))
+        total = torch.tensor(reshard.frozen_fingerprint(shards), dtype=torch.float64, device=comm_device(self.group))
+        dist.all_reduce(total, group=self.group)
+        return total.tolist()
 
     def _per_group_settings(self) -> list[dict[str, Any]]:
         """The settings in which our parameter groups differ (weight decay: matrices only; see _optimizer)."""
