@@ -42,6 +42,7 @@ checkpoint carries its loss scaler (zero/optimizer_state.pt).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -96,8 +97,13 @@ FINGERPRINT_RTOL = 1e-9  # far above the rounding of another summation order, fa
 
 
 def same_fingerprint(saved: list[float], current: list[float]) -> bool:
-    return saved[0] == current[0] and all(abs(a - b) <= FINGERPRINT_RTOL * max(abs(a), abs(b), 1.0)
-                                          for a, b in zip(saved[1:], current[1:]))
+    """Whether two fingerprints are of the same values, summed in any order. The sum's rounding grows with the sum
+    of the values' magnitudes, not with the sum itself (which cancels): that is bounded by sqrt(elements x sum of
+    squares)."""
+    (count, total, squares), (count_now, total_now, squares_now) = saved, current
+    magnitudes = math.sqrt(count * max(squares, squares_now))
+    return (count == count_now and abs(total - total_now) <= FINGERPRINT_RTOL * magnitudes
+            and abs(squares - squares_now) <= FINGERPRINT_RTOL * max(squares, squares_now))
 
 
 def reshard_refusal(marker: dict, role_size: int, zero_stage: int, dtype: torch.dtype,

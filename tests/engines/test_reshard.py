@@ -160,6 +160,10 @@ def test_frozen_fingerprints_add_up_over_shards_and_tell_another_base_apart():
     nudged[0][3, 4] += 1e-3  # one weight of a retrained base
     assert not same_fingerprint(whole, frozen_fingerprint(nudged))
     assert not same_fingerprint(whole, frozen_fingerprint(weights[:1]))  # another shape: other element count
+    centred = torch.randn(100_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1e6
+    centred -= centred.mean()  # a sum that cancels to ~0: its rounding is of the magnitudes', not of the sum's size
+    forwards, backwards = frozen_fingerprint(centred.split(7)), frozen_fingerprint(centred.flip(0).split(1000))
+    assert forwards[1] != backwards[1] and same_fingerprint(forwards, backwards)
 
 
 # ------------------------------------------------------------------------------------------------ workers
