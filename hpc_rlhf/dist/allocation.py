@@ -47,9 +47,9 @@ class Allocation:
 @dataclass(frozen=True)
 class RoleLoad:
     """What one role puts on each of its GPUs: the inputs of hpc_rlhf.dist.memory.estimate, and the names the user
-    knows them by (`keys`: zero_stage, adam_offload, micro_batch_size, seq_len, gradient_checkpointing,
-    tokens_in_flight, rollout_tp, share, sequence_parallel (where the `<kind>_sp` keys are written); a missing name
-    is left out of the advice).
+    knows them by (`keys`: zero_stage, adam_offload, micro_batch_size, micro_batch_tokens, seq_len,
+    gradient_checkpointing, tokens_in_flight, rollout_tp, share, sequence_parallel (where the `<kind>_sp` keys are
+    written); a missing name is left out of the advice).
 
     `kind` is the memory model's kind, which may differ from the role's (a reward model trained by `hpc-rlhf rm`
     sits on the `actor` ranks of its placement but is a value model). `gpu_share`: the share of the GPU this role
@@ -59,6 +59,7 @@ class RoleLoad:
     zero_stage: int = 0
     adam_offload: bool = False
     micro_batch_size: int = 1
+    micro_batch_tokens: int = 0  # > 0: passes cut by this token budget instead of micro_batch_size samples
     seq_len: int = 2048
     gradient_checkpointing: bool = True
     tokens_in_flight: int = 0
@@ -112,6 +113,7 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
             own[name] = estimate(load.kind, load.shape, role.size, load.zero_stage,
                                  load.adam_offload and load.kind in TRAINING_KINDS, tp=tp,
                                  micro_batch_size=load.micro_batch_size, seq_len=load.seq_len,
+                                 micro_batch_tokens=load.micro_batch_tokens,
                                  gradient_checkpointing=load.gradient_checkpointing,
                                  tokens_in_flight=load.tokens_in_flight, overhead_gb=0.0,
                                  dtype_bytes=load.dtype_bytes, weight_sync_bucket_mb=load.weight_sync_bucket_mb,
@@ -213,7 +215,8 @@ def _sequence_fix(plan: Plan, name: str, load: RoleLoad, row: dict, own: Mapping
             continue
         smaller = estimate(load.kind, shape, role.size, load.zero_stage,
                            load.adam_offload and load.kind in TRAINING_KINDS, micro_batch_size=load.micro_batch_size,
-                           seq_len=load.seq_len, gradient_checkpointing=load.gradient_checkpointing,
+                           seq_len=load.seq_len, micro_batch_tokens=load.micro_batch_tokens,
+                           gradient_checkpointing=load.gradient_checkpointing,
                            overhead_gb=0.0, dtype_bytes=load.dtype_bytes,
                            weight_sync_bucket_mb=load.weight_sync_bucket_mb, lora_rank=load.lora_rank,
                            lora_targets=load.lora_targets, sequence_parallel=larger)
@@ -271,7 +274,11 @@ def _advice(name: str, load: RoleLoad, row: dict, allocation: Allocation, sequen
         levers.append((keys["rollout_tp"], f"a larger rollout_tp in {keys['rollout_tp']}"))
     if load.kind == "rollout" and "tokens_in_flight" in keys:
         levers.append((keys["tokens_in_flight"], f"fewer sequences per engine ({keys['tokens_in_flight']})"))
-    if load.kind != "rollout" and load.micro_batch_size > 1 and "micro_batch_size" in keys:
+    if load.kind != "rollout" and load.micro_batch_tokens:  # the budget cuts the passes, not the sample count
+        if load.micro_batch_tokens > load.seq_len and "micro_batch_tokens" in keys:
+            levers.append((keys["micro_batch_tokens"], f"a smaller {keys['micro_batch_tokens']} (down to one "
+                                                       f"sample's {load.seq_len} tokens)"))
+    elif load.kind != "rollout" and load.micro_batch_size > 1 and "micro_batch_size" in keys:
         levers.append((keys["micro_batch_size"], f"a smaller {keys['micro_batch_size']}"))
     if sequence and sequence not in levers:
         levers.append(sequence)

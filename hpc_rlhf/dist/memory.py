@@ -305,16 +305,24 @@ def load_shape(model: str | Path) -> ModelShape:
     return ModelShape.preset(str(model))
 
 
+def pass_tokens(micro_batch_size: int, seq_len: int, micro_batch_tokens: int = 0) -> int:
+    """The most tokens one training or scoring pass of a rank holds: `micro_batch_size` samples of `seq_len`, or
+    with a token budget (`micro_batch_tokens` > 0) the budget, or one sample of `seq_len` when that is longer."""
+    return max(micro_batch_tokens, seq_len) if micro_batch_tokens else micro_batch_size * seq_len
+
+
 def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0, adam_offload: bool = False, *,
              tp: int = 1, micro_batch_size: int = 1, seq_len: int = 2048, gradient_checkpointing: bool = True,
-             tokens_in_flight: int = 0, overhead_gb: float = DEFAULT_OVERHEAD_GB, dtype_bytes: int = 2,
+             micro_batch_tokens: int = 0, tokens_in_flight: int = 0, overhead_gb: float = DEFAULT_OVERHEAD_GB, dtype_bytes: int = 2,
              weight_sync_bucket_mb: float = 0.0, lora_rank: int = 0,
              lora_targets=DEFAULT_LORA_TARGETS, sleeps_on_host: bool = False,
              sequence_parallel: int = 1) -> dict[str, float]:
     """GB on each GPU of a role of `ranks` ranks, by component, with `total` (GPU) and `cpu_optimizer`
     (host memory per rank holding offloaded Adam states). See the module docstring for the model.
 
-    `micro_batch_size` x `seq_len` is the batch of a training or scoring pass on one rank; `tp` and
+    `micro_batch_size` x `seq_len` is the batch of a training or scoring pass on one rank, or with
+    `micro_batch_tokens` (micro-batches cut by a token budget, rl.micro_batch_tokens) that many tokens, or one
+    sample of `seq_len` where the budget is smaller (a longer sample goes alone); `tp` and
     `tokens_in_flight` (tokens an engine keeps in its KV cache at once) apply to rollout only. `dtype_bytes`:
     2 (bf16/fp16, the default) or 4 (fp32). `weight_sync_bucket_mb`: the actor leader's two bucket buffers.
     `lora_rank` > 0: the actor trains a LoRA adapter on `lora_targets` (and a rollout engine serves it).
@@ -323,9 +331,10 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
     `sequence_parallel` K: ranks sharing one packed row (not for rollout: its engines split by `tp`)."""
     if role_kind not in KINDS:
         raise ValueError(f"unknown role kind '{role_kind}'; kinds: {', '.join(KINDS)}")
-    if ranks < 1 or tp < 1 or micro_batch_size < 1 or seq_len < 1 or tokens_in_flight < 0:
+    if ranks < 1 or tp < 1 or micro_batch_size < 1 or seq_len < 1 or tokens_in_flight < 0 or micro_batch_tokens < 0:
         raise ValueError(f"ranks ({ranks}), tp ({tp}), micro_batch_size ({micro_batch_size}) and seq_len "
-                         f"({seq_len}) must be at least 1 and tokens_in_flight ({tokens_in_flight}) at least 0")
+                         f"({seq_len}) must be at least 1, tokens_in_flight ({tokens_in_flight}) and "
+                         f"micro_batch_tokens ({micro_batch_tokens}) at least 0")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if adam_offload and zero_stage == 0 and role_kind in TRAINING_KINDS:
@@ -345,7 +354,7 @@ def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0,
     params = shape.params(lm_head=not value_model)
     d = dtype_bytes
     # a rank's share of a row when K ranks split it (module docstring); rollout engines hold their own tokens
-    tokens = micro_batch_size * seq_len / sequence_parallel
+    tokens = pass_tokens(micro_batch_size, seq_len, micro_batch_tokens) / sequence_parallel
     layer_working_set = ACTIVATION_BYTES_PER_LAYER_TOKEN_HIDDEN * tokens * shape.hidden * d / 2
     kv_sent = shape.kv_heads if shape.kv_heads % sequence_parallel == 0 else shape.heads
     all_to_all = (d * tokens * (2 * shape.heads + 2 * kv_sent) * shape.head_size

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "checked against it (default: not checked)")
     parser.add_argument("--micro-batch-size", type=int, default=1,
                         help="sequences per rank in one training or scoring pass")
+    parser.add_argument("--micro-batch-tokens", type=int, default=0,
+                        help="passes cut by this many tokens instead of --micro-batch-size sequences "
+                             "(rl.micro_batch_tokens; a longer sequence alone; 0 = by sequences)")
     parser.add_argument("--seq-len", type=int, default=2048, help="prompt + response tokens of a sequence")
     parser.add_argument("--no-gradient-checkpointing", action="store_true",
                         help="keep every layer's activations while training")
@@ -63,6 +66,7 @@ def _load(model: str, flag: str) -> ModelShape:
 
 # What each flag of this command is called in a refusal (hpc_rlhf.dist.allocation names the one to change).
 FLAG_NAMES = {"zero_stage": "--zero-stage", "adam_offload": "--adam-offload", "micro_batch_size": "--micro-batch-size",
+              "micro_batch_tokens": "--micro-batch-tokens",
               "rollout_tp": "--placement", "tokens_in_flight": "--rollout-seqs", "sequence_parallel": "--placement"}
 
 
@@ -79,6 +83,7 @@ def compute(args: argparse.Namespace, extra_gb_of=None) -> dict:
     def load_of(name: str, kind: str) -> RoleLoad:
         return RoleLoad(kind=kind, shape=shapes.get(kind, shape), zero_stage=args.zero_stage,
                         adam_offload=args.adam_offload, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                        micro_batch_tokens=0 if kind == "rollout" else args.micro_batch_tokens,
                         gradient_checkpointing=not args.no_gradient_checkpointing,
                         tokens_in_flight=args.rollout_seqs * args.seq_len, keys=FLAG_NAMES,
                         **(lora if kind in ("actor", "rollout") else {}))

@@ -141,14 +141,23 @@ def _rl_loads(cfg: Any, plan, model: str | None, folders: ModelFolders):
     def load_of(name: str, kind: str) -> RoleLoad:
         section, train, prefix = ((cfg.critic, cfg.critic_train, "critic_train") if kind == "critic"
                                   else (cfg.actor, cfg.train, "train"))
+        # Training roles' passes are cut by rl.micro_batch_tokens, the scoring roles' by rl.score_micro_batch_tokens
+        # (falling back to the other); a training role's scoring passes hold about a fifth of a training pass's
+        # activations per token, so its training budget is the one that sizes it.
+        scores_only = kind not in ("actor", "critic")
+        budget_key = "rl.score_micro_batch_tokens" if scores_only and cfg.rl.score_micro_batch_tokens \
+            else "rl.micro_batch_tokens"
+        budget = cfg.rl.score_micro_batch_tokens if budget_key == "rl.score_micro_batch_tokens" \
+            else cfg.rl.micro_batch_tokens
         keys = {"zero_stage": f"{prefix}.zero_stage", "adam_offload": f"{prefix}.adam_offload",
-                "micro_batch_size": f"{prefix}.micro_batch_size",
+                "micro_batch_size": f"{prefix}.micro_batch_size", "micro_batch_tokens": budget_key,
                 "gradient_checkpointing": f"{'critic' if kind == 'critic' else 'actor'}.gradient_checkpointing",
                 "rollout_tp": "placement", "share": "rollout.gpu_memory_utilization",
                 "tokens_in_flight": "rollout.prompts_per_step x rollout.n_samples", "sequence_parallel": "placement"}
         vllm = kind == "rollout" and cfg.rollout.backend == "vllm"
         return RoleLoad(kind=kind, shape=shapes[name], zero_stage=train.zero_stage, adam_offload=train.adam_offload,
                         micro_batch_size=train.micro_batch_size, seq_len=cfg.data.max_len,
+                        micro_batch_tokens=0 if kind == "rollout" else budget,
                         gradient_checkpointing=section.gradient_checkpointing,
                         tokens_in_flight=per_engine * cfg.data.max_len, dtype_bytes=_dtype_bytes(section),
                         weight_sync_bucket_mb=cfg.rollout.weight_sync_bucket_mb if rollout else 0.0,

@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                         ("--micro-batch-size", args.micro_batch_size)):
         if value < 1:
             return refuse(PROG, JobInputError(flag, f"must be at least 1, got {value}"))
+    if args.micro_batch_tokens < 0:
+        return refuse(PROG, JobInputError("--micro-batch-tokens", f"must be at least 0 (0: passes of "
+                                                                  f"--micro-batch-size sequences), got "
+                                                                  f"{args.micro_batch_tokens}"))
     try:
         result = compute(args)
     except JobInputError as exc:

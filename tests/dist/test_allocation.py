@@ -33,6 +33,20 @@ def test_a_role_that_does_not_fit_is_refused_naming_the_first_setting_to_change(
     assert "train.adam_offload=true" in reason and "train.zero_stage=3" in reason and "--gpu-memory-gb" in reason
 
 
+def test_a_role_whose_passes_are_cut_by_tokens_is_told_to_lower_the_budget_not_the_sample_count():
+    keys = {**KEYS, "micro_batch_tokens": "rl.micro_batch_tokens"}
+    long_passes = RoleLoad(kind="actor", shape=ModelShape.preset("70b"), zero_stage=3, micro_batch_size=4,
+                           micro_batch_tokens=262_144, seq_len=8192, keys=keys)
+    report = check_allocation("actor=8", Allocation(8, 8, 80.0), loads(actor=long_passes))
+    reason = refusal(report)
+    assert not report["fits"] and "a smaller rl.micro_batch_tokens (down to one sample's 8192 tokens)" in reason
+    assert "train.micro_batch_size" not in reason
+    one_sample = RoleLoad(kind="actor", shape=ModelShape.preset("70b"), zero_stage=3, micro_batch_size=4,
+                          micro_batch_tokens=8192, seq_len=8192, keys=keys)
+    row = check_allocation("actor=8", Allocation(8, 8, 80.0), loads(actor=one_sample))["roles"]["actor"]
+    assert row["memory_gb_per_rank"] < report["roles"]["actor"]["memory_gb_per_rank"] - 30  # 32 passes' worth less
+
+
 def test_a_vllm_engine_must_fit_its_share_of_the_gpu():
     capped = RoleLoad(kind="rollout", shape=SEVEN_B, tokens_in_flight=16 * 2048, gpu_share=0.2, keys=KEYS)
     report = check_allocation("actor=4,rollout=4", Allocation(8, 8, 80.0), loads(rollout=capped))

@@ -179,6 +179,22 @@ def test_activation_allowance_and_total():
     assert checkpointed["overhead"] == 1.0  # CUDA context and fragmentation; NCCL counted per communicator
 
 
+def test_a_token_budget_sizes_a_pass_by_its_tokens_or_one_sample():
+    """rl.micro_batch_tokens: a pass holds the budget's tokens, whatever the sample count; a sample longer than the
+    budget goes alone, so one sample of seq_len is the floor."""
+    shape = ModelShape.preset("7b")
+    by_samples = {b: estimate("actor", shape, 4, zero_stage=3, micro_batch_size=b, seq_len=1024)["activations"]
+                  for b in (1, 4)}
+    assert by_samples[4] > 3.9 * by_samples[1]
+    budget = estimate("actor", shape, 4, zero_stage=3, micro_batch_size=16, seq_len=1024, micro_batch_tokens=4096)
+    assert budget["activations"] == pytest.approx(by_samples[4])
+    below_a_sample = estimate("reward", shape, 2, micro_batch_size=16, seq_len=1024, micro_batch_tokens=100)
+    assert below_a_sample["activations"] == pytest.approx(
+        estimate("reward", shape, 2, micro_batch_size=1, seq_len=1024)["activations"])
+    with pytest.raises(ValueError, match=r"micro_batch_tokens \(-1\) at least 0"):
+        estimate("actor", shape, 4, micro_batch_tokens=-1)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(role_kind="policy"), "unknown role kind 'policy'"),
     (dict(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),

@@ -179,6 +179,36 @@ def test_the_dry_run_and_hpc_rlhf_plan_compute_the_same_plan(capsys):
         assert from_config["roles"][name]["ranks"] == from_flags["roles"][name]["ranks"]
 
 
+def test_the_dry_run_sizes_passes_by_the_token_budgets_and_the_plan_flag_says_the_same(capsys):
+    """rl.micro_batch_tokens cuts the training roles' passes, rl.score_micro_batch_tokens the scoring roles'
+    (falling back to the first): the memory figures follow, as `hpc-rlhf plan --micro-batch-tokens` computes them."""
+    def activations(*settings: str) -> dict[str, float]:
+        roles = json.loads(dry_run(capsys, *PPO_70B, "--json", "data.max_len=2048", "rollout.weight_sync_bucket_mb=1",
+                                   *settings)[1])["roles"]  # the plan has no weight-sync buffers: 2 MiB here
+        return {name: row["breakdown_gb"]["activations"] for name, row in roles.items()}
+
+    def samples(count: int) -> dict[str, float]:
+        return activations(f"train.micro_batch_size={count}", f"critic_train.micro_batch_size={count}")
+
+    budgets = activations("train.micro_batch_size=8", "critic_train.micro_batch_size=8", "rl.micro_batch_tokens=4096",
+                          "rl.score_micro_batch_tokens=2048")
+    two, one, eight = samples(2), samples(1), samples(8)
+    assert eight["actor"] > 2 * two["actor"]  # the sample count matters without a budget
+    for name in ("actor", "critic"):  # 4096 tokens: two samples of 2048
+        assert budgets[name] == pytest.approx(two[name], abs=1e-6), name
+    for name in ("ref", "reward"):  # 2048 tokens: one sample
+        assert budgets[name] == pytest.approx(one[name], abs=1e-6), name
+    assert budgets["rollout"] == eight["rollout"]
+    assert main(["plan", "--world-size", "32", "--gpus-per-node", "8", "--model", "70b", "--adam-offload",
+                 "--placement", "actor=8,critic=8,ref=4,reward=4,rollout=8,rollout_tp=4", "--seq-len", "2048",
+                 "--micro-batch-size", "8", "--micro-batch-tokens", "4096", "--json"]) == 0
+    flags = json.loads(capsys.readouterr().out)["roles"]
+    assert flags["actor"]["breakdown_gb"]["activations"] == pytest.approx(budgets["actor"], abs=0.003)
+    assert main(["plan", "--world-size", "8", "--gpus-per-node", "8", "--model", "7b", "--placement", "actor=8",
+                 "--micro-batch-tokens", "-1"]) == 2
+    assert "--micro-batch-tokens: must be at least 0" in capsys.readouterr().err
+
+
 def test_check_config_is_a_function_other_commands_call():
     cfg = load_config(ppo.Config, EXAMPLES / "ppo_70b.yaml")
     report = check_config("ppo", cfg, 32, 8, model="70b")
