@@ -67,6 +67,7 @@ def settings_of(args: argparse.Namespace) -> step_time.StepSettings:
         prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len, response_len=args.response_len,
         max_response_len=args.max_response_len,
         ppo_epochs=args.ppo_epochs, train_batch=args.train_batch, micro_batch_size=args.micro_batch_size,
+        micro_batch_tokens=args.micro_batch_tokens,
         zero_stage=args.zero_stage, gradient_checkpointing=not args.no_gradient_checkpointing,
         bucket_mb=args.bucket_mb, max_staleness=args.max_staleness, rollout_seqs=args.rollout_seqs,
         rollout_backend=args.rollout_backend)

@@ -81,6 +81,7 @@ class StepSettings:
     ppo_epochs: int = 1
     train_batch: int | None = None  # samples per optimizer step (None: the whole step's batch)
     micro_batch_size: int = 4  # sequences per rank in one training or scoring pass
+    micro_batch_tokens: int = 0  # > 0: passes of this many tokens instead (rl.micro_batch_tokens; a longer one alone)
     zero_stage: int = 3
     gradient_checkpointing: bool = True
     bucket_mb: float = 256.0
@@ -143,9 +144,13 @@ OUTPUT_BYTES_PER_TOKEN = 4  # the per-token outputs a block gathers: fp32 log-pr
 
 def _shares(plan: Plan, name: str, samples: int, s: StepSettings) -> tuple[int, int, int]:
     """(K, samples per block, micro-batch passes per block) of role `name`: its samples are cut among its blocks
-    of K ranks (one rank each at K = 1), a block taking `micro_batch_size` samples per pass (rl/training.py)."""
+    of K ranks (one rank each at K = 1), a block taking `micro_batch_size` samples per pass (rl/training.py), or
+    with `micro_batch_tokens` as many as fit that budget: the block's tokens over it at the mean length, at most one
+    pass per sample (rl/micro_batches.py)."""
     k = plan.sequence_parallel(name)
     per_block = math.ceil(samples / (plan.role(name).size // k))
+    if s.micro_batch_tokens:
+        return k, per_block, min(per_block, math.ceil(per_block * s.seq_len / s.micro_batch_tokens))
     return k, per_block, math.ceil(per_block / s.micro_batch_size)
 
 

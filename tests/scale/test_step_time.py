@@ -233,3 +233,21 @@ def test_the_32k_token_70b_example_predicts_its_sequence_exchange(capsys):
     # docs/planner.md ("Long contexts") shows this phase table
     table = printed[printed.index("phase "):printed.index("critical path:")]
     assert table in (REPO / "docs" / "planner.md").read_text()
+
+
+def test_a_token_budget_counts_passes_by_the_blocks_tokens():
+    """rl.micro_batch_tokens: as many passes as the block's tokens need at the mean length, at most one per sample;
+    each pass costs the profile's pass overhead, so the training phase shows the count."""
+    overhead = hardware.Profile(**{**MACHINE.to_dict(), "pass_overhead_s": 1.0})
+    shapes = {"actor": SHAPE, "critic": SHAPE}
+    by = {}
+    for name, changes in {"one sample a pass": {"micro_batch_size": 1},
+                          "one pass": {"micro_batch_size": 8},
+                          "two samples' tokens": {"micro_batch_tokens": 2 * SETTINGS.seq_len},
+                          "half a sample's": {"micro_batch_tokens": SETTINGS.seq_len // 2}}.items():
+        settings = StepSettings(**{**SETTINGS.__dict__, **changes})
+        by[name] = step_time.training_s(PLAN, shapes, settings, overhead)["actor"]
+    samples = SETTINGS.sequences  # the actor's one rank trains them all
+    assert by["one sample a pass"] - by["one pass"] == pytest.approx(2 * (samples - 1))  # forward and backward
+    assert by["two samples' tokens"] - by["one pass"] == pytest.approx(2 * (samples // 2 - 1))
+    assert by["half a sample's"] == pytest.approx(by["one sample a pass"])  # a longer sample goes alone
