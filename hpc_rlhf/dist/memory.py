@@ -313,7 +313,8 @@ def pass_tokens(micro_batch_size: int, seq_len: int, micro_batch_tokens: int = 0
 
 def estimate(role_kind: str, shape: ModelShape, ranks: int, zero_stage: int = 0, adam_offload: bool = False, *,
              tp: int = 1, micro_batch_size: int = 1, seq_len: int = 2048, gradient_checkpointing: bool = True,
-             micro_batch_tokens: int = 0, tokens_in_flight: int = 0, overhead_gb: float = DEFAULT_OVERHEAD_GB, dtype_bytes: int = 2,
+             micro_batch_tokens: int = 0, tokens_in_flight: int = 0, overhead_gb: float = DEFAULT_OVERHEAD_GB,
+             dtype_bytes: int = 2,
              weight_sync_bucket_mb: float = 0.0, lora_rank: int = 0,
              lora_targets=DEFAULT_LORA_TARGETS, sleeps_on_host: bool = False,
              sequence_parallel: int = 1) -> dict[str, float]:

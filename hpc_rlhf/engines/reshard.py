@@ -36,8 +36,9 @@ naming both figures. A checkpoint without the record (written before it existed)
 before. What else cannot be resharded is refused too: another ZeRO stage or dtype than the checkpoint's.
 
 Measured on CPU (tests/engines/test_reshard.py): fp32 ZeRO 0-3 and bf16 ZeRO 0/2/3 saved on 2 ranks continue on 1
-and 3 ranks as the uninterrupted run does, and so does a LoRA engine under ZeRO-3 saved on 2 ranks on 1. fp16 is untested (DeepSpeed refuses fp16 on CPU); DeepSpeed's universal
-checkpoint carries its loss scaler (zero/optimizer_state.pt).
+and 3 ranks as the uninterrupted run does, and so does a LoRA engine under ZeRO-3 saved on 2 ranks on 1. fp16 is
+untested (DeepSpeed refuses fp16 on CPU); DeepSpeed's universal checkpoint carries its loss scaler
+(zero/optimizer_state.pt).
 """
 
 from __future__ import annotations

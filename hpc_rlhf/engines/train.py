@@ -415,7 +415,8 @@ class TrainEngine:
         ZeRO 1-3 through DeepSpeed's universal checkpoint, converted once by the role leader into
         `<directory>/engine_universal_from_<N>` (engines.reshard); ZeRO-0 (nothing partitioned) loads as it is.
         What cannot be resharded (another ZeRO stage or dtype, frozen parameters other than those the checkpoint
-        recorded) raises ValueError naming both sizes and why. On the same number of ranks nothing of this runs: the load is DeepSpeed's own, bit for bit.
+        recorded) raises ValueError naming both sizes and why. On the same number of ranks nothing of this runs:
+        the load is DeepSpeed's own, bit for bit.
         `reshard_workers`: the converter's worker processes (each holds one rank's optimizer shard in memory).
         """
         directory = Path(directory)
