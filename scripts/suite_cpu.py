@@ -9,7 +9,8 @@ Prints the whole run's CPU-seconds, then for each lane (its pytest process is fo
 timeline) the CPU of each test file and of each background job of the lane, counting every descendant of the
 processes a test started (by start time, within its span; a background job's by its end); then what ran outside the lanes' process trees (the
 local Slurm's job steps, and vLLM processes whose driving rank had died), and how many interpreters paid the
-imports (python processes of at least IMPORTING_CPU_S). `dump-acct` (from the same package) reads the file.
+imports (python processes started afresh, not forked from another, of at least IMPORTING_CPU_S). `dump-acct` (from the
+same package) reads the file.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ class Process:
     wall_s: float
     start: float
     children: list[int] = field(default_factory=list)
+    forked: bool = False  # forked and never exec'd (the kernel's AFORK flag): a zygote's run, a rank of a fork
 
 
 def read_accounting(path: str) -> dict[int, Process]:
-    """Every process of a process-accounting file (`dump-acct`: command, utime, stime, elapsed in clock ticks)."""
+    """Every process of a process-accounting file (`dump-acct`: command, utime, stime, elapsed in clock ticks, the
+    flags, F for a process that forked and did not exec)."""
     text = subprocess.run(["dump-acct", path], capture_output=True, text=True, check=True).stdout
     ticks = 100.0  # dump-acct prints times in units of 1/AHZ = 1/100 s
     procs: dict[int, Process] = {}
@@ -48,7 +51,8 @@ def read_accounting(path: str) -> dict[int, Process]:
         cells = [cell.strip() for cell in line.split("|")]
         start = time.mktime(time.strptime(cells[-1], "%a %b %d %H:%M:%S %Y"))
         procs[int(cells[9])] = Process(int(cells[9]), int(cells[10]), cells[0],
-                                       (float(cells[2]) + float(cells[3])) / ticks, float(cells[4]) / ticks, start)
+                                       (float(cells[2]) + float(cells[3])) / ticks, float(cells[4]) / ticks, start,
+                                       forked="F" in cells[11])
     for proc in procs.values():
         if proc.ppid in procs:
             procs[proc.ppid].children.append(proc.pid)
@@ -141,9 +145,11 @@ def report(procs: dict[int, Process], suite: Path) -> str:
         by_command[proc.command] += proc.cpu_s
     lines.append(f"outside the lanes: {sum(by_command.values()):.0f} CPU-s: " +
                  ", ".join(f"{c} {s:.0f}" for c, s in sorted(by_command.items(), key=lambda i: -i[1])[:6]))
-    importing = [p for p in procs.values() if p.command == "python" and p.cpu_s >= IMPORTING_CPU_S]
-    lines.append(f"python processes of >= {IMPORTING_CPU_S} CPU-s (each paid the imports): {len(importing)}, "
-                 f"{sum(p.cpu_s for p in importing):.0f} CPU-s")
+    busy = [p for p in procs.values() if p.command == "python" and p.cpu_s >= IMPORTING_CPU_S]
+    fresh, forked = [p for p in busy if not p.forked], [p for p in busy if p.forked]
+    lines.append(f"python processes of >= {IMPORTING_CPU_S} CPU-s: {len(fresh)} started afresh (each paid the "
+                 f"imports), {sum(p.cpu_s for p in fresh):.0f} CPU-s; {len(forked)} forked, "
+                 f"{sum(p.cpu_s for p in forked):.0f} CPU-s")
     return "\n".join(lines)
 
 

@@ -12,8 +12,10 @@ def timeline(path: Path, *events: tuple[float, str, str]) -> None:
     path.write_text("".join(f"{stamp:.1f} {event} {what}\t0.0\n" for stamp, event, what in events))
 
 
-def accounting(*rows: tuple[int, int, str, float, float, float]) -> dict[int, Process]:
-    procs = {pid: Process(pid, ppid, command, cpu, wall, start) for pid, ppid, command, cpu, wall, start in rows}
+def accounting(*rows: tuple, forked: tuple[int, ...] = ()) -> dict[int, Process]:
+    """(pid, ppid, command, cpu, wall, start) per process; `forked`: the pids that forked and did not exec."""
+    procs = {pid: Process(pid, ppid, command, cpu, wall, start, forked=pid in forked)
+             for pid, ppid, command, cpu, wall, start in rows}
     for proc in procs.values():
         if proc.ppid in procs:
             procs[proc.ppid].children.append(proc.pid)
@@ -35,7 +37,8 @@ def test_each_test_file_gets_the_cpu_of_every_descendant_and_a_background_job_is
         (12, 10, "python", 5.0, 30.0, 1005.0), (13, 12, "python", 7.0, 29.0, 1005.0),  # test_a and a rank of it
         (14, 10, "python", 4.0, 5.0, 1050.0),  # test_b
         (31, 30, "python", 2.0, 5.0, 1010.0),  # test_c
-        (40, 1, "slurmstepd", 3.0, 20.0, 1020.0))  # outside the lanes
+        (40, 1, "slurmstepd", 3.0, 20.0, 1020.0),  # outside the lanes
+        forked=(13,))  # test_a's rank, forked from its launcher
     text = suite_cpu.report(procs, tmp_path)  # the lanes found from the timelines
     (tmp_path / "learning.pid").write_text("10")
     (tmp_path / "rest.pid").write_text("30")
@@ -46,7 +49,8 @@ def test_each_test_file_gets_the_cpu_of_every_descendant_and_a_background_job_is
     assert "test_b" not in text  # under 5 CPU-s
     assert "lane rest: pytest 8 CPU-s, its children 2" in text
     assert "outside the lanes: 4 CPU-s: slurmstepd 3, python 1" in text
-    assert "python processes of >= 3.5 CPU-s (each paid the imports): 6, 50 CPU-s" in text
+    assert "python processes of >= 3.5 CPU-s: 5 started afresh (each paid the imports), 43 CPU-s; 1 forked, 7 CPU-s" \
+        in text
 
 
 def test_the_runs_a_zygote_forks_are_counted_by_when_each_started(tmp_path):
