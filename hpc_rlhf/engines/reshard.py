@@ -124,6 +124,9 @@ def reshard_refusal(marker: dict, role_size: int, zero_stage: int, dtype: torch.
     if frozen_parameters and needs_conversion(zero_stage):
         what = f"{len(frozen_parameters)} frozen parameters (e.g. {frozen_parameters[0]}; a LoRA base)"
         recorded = marker.get("frozen_fingerprint")
+        if recorded is not None and not _is_fingerprint(recorded):  # the marker is a file of the run folder
+            return (f"{head}: the checkpoint's frozen_fingerprint is not [elements, sum, sum of squares] but "
+                    f"{str(recorded)[:200]}; resume on {saved} ranks")
         if recorded is None:
             return (f"{head}: this engine has {what}, which DeepSpeed's universal checkpoint does not restore, and "
                     f"the checkpoint has no record of those it trained with (written by an older version); "
@@ -134,6 +137,11 @@ def reshard_refusal(marker: dict, role_size: int, zero_stage: int, dtype: torch.
                     f"of squares: saved {_shown(recorded)}, now {shown}); resharding keeps them as built, so "
                     f"build the engine from the same base model (model.path) as the run that saved it")
     return None
+
+
+def _is_fingerprint(value) -> bool:
+    return (isinstance(value, list) and len(value) == 3
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
 
 
 def _shown(fingerprint: list[float]) -> str:

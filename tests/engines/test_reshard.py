@@ -126,9 +126,10 @@ def max_weight_gap(a: dict, b: dict) -> float:
     return max(float((a[key] - b[key]).abs().max()) for key in b)
 
 
-def test_a_lora_checkpoint_without_a_record_of_its_base_is_refused_on_another_size(world, tmp_path):
-    """Written before checkpoints recorded their frozen parameters: nothing says which base the adapters trained
-    on, so a resharded load (which keeps the base the engine is built with) is refused before anything is read."""
+def test_a_lora_checkpoint_without_a_sound_record_of_its_base_is_refused_on_another_size(world, tmp_path):
+    """Written before checkpoints recorded their frozen parameters, or with a record that is not one (the marker is
+    a file of the run folder): nothing says which base the adapters trained on, so a resharded load (which keeps
+    the base the engine is built with) is refused before anything is read."""
     from hpc_rlhf.engines.train import COMPLETE_MARKER, TrainEngine
 
     engine = TrainEngine(lora_model(0), train_cfg(zero_stage=2))
@@ -138,6 +139,11 @@ def test_a_lora_checkpoint_without_a_record_of_its_base_is_refused_on_another_si
     marker = json.loads(marker_path.read_text())
     assert (marker["role_size"], marker["zero_stage"], marker["dtype"]) == (1, 2, "float32")
     assert marker["frozen_fingerprint"] == engine.frozen_fingerprint() and marker["frozen_fingerprint"][0] > 0
+    for damaged in (["a", 1, 2], [1.0, 2.0], {"sum": 1}):  # a file of the run folder: anything may be there
+        marker_path.write_text(json.dumps({**marker, "role_size": 2, "frozen_fingerprint": damaged}))
+        with pytest.raises(ValueError, match=r"saved on 2 ranks, loading on 1: the checkpoint's frozen_fingerprint"
+                                             r" is not \[elements, sum, sum of squares\]"):
+            TrainEngine(lora_model(1), train_cfg(zero_stage=2)).load_checkpoint(tmp_path / "ckpt")
     del marker["frozen_fingerprint"]
     marker_path.write_text(json.dumps({**marker, "role_size": 2}))  # as if an older role of 2 had saved it
     with pytest.raises(ValueError, match=r"saved on 2 ranks, loading on 1: .*frozen parameters.*LoRA base.*no "
