@@ -36,7 +36,7 @@ naming both figures. A checkpoint without the record (written before it existed)
 before. What else cannot be resharded is refused too: another ZeRO stage or dtype than the checkpoint's.
 
 Measured on CPU (tests/engines/test_reshard.py): fp32 ZeRO 0-3 and bf16 ZeRO 0/2/3 saved on 2 ranks continue on 1
-and 3 ranks as the uninterrupted run does, and so does a LoRA engine under ZeRO-3 saved on 2 ranks on 1. fp16 is
+and 3 ranks as the uninterrupted run does, and so does a LoRA engine under ZeRO-3 saved on 2 ranks on 1 and 3. fp16 is
 untested (DeepSpeed refuses fp16 on CPU); DeepSpeed's universal checkpoint carries its loss scaler
 (zero/optimizer_state.pt).
 """
@@ -73,6 +73,10 @@ def needs_conversion(zero_stage: int) -> bool:
     return zero_stage > 0
 
 
+FINGERPRINT_CHUNK = 1 << 24  # elements: a 128 MB float64 temporary at most
+FINGERPRINT_RTOL = 1e-9  # far above the rounding of another summation order, far below any retrained weight
+
+
 def frozen_fingerprint(pieces: list[torch.Tensor]) -> list[float]:
     """[elements, sum, sum of squares] of the frozen parameters' values in `pieces` (whole tensors, or the shards
     of them a rank holds under ZeRO-3: the figures of the shards add up to the whole's), in float64. Summed in
@@ -89,12 +93,6 @@ def frozen_fingerprint(pieces: list[torch.Tensor]) -> list[float]:
             total += float(chunk.sum())
             squares += float(chunk.square().sum())
     return [float(elements), total, squares]
-
-
-FINGERPRINT_CHUNK = 1 << 24  # elements: a 128 MB float64 temporary at most
-
-
-FINGERPRINT_RTOL = 1e-9  # far above the rounding of another summation order, far below any retrained weight
 
 
 def same_fingerprint(saved: list[float], current: list[float]) -> bool:

@@ -11,8 +11,9 @@ checkpoint restores them from the fp32 master copies, which equal the weights); 
 final weights match the uninterrupted 2-rank continuation within RESHARD_RTOL / RESHARD_ATOL, while the reset run
 is at least 100x further away (so the comparison can fail); (c) global step, learning rate and client state go on.
 The same for a LoRA engine under ZeRO-3 (adapters trained, base frozen: the universal checkpoint holds only the
-adapters, and the base is the one the engine is built with) saved on 2 ranks and loaded on 1; built on another base
-it is refused, by the fingerprint of the frozen parameters the checkpoint records.
+adapters, and the base is the one the engine is built with) saved on 2 ranks and loaded on 1 and 3 (whose shards are
+padded: the fingerprint counts the parameters' own elements only); built on another base it is refused, by the
+fingerprint of the frozen parameters the checkpoint records.
 
 Also: the conversion runs once per checkpoint (the 3-rank run reuses what the 1-rank run made), ZeRO-0 needs none,
 a leftover temporary folder of a killed conversion is deleted and never used, a conversion that fails is named by
@@ -64,7 +65,7 @@ def lora_model(seed: int, base_seed: int = 0):
 
 # The checkpoints the 2-rank run saves: name -> (ZeRO stage, the model of a given seed), and the sizes each loads on.
 SAVED = {f"z{stage}": (stage, tiny_model) for stage in STAGES} | {"lora_z3": (3, lora_model)}
-LOADED_ON = {f"z{stage}": (1, 3) for stage in STAGES} | {"lora_z3": (1,)}
+LOADED_ON = {f"z{stage}": (1, 3) for stage in STAGES} | {"lora_z3": (1, 3)}  # 3: shards padded (1,024 / 3)
 
 
 def batches():
