@@ -196,7 +196,11 @@ def convert_or_note_failure(tag_folder: str | os.PathLike, output: str | os.Path
         return convert_to_universal(tag_folder, output, workers=workers)
     except BaseException as error:
         note = failure_note(output, attempt)
-        note.write_text(f"{type(error).__name__}: {error}"[-4000:])
+        # Written whole, then renamed into place: a waiting rank that saw the name must read the whole text (it read
+        # an empty note once, in a loaded fresh-clone suite).
+        written = note.parent / f".tmp-{note.name}"
+        written.write_text(f"{type(error).__name__}: {error}"[-4000:])
+        written.replace(note)
         raise
 
 
