@@ -58,6 +58,23 @@ def pairwise_reward_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Ten
     return loss, accuracy
 
 
+def process_reward_loss(marker_logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss of a process reward model (Lightman et al. 2023; Wang et al. 2024, Math-Shepherd): at the marker
+    that ends each step of a solution, the model's next-token distribution over the K reward tokens ("+", "-")
+    is fit to the step's label by cross-entropy:
+
+        loss = mean_n -sum_k q_nk log softmax(z_n)_k
+
+    marker_logits z: (N, K), the logits of the reward tokens at the N markers; targets q: (N, K), each row a
+    probability vector (one-hot for a hard label). Returns (loss, accuracy), accuracy being the share of markers
+    whose most likely reward token is the label's (the first one on a tie).
+    """
+    _check_shapes(marker_logits=marker_logits, targets=targets)
+    loss = -(targets * F.log_softmax(marker_logits.float(), dim=-1)).sum(-1).mean()
+    accuracy = (marker_logits.argmax(-1) == targets.argmax(-1)).float().mean().detach()
+    return loss, accuracy
+
+
 # ----------------------------------------------------------------------------------------------------- DPO
 def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
              ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor, beta: float,

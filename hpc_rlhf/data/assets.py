@@ -6,6 +6,7 @@
     OUT/data/sft_eval.jsonl          held-out problems, correct answers
     OUT/data/pref_{train,eval}.jsonl prompt/chosen/rejected
     OUT/data/kto_{train,eval}.jsonl  prompt/completion/label
+    OUT/data/prm_{train,eval}.jsonl  input/value: worked solutions, one +/- label per step (process reward model)
     OUT/data/prompts_{train,eval}.jsonl  prompt/answer (RL and evaluation)
     OUT/data/chat_train.jsonl        multi-turn messages
     OUT/data/sft_tool_train.jsonl    prompt/response demonstrations, a minority calling the calculator tool
@@ -99,6 +100,8 @@ def data_files(seed: int) -> dict[str, list[dict]]:
         "pref_eval.jsonl": synthetic.preference_rows(split.heldout, seed),
         "kto_train.jsonl": synthetic.kto_rows(split.train, seed),
         "kto_eval.jsonl": synthetic.kto_rows(split.heldout, seed),
+        "prm_train.jsonl": synthetic.process_rows(split.train, seed),
+        "prm_eval.jsonl": synthetic.process_rows(split.heldout, seed),
         "prompts_train.jsonl": synthetic.prompt_rows(split.train),
         "prompts_eval.jsonl": synthetic.prompt_rows(split.heldout),
         "chat_train.jsonl": synthetic.chat_rows(split.train, seed, mistake_rate=rate),

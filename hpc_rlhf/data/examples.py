@@ -175,6 +175,57 @@ def kto_example(tokenizer, *, prompt: str | Sequence[dict], response: str, label
                         chat_template=chat_template, wheres=[where])[0]
 
 
+def single_token_id(tokenizer, text: str, key: str) -> int:
+    """The id of `text` when the tokenizer writes it as exactly one token, else a ValueError naming `key`."""
+    ids = encode_many(tokenizer, [text], add_special_tokens=False)[0]
+    if len(ids) != 1:
+        raise ValueError(f"{key}={text!r} is {len(ids)} tokens for tokenizer '{tokenizer_name(tokenizer)}' "
+                         f"({ids}); it must be exactly one")
+    return ids[0]
+
+
+def process_reward_examples(tokenizer, texts: Sequence[str], labels: Sequence[Sequence], *, marker_id: int,
+                            reward_tokens: Sequence[str], max_len: int,
+                            wheres: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Worked solutions with a marker token after each step and one label per marker -> {"input_ids",
+    "marker_positions", "marker_targets"}: where each marker is, and what the model should put after it, as
+    probabilities over `reward_tokens`. A label is one of the reward tokens (that token's probability 1) or, with
+    two reward tokens, a number in [0, 1]: the probability of the first (a soft label, e.g. the share of
+    rollouts from that step that reached the right answer). The text is tokenised with the tokenizer's special
+    tokens (BOS) and cut at `max_len`; markers cut off go with their labels. Each bad row is named by `wheres`."""
+    if len(texts) != len(labels):
+        raise ValueError(f"{len(texts)} texts for {len(labels)} label lists")
+    wheres = _wheres(wheres, len(texts))
+    examples = []
+    for ids, row_labels, where in zip(encode_many(tokenizer, texts, add_special_tokens=True), labels, wheres):
+        positions = [i for i, token in enumerate(ids) if token == marker_id]
+        if not isinstance(row_labels, (list, tuple)) or len(row_labels) != len(positions):
+            count = len(row_labels) if isinstance(row_labels, (list, tuple)) else repr(row_labels)
+            raise ValueError(f"{_at(where)}{count} labels for {len(positions)} step markers: a process reward row "
+                             f"needs one label per marker")
+        targets = [_step_target(label, reward_tokens, where) for label in row_labels]
+        kept = sum(position < max_len for position in positions)
+        if kept == 0:
+            raise ValueError(f"{_at(where)}no step marker within the first {max_len} tokens (data.max_len)")
+        examples.append({"input_ids": ids[:max_len], "marker_positions": positions[:kept],
+                         "marker_targets": targets[:kept]})
+    return examples
+
+
+def _step_target(label, reward_tokens: Sequence[str], where: str) -> list[float]:
+    if isinstance(label, str):
+        if label not in reward_tokens:
+            raise ValueError(f"{_at(where)}step label {label!r} is none of the reward tokens {list(reward_tokens)}")
+        return [1.0 if token == label else 0.0 for token in reward_tokens]
+    if isinstance(label, (int, float)) and not isinstance(label, bool) and 0.0 <= label <= 1.0:
+        if len(reward_tokens) != 2:
+            raise ValueError(f"{_at(where)}a numeric step label ({label}) needs exactly two reward tokens, "
+                             f"got {list(reward_tokens)}")
+        return [float(label), 1.0 - float(label)]
+    raise ValueError(f"{_at(where)}a step label must be one of {list(reward_tokens)} or a number in [0, 1], "
+                     f"got {label!r}")
+
+
 def prompt_examples(tokenizer, prompts: Sequence[str | Sequence[dict]], *, max_prompt_len: int,
                     chat_template: bool = False, wheres: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """`prompt_example` of many prompts, tokenised many at a time (see sft_examples)."""

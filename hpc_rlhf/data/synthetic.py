@@ -143,6 +143,57 @@ def kto_rows(problems: Sequence[Problem], seed: int = 0) -> list[dict]:
     return rows
 
 
+STEP_MARK = "#"  # ends each step of a worked solution (process_rows); one token of the character tokenizer
+GOOD_STEP, BAD_STEP = "+", "-"
+
+
+def solution_steps(problem: Problem, mistake: str | None = None, digit: int = 0) -> list[str]:
+    """A worked solution in three steps: the units digits' sum, the tens digits' sum with the carried one,
+    and the answer. 17+25= -> ["7+5=12", "1+2+1=4", "42"]. `mistake` puts one error in: "units" (the units sum
+    is off: `digit` is a wrong units digit of it), "carry" (the dropped carry: 1+2=3, then 32; carry problems
+    only) or "answer" (right steps, then an answer with a wrong units digit `digit`); every step after a wrong
+    one follows from it."""
+    units_a, units_b, tens_a, tens_b = problem.a % 10, problem.b % 10, problem.a // 10, problem.b // 10
+    units = units_a + units_b
+    if mistake == "units":
+        units = units - units % 10 + digit
+    carry = units // 10
+    if mistake == "carry":
+        if not problem.carries:
+            raise ValueError(f"{problem.prompt} has no carry to drop")
+        carry = 0
+    tens = tens_a + tens_b + carry
+    carried = f"+{carry}" if carry else ""
+    answer = tens * 10 + units % 10
+    if mistake == "answer":
+        answer = answer - answer % 10 + digit
+    elif mistake not in (None, "units", "carry"):
+        raise ValueError(f"unknown mistake {mistake!r}: units, carry, answer or None")
+    return [f"{units_a}+{units_b}={units}", f"{tens_a}+{tens_b}{carried}={tens}", str(answer)]
+
+
+def process_rows(problems: Sequence[Problem], seed: int = 0) -> list[dict]:
+    """{"input", "value"}: a worked solution with STEP_MARK after each step, and one label per step: GOOD_STEP
+    while every step so far is right, BAD_STEP from the first wrong one on (what a process reward model learns).
+    Half of the solutions are right; the others hold one mistake: the dropped carry on half of the carry
+    problems, else at even odds a wrong units sum or a wrong answer after right steps."""
+    rng = _rng(seed, "process")
+    rows = []
+    for problem in problems:
+        mistake, first_bad = None, 3
+        if rng.random() < 0.5:
+            if problem.carries and rng.random() < 0.5:
+                mistake, first_bad = "carry", 1
+            else:
+                mistake, first_bad = rng.choice([("units", 0), ("answer", 2)])
+        right = (problem.a % 10 + problem.b % 10) % 10 if mistake == "units" else problem.total % 10
+        digit = rng.choice([d for d in range(10) if d != right])
+        steps = solution_steps(problem, mistake, digit)
+        rows.append({"input": problem.prompt + "".join(step + STEP_MARK for step in steps),
+                     "value": [GOOD_STEP if k < first_bad else BAD_STEP for k in range(len(steps))]})
+    return rows
+
+
 def prompt_rows(problems: Sequence[Problem]) -> list[dict]:
     """{"prompt", "answer"} for RL and evaluation with the exact-match reward."""
     return [{"prompt": p.prompt, "answer": p.answer} for p in problems]

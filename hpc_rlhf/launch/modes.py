@@ -27,6 +27,7 @@ from hpc_rlhf.launch.local import run_or_spawn
 TRAINING_MODES = {
     "sft": "hpc_rlhf.trainers.sft",
     "rm": "hpc_rlhf.trainers.rm",
+    "prm": "hpc_rlhf.trainers.prm",
     "dpo": "hpc_rlhf.trainers.dpo",
     "kto": "hpc_rlhf.trainers.kto",
     "ppo": "hpc_rlhf.rl.ppo",
@@ -40,6 +41,7 @@ TRAINING_MODES = {
 MODE_CONFIGS = {
     "sft": "hpc_rlhf.trainers.config:SFTConfig",
     "rm": "hpc_rlhf.trainers.config:RMConfig",
+    "prm": "hpc_rlhf.trainers.config:PRMConfig",
     "dpo": "hpc_rlhf.trainers.config:DPOConfig",
     "kto": "hpc_rlhf.trainers.config:KTOConfig",
     "ppo": "hpc_rlhf.rl.config:Config",
@@ -64,6 +66,7 @@ COMMANDS = {
 DESCRIPTIONS = {
     "sft": "supervised fine-tuning on prompt/response pairs or chats",
     "rm": "reward model on chosen/rejected pairs (Bradley-Terry)",
+    "prm": "process reward model: a label after each step of a solution",
     "dpo": "direct preference optimisation (sigmoid, IPO, cDPO)",
     "kto": "Kahneman-Tversky optimisation on labelled responses",
     "ppo": "PPO with a critic, on role process groups",

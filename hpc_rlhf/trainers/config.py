@@ -1,4 +1,4 @@
-"""The configuration of the one-model modes (`sft`, `rm`, `dpo`, `kto`, `generate`, `rs`, `csft`, `idpo`): each
+"""The configuration of the one-model modes (`sft`, `rm`, `prm`, `dpo`, `kto`, `generate`, `rs`, `csft`, `idpo`): each
 mode's `Config` with the sections and defaults of its own, beside the shared ones of hpc_rlhf/config.py. It imports
 no torch: `--help` and `--dry-run` read these keys on a login node or in a Slurm batch step, before any rank starts.
 """
@@ -80,6 +80,43 @@ class RMConfig:
             raise ConfigError("rm.share_prompt=true needs a 4D attention mask, which "
                               "model.attn_implementation=flash_attention_2 does not take: use sdpa or eager, or "
                               "rm.share_prompt=false")
+
+
+# ------------------------------------------------------------------------------------------------------- prm
+@dataclass
+class ProcessDataSection(DataSection):
+    """Worked solutions with a marker token after each step, and one label per step."""
+    train_files: list[str] = field([f"{TINY_ASSETS}/data/prm_train.jsonl"], help="training data files or folders")
+    eval_files: list[str] = field([f"{TINY_ASSETS}/data/prm_eval.jsonl"], help="held-out data files or folders")
+    input_key: str = field("input", help="column with the solution text, a marker after each step")
+    label_key: str = field("value", help="column with the list of step labels: reward tokens, or numbers in "
+                                         "[0, 1] (the first reward token's probability)")
+
+
+@dataclass
+class ProcessRewardSection:
+    """What a process reward model reads and predicts."""
+    placeholder_token: str = field("#", help="the marker after each step, one token (Math-Shepherd's data: 'ки')")
+    reward_tokens: list[str] = field(["+", "-"], help="the tokens the model predicts at a marker, the right-step "
+                                                      "token first; one token each")
+
+    def validate(self) -> None:
+        if len(self.reward_tokens) < 2 or len(set(self.reward_tokens)) != len(self.reward_tokens):
+            raise ConfigError(f"prm.reward_tokens needs at least two different tokens, got {self.reward_tokens}")
+        if self.placeholder_token in self.reward_tokens:
+            raise ConfigError(f"prm.placeholder_token {self.placeholder_token!r} is also one of prm.reward_tokens")
+
+
+@dataclass
+class PRMConfig:
+    output_dir: str = field("runs/prm", help="where metrics, TensorBoard, checkpoints and final/ go")
+    model: ModelSection = section(ModelSection)
+    prm: ProcessRewardSection = section(ProcessRewardSection)
+    data: ProcessDataSection = section(ProcessDataSection)
+    train: TrainSection = section(TrainSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
 
 
 # ------------------------------------------------------------------------------------------------------- dpo

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from hpc_rlhf.algorithms.losses import (aggregate_loss, cispo_loss, dpo_loss, gspo_loss, kto_loss, loss_mask,
-                                        loss_normalizer, pairwise_reward_loss, policy_loss, sft_loss, value_loss)
+                                        loss_normalizer, pairwise_reward_loss, policy_loss, process_reward_loss,
+                                        sft_loss, value_loss)
 
 NAN = float("nan")
 
@@ -70,6 +71,24 @@ def test_pairwise_reward_loss_gradient_separates_the_pair():
     pairwise_reward_loss(chosen, rejected)[0].backward()
     # d/dx -log sigmoid(x) at 0 is -1/2: descent raises chosen and lowers rejected.
     assert chosen.grad.item() == pytest.approx(-0.5) and rejected.grad.item() == pytest.approx(0.5)
+
+
+def test_process_reward_loss_hand_computed():
+    # Marker 1: logits (2, 0), label "+": -log(e^2 / (e^2 + 1)) = log(1 + e^-2) = 0.12692801.
+    # Marker 2: logits (0, 0), soft label 0.25: -(0.25 log 0.5 + 0.75 log 0.5) = log 2 = 0.69314718.
+    # Marker 3: logits (1, 3), label "+": log(1 + e^2) = 2.12692801.
+    loss, accuracy = process_reward_loss(torch.tensor([[2.0, 0.0], [0.0, 0.0], [1.0, 3.0]]),
+                                         torch.tensor([[1.0, 0.0], [0.25, 0.75], [1.0, 0.0]]))
+    torch.testing.assert_close(loss, torch.tensor((0.12692801 + 0.69314718 + 2.12692801) / 3))
+    # Right at marker 1; marker 2's tie reads as "+" against a label leaning "-"; wrong at marker 3.
+    assert accuracy.item() == pytest.approx(1 / 3)
+
+
+def test_process_reward_loss_gradient_moves_the_label_token_up():
+    logits = torch.zeros(1, 2, requires_grad=True)
+    process_reward_loss(logits, torch.tensor([[0.0, 1.0]]))[0].backward()
+    # d/dz_k of the cross-entropy is softmax(z)_k - q_k: (0.5 - 0, 0.5 - 1).
+    assert logits.grad.tolist() == [[0.5, -0.5]]
 
 
 # ------------------------------------------------------------------------------------------------------ DPO

@@ -21,6 +21,8 @@ DATA_COLUMNS = {
     "pref_eval.jsonl": ["prompt", "chosen", "rejected"],
     "kto_train.jsonl": ["prompt", "completion", "label"],
     "kto_eval.jsonl": ["prompt", "completion", "label"],
+    "prm_train.jsonl": ["input", "value"],
+    "prm_eval.jsonl": ["input", "value"],
     "prompts_train.jsonl": ["prompt", "answer"],
     "prompts_eval.jsonl": ["prompt", "answer"],
     "chat_train.jsonl": ["messages"],

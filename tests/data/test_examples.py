@@ -223,3 +223,32 @@ def test_pair_collate_puts_chosen_rows_first_then_rejected():
     assert out["input_ids"].tolist() == [[1, 2, 0], [4, 5, 0], [1, 3, 3], [4, 6, 0]]
     assert out["labels"].tolist() == [[M, 2, M], [M, 5, M], [M, 3, 3], [M, 6, M]]
     assert out["prompt_lens"].tolist() == [1, 1, 1, 1]
+
+
+def test_process_reward_examples_place_markers_and_targets_and_cut_at_max_len(tok):
+    from hpc_rlhf.data.examples import process_reward_examples, single_token_id
+
+    marker = single_token_id(tok, "#", "prm.placeholder_token")
+    texts = ["1+2=3#4#", "9+9=18#x#"]
+    examples = process_reward_examples(tok, texts, [["+", "-"], [0.75, 0.0]], marker_id=marker,
+                                       reward_tokens=["+", "-"], max_len=32, wheres=["f, line 1", "f, line 2"])
+    ids = tok(texts[0])["input_ids"]
+    assert examples[0]["input_ids"] == ids and ids[examples[0]["marker_positions"][0]] == marker
+    assert examples[0]["marker_positions"] == [i for i, t in enumerate(ids) if t == marker]
+    assert examples[0]["marker_targets"] == [[1.0, 0.0], [0.0, 1.0]]
+    assert examples[1]["marker_targets"] == [[0.75, 0.25], [0.0, 1.0]]  # soft: the first token's probability
+    # Cut after the first marker: the second marker goes with its label.
+    cut = process_reward_examples(tok, texts[:1], [["+", "-"]], marker_id=marker, reward_tokens=["+", "-"],
+                                  max_len=examples[0]["marker_positions"][0] + 1)[0]
+    assert cut["marker_positions"] == examples[0]["marker_positions"][:1] and cut["marker_targets"] == [[1.0, 0.0]]
+    with pytest.raises(ValueError, match="f, line 1: no step marker within the first 3 tokens"):
+        process_reward_examples(tok, texts[:1], [["+", "-"]], marker_id=marker, reward_tokens=["+", "-"], max_len=3,
+                                wheres=["f, line 1"])
+    with pytest.raises(ValueError, match="f, line 1: a numeric step label \\(0.5\\) needs exactly two reward tokens"):
+        process_reward_examples(tok, texts[:1], [[0.5, "+"]], marker_id=marker, reward_tokens=["+", "-", "?"],
+                                max_len=32, wheres=["f, line 1"])
+    with pytest.raises(ValueError, match="f, line 1: a step label must be one of .* or a number in \\[0, 1\\], got 2"):
+        process_reward_examples(tok, texts[:1], [[2, "+"]], marker_id=marker, reward_tokens=["+", "-"], max_len=32,
+                                wheres=["f, line 1"])
+    with pytest.raises(ValueError, match="prm.reward_tokens='ab' is 2 tokens"):
+        single_token_id(tok, "ab", "prm.reward_tokens")

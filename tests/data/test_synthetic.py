@@ -137,3 +137,30 @@ def test_exact_match_other_eos_text():
 ])
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
+
+
+def test_worked_solutions_carry_the_one_and_put_each_mistake_where_its_label_says():
+    problem = synthetic.Problem(17, 25)
+    assert synthetic.solution_steps(problem) == ["7+5=12", "1+2+1=4", "42"]
+    assert synthetic.solution_steps(problem, "carry") == ["7+5=12", "1+2=3", "32"]
+    assert synthetic.solution_steps(problem, "units", digit=3) == ["7+5=13", "1+2+1=4", "43"]
+    assert synthetic.solution_steps(problem, "answer", digit=9) == ["7+5=12", "1+2+1=4", "49"]
+    assert synthetic.solution_steps(synthetic.Problem(3, 4)) == ["3+4=7", "0+0=0", "7"]
+    with pytest.raises(ValueError, match="no carry"):
+        synthetic.solution_steps(synthetic.Problem(3, 4), "carry")
+
+
+def test_process_rows_label_every_step_from_the_first_wrong_one_on():
+    problems = synthetic.split_problems(0).train[:2000]
+    rows = synthetic.process_rows(problems, seed=0)
+    assert rows == synthetic.process_rows(problems, seed=0)
+    right = 0
+    for problem, row in zip(problems, rows):
+        text, labels = row["input"], row["value"]
+        assert text.startswith(problem.prompt) and text.count(synthetic.STEP_MARK) == len(labels) == 3
+        steps = text[len(problem.prompt):].split(synthetic.STEP_MARK)[:3]
+        # A step is right when it is the right solution's step and every step before it is too.
+        good = [steps[:k + 1] == synthetic.solution_steps(problem)[:k + 1] for k in range(3)]
+        assert labels == [synthetic.GOOD_STEP if g else synthetic.BAD_STEP for g in good], row
+        right += all(good)
+    assert 0.45 < right / len(rows) < 0.55
