@@ -13,8 +13,9 @@ the held-out step accuracy and loss, and the accuracy on the right and on the wr
 (`eval_right_step_accuracy`, `eval_wrong_step_accuracy`: the steps whose label favours the first reward token,
 and the others; a model that calls every step right has 1 and 0).
 
-A step's score is the probability of the first reward token at its marker (`step_scores`). `final/` is a causal-LM
-folder whose config records the marker and the reward tokens (`process_reward`).
+A step's score is the probability of the first reward token at its marker: the first entry of the softmax of the
+reward tokens' logits there, which `step_scores` gathers. `final/` is a causal-LM folder whose config records the
+marker and the reward tokens (`process_reward`).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class ProcessRewardRecipe:
                 continue  # every rank runs as many passes; this one had no rows left
             log_probs = torch.log_softmax(marker_logits.double(), dim=-1)
             right = marker_logits.argmax(-1) == targets.argmax(-1)
-            wrong_step = targets.argmax(-1) == targets.shape[-1] - 1
+            wrong_step = targets.argmax(-1) != 0  # a label that does not favour the right-step token
             totals += torch.tensor([len(targets), float(right.sum()), float(-(targets * log_probs).sum()),
                                     float(wrong_step.sum()), float((right & wrong_step).sum())], dtype=torch.float64)
         self.engine.train()
