@@ -83,10 +83,12 @@ def main(pip_arguments: list[str]) -> int:
     pip = [sys.executable, "-m", "pip"]
     uv = uv_binary()
     if uv is not None:
-        listing = subprocess.run(pip + ["config", "list"], check=True, capture_output=True, text=True).stdout
+        listed = subprocess.run(pip + ["config", "list"], capture_output=True, text=True)
         try:
-            arguments, environment = uv_options(pip_settings(listing))
-        except ValueError as error:
+            if listed.returncode != 0:
+                raise ValueError(f"`pip config list` failed ({listed.stderr.strip()[-300:]})")
+            arguments, environment = uv_options(pip_settings(listed.stdout))
+        except (ValueError, SyntaxError) as error:
             print(f"install_packages: {error}: installing with pip", file=sys.stderr)
         else:
             command = [uv, "pip", "install", "--python", sys.executable, "--compile-bytecode", *arguments,

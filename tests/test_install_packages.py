@@ -62,3 +62,13 @@ def test_an_install_goes_to_pip_when_uv_cannot_follow_pip_settings(monkeypatch, 
     assert install_packages.main(["-q", "--no-cache-dir", "six"]) == 0
     assert commands[-1] == ["/bin/uv", "pip", "install", "--python", sys.executable, "--compile-bytecode",
                             "--find-links", "/w", "--index-strategy", "unsafe-best-match", "-q", "--no-cache", "six"]
+
+
+def test_an_install_goes_to_pip_when_pip_cannot_list_its_settings(monkeypatch, capsys):
+    commands = []
+    monkeypatch.setattr(install_packages, "uv_binary", lambda: "/bin/uv")
+    monkeypatch.setattr(install_packages.subprocess, "run", lambda command, **kwargs: (
+        commands.append(command), subprocess.CompletedProcess(command, 1, "", "ERROR: bad config file"))[1])
+    assert install_packages.main(["six"]) == 1  # the fake answers every command with 1
+    assert commands[-1] == [sys.executable, "-m", "pip", "install", "six"]
+    assert "`pip config list` failed (ERROR: bad config file): installing with pip" in capsys.readouterr().err
