@@ -341,7 +341,8 @@ def _flags() -> list[Flag]:
         F(("--deepcompile", "--ds.deepcompile"), ALL, takes="switch", refused="no DeepCompile here"),
         F(("--packing_samples", "--ds.packing_samples"), ALL, takes="switch", keys="data.packing; rl.padding_free",
           apply=lambda c, v: _packing(c), note="PPO: rl.padding_free (rows of real tokens in scoring and training); "
-                                               "the other modes: data.packing"),
+                                               "SFT: data.packing; DPO and RM: nothing (they train padded "
+                                               "rows here; packing changes only their speed)"),
         F(("--use_dynamic_batch", "--train.dynamic_batch_enable"), ppo, takes="switch",
           keys="rl.micro_batch_tokens, rl.score_micro_batch_tokens", apply=_keep_switch("dynamic_batch"),
           note="micro-batches by token count: --train_max_tokens_per_gpu (default 16192) for training, "
@@ -632,8 +633,9 @@ def _keep_switch(slot: str) -> Callable[["Conversion", Any], None]:
 def _packing(conv: "Conversion") -> None:
     if conv.mode == "ppo":  # the RL step packs rows of real tokens (issue 37)
         conv.set("rl.padding_free", True)
-        return
-    conv.set("data.packing", True)
+    elif conv.mode == "sft":
+        conv.set("data.packing", True)
+    # dpo, rm: they train padded rows here (data.packing is refused there); packing changes only their speed
 
 
 def _ring_attn_size(conv: "Conversion", value: Any) -> None:

@@ -42,6 +42,13 @@ class SFTConfig:
     dist: DistSection = section(DistSection)
 
 
+def refuse_packing(data: DataSection, mode: str) -> None:
+    """data.packing is SFT's (and what trains through it); the other one-model modes train padded rows, and a key
+    they would ignore is refused rather than dropped."""
+    if data.packing:
+        raise ConfigError(f"data.packing: {mode} trains padded rows (packing is for sft, csft and rs): remove it")
+
+
 # -------------------------------------------------------------------------------------------------------- rm
 @dataclass
 class PreferenceDataSection(DataSection):
@@ -76,6 +83,7 @@ class RMConfig:
     dist: DistSection = section(DistSection)
 
     def validate(self) -> None:
+        refuse_packing(self.data, "rm")
         if self.rm.share_prompt and self.model.attn_implementation == "flash_attention_2":
             raise ConfigError("rm.share_prompt=true needs a 4D attention mask, which "
                               "model.attn_implementation=flash_attention_2 does not take: use sdpa or eager, or "
@@ -117,6 +125,9 @@ class PRMConfig:
     log: LogSection = section(LogSection)
     checkpoint: CheckpointSection = section(CheckpointSection)
     dist: DistSection = section(DistSection)
+
+    def validate(self) -> None:
+        refuse_packing(self.data, "prm")
 
 
 # ------------------------------------------------------------------------------------------------------- dpo
@@ -161,6 +172,7 @@ class DPOConfig:
     dist: DistSection = section(DistSection)
 
     def validate(self) -> None:
+        refuse_packing(self.data, "dpo")
         check_grouping_with_nll(self.train, self.dpo)
 
 
@@ -195,6 +207,7 @@ class KTOConfig:
     dist: DistSection = section(DistSection)
 
     def validate(self) -> None:
+        refuse_packing(self.data, "kto")
         if self.train.group_by_length:
             raise ConfigError("train.group_by_length would change KTO's loss, not only its padding: the reference "
                               "point z0 is a mean over each micro-batch's mismatched pairs, so it depends on which "
@@ -350,4 +363,5 @@ class IterativeDPOConfig:
     dist: DistSection = section(DistSection)
 
     def validate(self) -> None:
+        refuse_packing(self.data, "idpo")
         check_grouping_with_nll(self.train, self.dpo)
