@@ -1,5 +1,6 @@
-"""`hpc-rlhf from-openrlhf [--mode ppo|dpo|rm|sft] [--set KEY=VALUE ...] -- <OpenRLHF flags>`: an hpc_rlhf YAML
-config from the command-line flags of OpenRLHF's training scripts (train_ppo_ray, train_dpo, train_rm, train_sft).
+"""`hpc-rlhf from-openrlhf [--mode ppo|dpo|rm|prm|sft] [--set KEY=VALUE ...] -- <OpenRLHF flags>`: an hpc_rlhf YAML
+config from the command-line flags of OpenRLHF's training scripts (train_ppo_ray, train_dpo, train_rm, train_prm,
+train_sft).
 
 Every flag the converter knows is in one table, `FLAGS`, and is one of three kinds:
 - mapped: set to the hpc_rlhf key(s) of the same meaning (a note says where the two differ in a detail);
@@ -36,10 +37,10 @@ from hpc_rlhf.config import ConfigError, all_keys, from_dict, parse_override
 from hpc_rlhf.launch.modes import mode_config
 
 PROG = "hpc-rlhf from-openrlhf"
-MODES = ("ppo", "dpo", "rm", "sft")
-SCRIPTS = {"ppo": "train_ppo_ray", "dpo": "train_dpo", "rm": "train_rm", "sft": "train_sft"}
+MODES = ("ppo", "dpo", "rm", "prm", "sft")
+SCRIPTS = {"ppo": "train_ppo_ray", "dpo": "train_dpo", "rm": "train_rm", "prm": "train_prm", "sft": "train_sft"}
 ALL = MODES
-ONE_MODEL = ("dpo", "rm", "sft")
+ONE_MODEL = ("dpo", "rm", "prm", "sft")
 ROLE_DEFAULT_NODES, ROLE_DEFAULT_GPUS = 1, 8  # OpenRLHF's default for every role's --*_num_nodes/--*_num_gpus_per_node
 ADVANTAGES = {"gae": "gae", "reinforce": "reinforce_pp", "rloo": "rloo", "reinforce_baseline": "reinforce_pp_baseline",
               "group_norm": "grpo", "dr_grpo": "dr_grpo"}
@@ -235,7 +236,7 @@ HUB_SPLIT = "the split of a hub data set; a local file has only its rows: accept
 
 def _flags() -> list[Flag]:
     F = Flag
-    ppo, dpo, rm, sft = ("ppo",), ("dpo",), ("rm",), ("sft",)
+    ppo, dpo, rm, prm, sft = ("ppo",), ("dpo",), ("rm",), ("prm",), ("sft",)
     flags = [
         # ---- placement (PPO): counts worked out in Conversion.placement()
         F(("--actor_num_nodes", "--actor.num_nodes"), ppo, cast=int, keys="placement: actor",
@@ -341,7 +342,7 @@ def _flags() -> list[Flag]:
         F(("--deepcompile", "--ds.deepcompile"), ALL, takes="switch", refused="no DeepCompile here"),
         F(("--packing_samples", "--ds.packing_samples"), ALL, takes="switch", keys="data.packing; rl.padding_free",
           apply=lambda c, v: _packing(c), note="PPO: rl.padding_free (rows of real tokens in scoring and training); "
-                                               "SFT: data.packing; DPO and RM: nothing (they train padded "
+                                               "SFT: data.packing; DPO, RM and PRM: nothing (they train padded "
                                                "rows here; packing changes only their speed)"),
         F(("--use_dynamic_batch", "--train.dynamic_batch_enable"), ppo, takes="switch",
           keys="rl.micro_batch_tokens, rl.score_micro_batch_tokens", apply=_keep_switch("dynamic_batch"),
@@ -398,6 +399,15 @@ def _flags() -> list[Flag]:
         F(("--train_split",), sft, noop=("train",), refused=HUB_SPLIT),
         F(("--eval_split", "--eval.split"), ALL, noop=("train",), refused=HUB_SPLIT),
         F(("--input_key", "--data.input_key"), ("ppo", "sft"), keys="data.prompt_key", apply=to("data.prompt_key")),
+        F(("--input_key", "--data.input_key"), prm, keys="data.input_key", apply=to("data.input_key"),
+          note="the solution text, a marker after each step"),
+        F(("--label_key", "--data.label_key"), prm, keys="data.label_key", apply=to("data.label_key"),
+          note="the list of step labels"),
+        F(("--placeholder_token",), prm, core=True, keys="prm.placeholder_token", apply=to("prm.placeholder_token"),
+          note="one token of the tokenizer"),
+        F(("--reward_tokens",), prm, core=True, takes="list", keys="prm.reward_tokens", apply=to("prm.reward_tokens"),
+          note="the right-step token first; without the flag OpenRLHF fits the whole vocabulary, hpc_rlhf keeps its "
+               "default [+, -]"),
         F(("--prompt_key", "--data.prompt_key"), ("dpo", "rm"), keys="data.prompt_key", apply=to("data.prompt_key")),
         F(("--output_key", "--data.output_key"), sft, keys="data.response_key", apply=to("data.response_key")),
         F(("--label_key", "--data.label_key"), ppo, keys="data.answer_key", apply=to("data.answer_key"),
@@ -463,7 +473,7 @@ def _flags() -> list[Flag]:
         F(("--lr_warmup_ratio",), ALL, cast=float, noop=(0.0,), lifted_by="train.warmup_steps",
           refused="hpc_rlhf's warmup is a number of steps (train.warmup_steps, RL steps in PPO): give "
                   "--set train.warmup_steps=N"),
-        F(("--aux_loss_coef", "--actor.aux_loss_coef", "--model.aux_loss_coef"), ("ppo", "rm", "sft", "dpo"),
+        F(("--aux_loss_coef", "--actor.aux_loss_coef", "--model.aux_loss_coef"), ("ppo", "rm", "prm", "sft", "dpo"),
           cast=float, noop=(0.0,), refused="no mixture-of-experts balancing loss"),
         F(("--enable_ema", "--train.enable_ema"), ppo, takes="switch", refused="no EMA of the weights"),
         F(("--ema_beta", "--train.ema_beta"), ppo, cast=float, refused="no EMA of the weights"),
@@ -635,7 +645,7 @@ def _packing(conv: "Conversion") -> None:
         conv.set("rl.padding_free", True)
     elif conv.mode == "sft":
         conv.set("data.packing", True)
-    # dpo, rm: they train padded rows here (data.packing is refused there); packing changes only their speed
+    # dpo, rm, prm: they train padded rows here (data.packing is refused there); packing changes only their speed
 
 
 def _ring_attn_size(conv: "Conversion", value: Any) -> None:
@@ -716,6 +726,12 @@ class Conversion:
                 train_tokens = self.kept.get("train_max_tokens", OPENRLHF_TRAIN_MAX_TOKENS)
                 self.set_derived("rl.micro_batch_tokens", train_tokens)
                 self.set_derived("rl.score_micro_batch_tokens", self.kept.get("rollout_max_tokens", train_tokens))
+        # OpenRLHF evaluates only on --eval_dataset (and SFT and DPO never by generation); hpc_rlhf's defaults are
+        # the built-in tiny task's held-out files, which a converted run must not read.
+        if "data.eval_files" not in self.keys:
+            self.set_derived("data.eval_files", [])
+        if self.mode in ("sft", "dpo"):
+            self.set_derived("eval.prompt_files", [])
         for key, value in self.sets.items():
             if key in self.keys and self.keys[key] != value:
                 raise ConversionError(f"--set {key}={value!r} contradicts {self.source[key]}, which sets "
@@ -1010,10 +1026,10 @@ def flag_table(mode: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, theirs = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, None)
-    parser = argparse.ArgumentParser(prog=PROG, usage=f"{PROG} [--mode ppo|dpo|rm|sft] [--set KEY=VALUE ...] -- "
+    parser = argparse.ArgumentParser(prog=PROG, usage=f"{PROG} [--mode ppo|dpo|rm|prm|sft] [--set KEY=VALUE ...] -- "
                                                       f"<OpenRLHF flags>",
                                      description="Print the hpc_rlhf YAML config of an OpenRLHF command's flags "
-                                                 "(train_ppo_ray, train_dpo, train_rm, train_sft). Flags without an "
+                                                 "(train_ppo_ray, train_dpo, train_rm, train_prm, train_sft). Flags without an "
                                                  "exact equivalent are refused by name.")
     parser.add_argument("--mode", default="ppo", choices=MODES, help="which OpenRLHF script the flags are for")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -80,7 +80,7 @@ def openrlhf_reference() -> str:
     ours = yaml.safe_load((REPO / "examples/cluster/ppo_70b.yaml").read_text())
     parts = [
         "# OpenRLHF flags and hpc_rlhf keys\n",
-        "`hpc-rlhf from-openrlhf [--mode ppo|dpo|rm|sft] [--set KEY=VALUE ...] -- <OpenRLHF flags>` prints the "
+        "`hpc-rlhf from-openrlhf [--mode ppo|dpo|rm|prm|sft] [--set KEY=VALUE ...] -- <OpenRLHF flags>` prints the "
         "hpc_rlhf config of an OpenRLHF command. The tables below are generated from the converter's own table "
         "(hpc_rlhf/openrlhf.py), so they say exactly what it does: a flag is mapped to the keys shown, ignored "
         "(it changes nothing hpc_rlhf computes, for the reason given), or refused (no exact equivalent; the "

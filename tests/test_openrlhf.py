@@ -85,6 +85,13 @@ def test_the_70b_ppo_command_converts_to_the_layout_of_sbatch_ppo_70b(tmp_path, 
             "--target_modules", "q_proj", "v_proj", "--packing_samples"],
      [], {"rm.margin_key": "margin", "model.lora.target_modules": ["q_proj", "v_proj"], "model.lora.alpha": 16.0,
           "data.packing": False}),  # rm trains padded rows here: packing changes only OpenRLHF's speed
+    ("prm", ["--pretrain", "/m/sft", "--dataset", "/d/steps.jsonl", "--input_key", "input", "--label_key", "value",
+             "--placeholder_token", "ки", "--reward_tokens", "+", "-", "--max_len", "2048", "--train_batch_size", "64",
+             "--micro_train_batch_size", "2", "--learning_rate", "2e-6", "--zero_stage", "3", "--bf16",
+             "--packing_samples"],
+     [], {"data.train_files": ["/d/steps.jsonl"], "data.input_key": "input", "data.label_key": "value",
+          "prm.placeholder_token": "ки", "prm.reward_tokens": ["+", "-"], "data.packing": False, "train.lr": 2e-6,
+          "train.zero_stage": 3, "model.dtype": "bfloat16", "data.max_len": 2048}),
     ("sft", ["--pretrain", "/m/base", "--dataset", "/d/sft.jsonl", "--input_key", "q", "--output_key", "a",
              "--max_len", "2048", "--train_batch_size", "256", "--micro_train_batch_size", "8", "--packing_samples",
              "--adam_betas", "0.9", "0.98", "--l2", "0.01", "--seed", "7"],
@@ -205,3 +212,20 @@ def test_ring_attention_becomes_sequence_blocks_of_every_trained_and_scoring_rol
     ones = [f if f != "4" or flags[i - 1] != "--ring_attn_size" else "1" for i, f in enumerate(flags)]
     code, cfg, err = converted(tmp_path, capsys, "ppo", ones, ["train.max_steps=10"])
     assert code == 0 and "_sp" not in cfg.placement, err
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_converted_config_reads_no_built_in_tiny_file(tmp_path, capsys, mode):
+    """Without --eval_dataset OpenRLHF evaluates nothing; the converted config must not fall back on hpc_rlhf's
+    defaults, the built-in tiny task's held-out files (it did: a 7B reward model evaluated on tiny additions)."""
+    data = ["--prompt_data", "/d/prompts.jsonl", "--reward_pretrain", "/m/rm", "--micro_train_batch_size", "1",
+            "--train_batch_size", "256", "--rollout_batch_size", "256"] if mode == "ppo" else \
+        ["--dataset", "/d/rows.jsonl"]
+    code, cfg, err = converted(tmp_path, capsys, mode, ["--pretrain", "/m/sft", *data])
+    assert code == 0, err
+    assert cfg.data.eval_files == []
+    if hasattr(cfg, "eval") and hasattr(cfg.eval, "prompt_files"):
+        assert cfg.eval.prompt_files == []
+    code, cfg, err = converted(tmp_path, capsys, mode, ["--pretrain", "/m/sft", *data, "--eval_dataset", "/d/e.jsonl"])
+    assert code == 0, err
+    assert cfg.data.eval_files == ["/d/e.jsonl"]

@@ -6,7 +6,7 @@
     OUT/data/sft_eval.jsonl          held-out problems, correct answers
     OUT/data/pref_{train,eval}.jsonl prompt/chosen/rejected
     OUT/data/kto_{train,eval}.jsonl  prompt/completion/label
-    OUT/data/prm_{train,eval}.jsonl  input/value: worked solutions, one +/- label per step (process reward model)
+    OUT/data/prm_{train,eval}.jsonl  input/label: worked solutions, one +/- label per step (process reward model)
     OUT/data/prompts_{train,eval}.jsonl  prompt/answer (RL and evaluation)
     OUT/data/chat_train.jsonl        multi-turn messages
     OUT/data/sft_tool_train.jsonl    prompt/response demonstrations, a minority calling the calculator tool

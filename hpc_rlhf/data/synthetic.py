@@ -173,7 +173,7 @@ def solution_steps(problem: Problem, mistake: str | None = None, digit: int = 0)
 
 
 def process_rows(problems: Sequence[Problem], seed: int = 0) -> list[dict]:
-    """{"input", "value"}: a worked solution with STEP_MARK after each step, and one label per step: GOOD_STEP
+    """{"input", "label"}: a worked solution with STEP_MARK after each step, and one label per step: GOOD_STEP
     while every step so far is right, BAD_STEP from the first wrong one on (what a process reward model learns).
     Half of the solutions are right; the others hold one mistake: the dropped carry on half of the carry
     problems, else at even odds a wrong units sum or a wrong answer after right steps."""
@@ -190,7 +190,7 @@ def process_rows(problems: Sequence[Problem], seed: int = 0) -> list[dict]:
         digit = rng.choice([d for d in range(10) if d != right])
         steps = solution_steps(problem, mistake, digit)
         rows.append({"input": problem.prompt + "".join(step + STEP_MARK for step in steps),
-                     "value": [GOOD_STEP if k < first_bad else BAD_STEP for k in range(len(steps))]})
+                     "label": [GOOD_STEP if k < first_bad else BAD_STEP for k in range(len(steps))]})
     return rows
 
 

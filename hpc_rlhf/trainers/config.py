@@ -97,7 +97,7 @@ class ProcessDataSection(DataSection):
     train_files: list[str] = field([f"{TINY_ASSETS}/data/prm_train.jsonl"], help="training data files or folders")
     eval_files: list[str] = field([f"{TINY_ASSETS}/data/prm_eval.jsonl"], help="held-out data files or folders")
     input_key: str = field("input", help="column with the solution text, a marker after each step")
-    label_key: str = field("value", help="column with the list of step labels: reward tokens, or numbers in "
+    label_key: str = field("label", help="column with the list of step labels: reward tokens, or numbers in "
                                          "[0, 1] (the first reward token's probability)")
 
 

@@ -156,7 +156,7 @@ def test_process_rows_label_every_step_from_the_first_wrong_one_on():
     assert rows == synthetic.process_rows(problems, seed=0)
     right = 0
     for problem, row in zip(problems, rows):
-        text, labels = row["input"], row["value"]
+        text, labels = row["input"], row["label"]
         assert text.startswith(problem.prompt) and text.count(synthetic.STEP_MARK) == len(labels) == 3
         steps = text[len(problem.prompt):].split(synthetic.STEP_MARK)[:3]
         # A step is right when it is the right solution's step and every step before it is too.

@@ -96,13 +96,13 @@ def test_bad_step_data_and_tokens_are_named(world, tmp_path):
     from hpc_rlhf.trainers import prm
 
     rows = tmp_path / "steps.jsonl"
-    rows.write_text(json.dumps({"input": "1+2=1+2=3#0+0=0#3#", "value": ["+", "+", "+"]}) + "\n" +
-                    json.dumps({"input": "1+3=1+3=4#0+0=0#4#", "value": ["+", "+"]}) + "\n")
+    rows.write_text(json.dumps({"input": "1+2=1+2=3#0+0=0#3#", "label": ["+", "+", "+"]}) + "\n" +
+                    json.dumps({"input": "1+3=1+3=4#0+0=0#4#", "label": ["+", "+"]}) + "\n")
     recipe = prm.ProcessRewardRecipe(prm_config(tmp_path / "a", f"data.train_files=[{rows}]", "data.eval_files=[]"))
     with pytest.raises(ValueError, match=r"steps\.jsonl, line 2: 2 labels for 3 step markers"):
         recipe.setup()
 
-    rows.write_text(json.dumps({"input": "1+2=1+2=3#", "value": ["ok"]}) + "\n")
+    rows.write_text(json.dumps({"input": "1+2=1+2=3#", "label": ["ok"]}) + "\n")
     recipe = prm.ProcessRewardRecipe(prm_config(tmp_path / "b", f"data.train_files=[{rows}]", "data.eval_files=[]"))
     with pytest.raises(ValueError, match=r"line 1: step label 'ok' is none of the reward tokens \['\+', '-'\]"):
         recipe.setup()
