@@ -1029,8 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, usage=f"{PROG} [--mode ppo|dpo|rm|prm|sft] [--set KEY=VALUE ...] -- "
                                                       f"<OpenRLHF flags>",
                                      description="Print the hpc_rlhf YAML config of an OpenRLHF command's flags "
-                                                 "(train_ppo_ray, train_dpo, train_rm, train_prm, train_sft). Flags without an "
-                                                 "exact equivalent are refused by name.")
+                                                 "(train_ppo_ray, train_dpo, train_rm, train_prm, train_sft). Flags "
+                                                 "without an exact equivalent are refused by name.")
     parser.add_argument("--mode", default="ppo", choices=MODES, help="which OpenRLHF script the flags are for")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an hpc_rlhf key no flag gives (e.g. train.max_steps=500); repeatable")
