@@ -1,7 +1,7 @@
 """`pip install ARGS` for `make venv`, done by uv when it is installed in the environment, with pip's settings.
 
 uv installs the same packages as pip in a fraction of the time (2-core Intel VM, 2026-11-30: torch and the pinned
-libraries, bytecode compiled, 129 s -> 55 s), but it reads none of pip's configuration, which is how a cluster
+libraries, bytecode compiled, 129 s -> 54 s), but it reads none of pip's configuration, which is how a cluster
 points installs at its mirror or a local wheel folder. So this reads pip's settings (`pip config list`: its files
 and PIP_* variables) and passes on each one that has a uv equivalent. A setting that could change what is
 installed and has none (`only-binary`, `target`, ...) sends the install to pip, named in a message; so does an
