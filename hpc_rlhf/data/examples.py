@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from hpc_rlhf.data.loading import BAD_LABEL, BadRowReport
 from hpc_rlhf.data.templates import (TemplateError, as_messages, check_messages, encode_many, prompt_text,
                                      render_chat, tokenize_chat, tokenizer_name)
 
@@ -155,16 +156,24 @@ def preference_example(tokenizer, *, prompt: str | Sequence[dict], chosen: str, 
 
 def kto_examples(tokenizer, prompts: Sequence[str | Sequence[dict]], responses: Sequence[str],
                  labels: Sequence[bool | int], *, max_len: int, max_prompt_len: int, chat_template: bool = False,
-                 wheres: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """`kto_example` of many rows, tokenised many at a time (see sft_examples)."""
+                 wheres: Sequence[str] | None = None, skipped: BadRowReport | None = None) -> list[dict[str, Any]]:
+    """`kto_example` of many rows, tokenised many at a time (see sft_examples). With `skipped` (data.on_bad_row
+    =skip), a row whose label is not true/false is counted there and left out instead of raising."""
     wheres = _wheres(wheres, len(prompts))
-    for label, where in zip(labels, wheres):
-        if not (isinstance(label, bool) or label in (0, 1)):
-            raise ValueError(f"{_at(where)}a KTO label must be true/false (or 1/0), got {label!r}")
-    examples = sft_examples(tokenizer, prompts, responses, max_len=max_len, max_prompt_len=max_prompt_len,
-                            chat_template=chat_template, wheres=wheres)
-    for example, label in zip(examples, labels):
-        example["label"] = bool(label)
+    keep = []
+    for i, (label, where) in enumerate(zip(labels, wheres)):
+        if isinstance(label, bool) or label in (0, 1):
+            keep.append(i)
+            continue
+        message = f"{_at(where)}a KTO label must be true/false (or 1/0), got {label!r}"
+        if skipped is None:
+            raise ValueError(message)
+        skipped.drop(BAD_LABEL, message)
+    examples = sft_examples(tokenizer, [prompts[i] for i in keep], [responses[i] for i in keep], max_len=max_len,
+                            max_prompt_len=max_prompt_len, chat_template=chat_template,
+                            wheres=[wheres[i] for i in keep])
+    for example, i in zip(examples, keep):
+        example["label"] = bool(labels[i])
     return examples
 
 
@@ -185,31 +194,41 @@ def single_token_id(tokenizer, text: str, key: str) -> int:
 
 
 def process_reward_examples(tokenizer, texts: Sequence[str], labels: Sequence[Sequence], *, marker_id: int,
-                            reward_tokens: Sequence[str], max_len: int,
-                            wheres: Sequence[str] | None = None) -> list[dict[str, Any]]:
+                            reward_tokens: Sequence[str], max_len: int, wheres: Sequence[str] | None = None,
+                            skipped: BadRowReport | None = None) -> list[dict[str, Any]]:
     """Worked solutions with a marker token after each step and one label per marker -> {"input_ids",
     "marker_positions", "marker_targets"}: where each marker is, and what the model should put after it, as
     probabilities over `reward_tokens`. A label is one of the reward tokens (that token's probability 1) or, with
     two reward tokens, a number in [0, 1]: the probability of the first (a soft label, e.g. the share of
     rollouts from that step that reached the right answer). The text is tokenised with the tokenizer's special
-    tokens (BOS) and cut at `max_len`; markers cut off go with their labels. Each bad row is named by `wheres`."""
+    tokens (BOS) and cut at `max_len`; markers cut off go with their labels. Each bad row is named by `wheres`;
+    with `skipped` (data.on_bad_row=skip) it is counted there and left out instead of raising."""
     if len(texts) != len(labels):
         raise ValueError(f"{len(texts)} texts for {len(labels)} label lists")
     wheres = _wheres(wheres, len(texts))
     examples = []
     for ids, row_labels, where in zip(encode_many(tokenizer, texts, add_special_tokens=True), labels, wheres):
-        positions = [i for i, token in enumerate(ids) if token == marker_id]
-        if not isinstance(row_labels, (list, tuple)) or len(row_labels) != len(positions):
-            count = len(row_labels) if isinstance(row_labels, (list, tuple)) else repr(row_labels)
-            raise ValueError(f"{_at(where)}{count} labels for {len(positions)} step markers: a process reward row "
-                             f"needs one label per marker")
-        targets = [_step_target(label, reward_tokens, where) for label in row_labels]
-        kept = sum(position < max_len for position in positions)
-        if kept == 0:
-            raise ValueError(f"{_at(where)}no step marker within the first {max_len} tokens (data.max_len)")
-        examples.append({"input_ids": ids[:max_len], "marker_positions": positions[:kept],
-                         "marker_targets": targets[:kept]})
+        try:
+            examples.append(_process_reward_example(ids, row_labels, marker_id, reward_tokens, max_len, where))
+        except ValueError as exc:
+            if skipped is None:
+                raise
+            skipped.drop(BAD_LABEL, str(exc))
     return examples
+
+
+def _process_reward_example(ids: list[int], row_labels, marker_id: int, reward_tokens: Sequence[str], max_len: int,
+                            where: str) -> dict[str, Any]:
+    positions = [i for i, token in enumerate(ids) if token == marker_id]
+    if not isinstance(row_labels, (list, tuple)) or len(row_labels) != len(positions):
+        count = len(row_labels) if isinstance(row_labels, (list, tuple)) else repr(row_labels)
+        raise ValueError(f"{_at(where)}{count} labels for {len(positions)} step markers: a process reward row "
+                         f"needs one label per marker")
+    targets = [_step_target(label, reward_tokens, where) for label in row_labels]
+    kept = sum(position < max_len for position in positions)
+    if kept == 0:
+        raise ValueError(f"{_at(where)}no step marker within the first {max_len} tokens (data.max_len)")
+    return {"input_ids": ids[:max_len], "marker_positions": positions[:kept], "marker_targets": targets[:kept]}
 
 
 def _step_target(label, reward_tokens: Sequence[str], where: str) -> list[float]:

@@ -48,6 +48,7 @@ MISSING_KEY = "missing_key"
 WRONG_TYPE = "wrong_type"
 EMPTY_TEXT = "empty_text"
 BAD_MESSAGES = "bad_messages"
+BAD_LABEL = "bad_label"  # a label the recipe's own check refused (data.examples), after the row scan
 
 
 class DataError(ValueError):
@@ -75,6 +76,11 @@ class BadRowReport:
     def add(self, reason: str, message: str) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
         self.first_message.setdefault(reason, message)
+
+    def drop(self, reason: str, message: str) -> None:
+        """A kept row that a later check refused (data.examples: a label no recipe can read)."""
+        self.rows_kept -= 1
+        self.add(reason, message)
 
     def summary(self) -> str:
         if not self.skipped:
@@ -461,3 +467,13 @@ def _merge_reports(reports: Iterable[BadRowReport], where: str) -> BadRowReport:
         for reason, message in report.first_message.items():
             total.first_message.setdefault(reason, message)
     return total
+
+
+def end_later_checks(report: BadRowReport, skipped_before: int, examples_kept: int) -> None:
+    """After a recipe's own checks of the rows `load_rows` kept (`skipped=` of data.examples' builders): log the
+    report again when they skipped more rows, and refuse data that has no row left."""
+    if report.skipped == skipped_before:
+        return
+    if examples_kept == 0:
+        raise DataError(f"{report.where}: every row is bad ({report.summary()})")
+    logger.warning(report.summary())

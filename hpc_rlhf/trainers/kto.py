@@ -26,7 +26,7 @@ import torch.distributed as dist
 from hpc_rlhf.algorithms.losses import kto_loss
 from hpc_rlhf.config import DataSection
 from hpc_rlhf.data.examples import kto_examples, pad_collate
-from hpc_rlhf.data.loading import DataError, load_rows
+from hpc_rlhf.data.loading import DataError, end_later_checks, load_rows
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.runtime import loop
@@ -37,13 +37,18 @@ from hpc_rlhf.trainers.config import KTOConfig as Config  # the mode's keys, tor
 
 
 def load_kto_examples(paths, data: DataSection, tokenizer, where: str, max_rows) -> list[dict]:
-    """Rows with prompt/completion/label -> tokenised examples with a bool "label", each bad row named."""
+    """Rows with prompt/completion/label -> tokenised examples with a bool "label", each bad row named (or skipped
+    and counted, a label other than true/false/1/0 too, with data.on_bad_row=skip)."""
     required = {data.prompt_key: str, data.response_key: str, data.label_key: (bool, int)}
-    rows, _ = load_rows(paths, required=required, where=where, on_bad_row=data.on_bad_row, max_rows=max_rows)
+    rows, report = load_rows(paths, required=required, where=where, on_bad_row=data.on_bad_row, max_rows=max_rows)
+    skipped_before = report.skipped
     columns = rows.to_dict()  # lists: iterating a dataset's rows or columns converts one value at a time
-    return kto_examples(tokenizer, columns[data.prompt_key], columns[data.response_key], columns[data.label_key],
-                        max_len=data.max_len, max_prompt_len=data.max_prompt_len,
-                        chat_template=data.apply_chat_template, wheres=columns["_source"])
+    examples = kto_examples(tokenizer, columns[data.prompt_key], columns[data.response_key], columns[data.label_key],
+                            max_len=data.max_len, max_prompt_len=data.max_prompt_len,
+                            chat_template=data.apply_chat_template, wheres=columns["_source"],
+                            skipped=report if data.on_bad_row == "skip" else None)
+    end_later_checks(report, skipped_before, len(examples))
+    return examples
 
 
 def kl_partners(num_rows: int, seed: int) -> list[int]:

@@ -24,7 +24,7 @@ import torch
 
 from hpc_rlhf.algorithms.losses import process_reward_loss
 from hpc_rlhf.data.examples import pad_collate, process_reward_examples, single_token_id
-from hpc_rlhf.data.loading import load_rows
+from hpc_rlhf.data.loading import end_later_checks, load_rows
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
 from hpc_rlhf.models.lora import unwrap_model
@@ -38,12 +38,18 @@ from hpc_rlhf.trainers.config import ProcessDataSection
 def load_process_examples(paths, data: ProcessDataSection, tokenizer, marker_id: int, reward_tokens: list[str],
                           where: str, max_rows) -> list[dict]:
     """Rows with a solution text and its step labels -> tokenised examples (data.examples.process_reward_examples),
-    each bad row named by file and line."""
+    each bad row named by file and line (or skipped and counted, labels that do not fit their markers too, with
+    data.on_bad_row=skip)."""
     required = {data.input_key: str, data.label_key: list}
-    rows, _ = load_rows(paths, required=required, where=where, on_bad_row=data.on_bad_row, max_rows=max_rows)
+    rows, report = load_rows(paths, required=required, where=where, on_bad_row=data.on_bad_row, max_rows=max_rows)
+    skipped_before = report.skipped
     columns = rows.to_dict()  # lists: iterating a dataset's rows or columns converts one value at a time
-    return process_reward_examples(tokenizer, columns[data.input_key], columns[data.label_key], marker_id=marker_id,
-                                   reward_tokens=reward_tokens, max_len=data.max_len, wheres=columns["_source"])
+    examples = process_reward_examples(tokenizer, columns[data.input_key], columns[data.label_key],
+                                       marker_id=marker_id, reward_tokens=reward_tokens, max_len=data.max_len,
+                                       wheres=columns["_source"],
+                                       skipped=report if data.on_bad_row == "skip" else None)
+    end_later_checks(report, skipped_before, len(examples))
+    return examples
 
 
 def step_scores(logits: torch.Tensor, marker_positions: list[list[int]], reward_ids: list[int]) -> torch.Tensor:

@@ -176,6 +176,30 @@ def test_a_bad_row_among_many_is_named(tok):
         kto_examples(tok, ["q", "q"], ["a", "b"], [1, 2], max_len=8, max_prompt_len=4, wheres=["line 1", "line 2"])
 
 
+def test_with_a_report_bad_labels_are_counted_and_left_out(tok):
+    from hpc_rlhf.data.examples import process_reward_examples, single_token_id
+    from hpc_rlhf.data.loading import BAD_LABEL, BadRowReport
+
+    report = BadRowReport(where="data.train_files", rows_read=3, rows_kept=3)
+    kept = kto_examples(tok, ["q", "r", "s"], ["a", "b", "c"], [1, 2, False], max_len=8, max_prompt_len=4,
+                        wheres=["line 1", "line 2", "line 3"], skipped=report)
+    assert kept == kto_examples(tok, ["q", "s"], ["a", "c"], [1, False], max_len=8, max_prompt_len=4)
+    assert (report.counts, report.rows_kept) == ({BAD_LABEL: 1}, 2)
+    assert report.first_message[BAD_LABEL] == "line 2: a KTO label must be true/false (or 1/0), got 2"
+
+    marker = single_token_id(tok, "#", "prm.placeholder_token")
+    texts = ["1+2=3#4#", "1+2=3#4#", "1+2=3#4#", "9#"]
+    labels = [["+", "-"], ["+"], ["+", "ok"], [0.5]]
+    report = BadRowReport(where="data.train_files", rows_read=4, rows_kept=4)
+    kept = process_reward_examples(tok, texts, labels, marker_id=marker, reward_tokens=["+", "-"], max_len=32,
+                                   wheres=[f"f, line {n}" for n in range(1, 5)], skipped=report)
+    assert kept == process_reward_examples(tok, texts[::3], labels[::3], marker_id=marker, reward_tokens=["+", "-"],
+                                           max_len=32)
+    assert (report.counts, report.rows_kept, report.skipped) == ({BAD_LABEL: 2}, 2, 2)
+    assert report.first_message[BAD_LABEL] == ("f, line 2: 1 labels for 2 step markers: a process reward row needs "
+                                              "one label per marker")
+
+
 def test_pad_collate_right_pads_ids_mask_and_labels():
     batch = [{"input_ids": [5, 6, 7], "labels": [M, 6, 7], "prompt_len": 1, "label": True},
              {"input_ids": [8], "labels": [8], "prompt_len": 0, "label": False}]

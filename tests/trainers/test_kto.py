@@ -3,6 +3,8 @@ The two-rank run (ZeRO-2, precomputed reference) goes through torchrun (worker c
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
 
 import pytest
@@ -50,6 +52,28 @@ def test_kto_config_reads_completions_by_default():
 
     cfg = load_config(kto.Config, None, ["data.max_len=48"])  # overriding one data key keeps the others
     assert cfg.data.response_key == "completion" and cfg.data.train_files[0].endswith("kto_train.jsonl")
+
+
+def test_a_label_other_than_true_or_false_stops_the_run_or_is_skipped(tmp_path, caplog):
+    from hpc_rlhf.data.loading import DataError
+    from hpc_rlhf.models.builders import load_tokenizer
+    from hpc_rlhf.trainers import kto
+
+    rows = tmp_path / "kto.jsonl"
+    rows.write_text("\n".join(json.dumps({"prompt": "1+1=", "completion": "2", "label": label})
+                              for label in (True, 2, 0)) + "\n")
+    cfg = load_config(kto.Config, None, [])
+    tokenizer = load_tokenizer(cfg.model.path)
+    with pytest.raises(ValueError, match=r"kto\.jsonl, line 2: a KTO label must be true/false \(or 1/0\), got 2"):
+        kto.load_kto_examples([rows], cfg.data, tokenizer, "data.train_files", None)
+    cfg = load_config(kto.Config, None, ["data.on_bad_row=skip"])
+    with caplog.at_level(logging.WARNING, logger="hpc_rlhf.data.loading"):
+        examples = kto.load_kto_examples([rows], cfg.data, tokenizer, "data.train_files", None)
+    assert [example["label"] for example in examples] == [True, False]
+    assert any("data.train_files: skipped 1 of 3 rows (bad_label: 1)" in r.getMessage() for r in caplog.records)
+    rows.write_text(json.dumps({"prompt": "1+1=", "completion": "2", "label": 7}) + "\n")
+    with pytest.raises(DataError, match="data.train_files: every row is bad"):
+        kto.load_kto_examples([rows], cfg.data, tokenizer, "data.train_files", None)
 
 
 @pytest.mark.learning

@@ -92,7 +92,10 @@ def test_a_micro_batch_loss_is_over_its_markers_and_weighs_each_marker_alike(wor
     torch.testing.assert_close(micro.loss, process_reward_loss(marker_logits, targets)[0])
 
 
-def test_bad_step_data_and_tokens_are_named(world, tmp_path):
+def test_bad_step_data_and_tokens_are_named(world, tmp_path, capfd):
+    from hpc_rlhf.data.examples import single_token_id
+    from hpc_rlhf.data.loading import DataError
+    from hpc_rlhf.models.builders import load_tokenizer
     from hpc_rlhf.trainers import prm
 
     rows = tmp_path / "steps.jsonl"
@@ -106,6 +109,22 @@ def test_bad_step_data_and_tokens_are_named(world, tmp_path):
     recipe = prm.ProcessRewardRecipe(prm_config(tmp_path / "b", f"data.train_files=[{rows}]", "data.eval_files=[]"))
     with pytest.raises(ValueError, match=r"line 1: step label 'ok' is none of the reward tokens \['\+', '-'\]"):
         recipe.setup()
+
+    # Skipping: the rows whose labels do not fit are counted and left out; none left is still an error.
+    rows.write_text(json.dumps({"input": "1+2=1+2=3#0+0=0#3#", "label": ["+", "+", "+"]}) + "\n" +
+                    json.dumps({"input": "1+3=1+3=4#0+0=0#4#", "label": ["+", "+"]}) + "\n" +
+                    json.dumps({"input": "1+3=1+3=4#", "label": ["?"]}) + "\n")
+    cfg = prm_config(tmp_path / "s", f"data.train_files=[{rows}]", "data.on_bad_row=skip")
+    tokenizer = load_tokenizer(cfg.model.path)
+    marker = single_token_id(tokenizer, "#", "prm.placeholder_token")
+    load = dict(data=cfg.data, tokenizer=tokenizer, marker_id=marker, reward_tokens=["+", "-"], max_rows=None)
+    capfd.readouterr()
+    examples = prm.load_process_examples([rows], where="data.train_files", **load)
+    assert [len(example["marker_positions"]) for example in examples] == [3]
+    assert "data.train_files: skipped 2 of 3 rows (bad_label: 2); first: " in capfd.readouterr().err
+    rows.write_text(json.dumps({"input": "1+3=1+3=4#", "label": ["?"]}) + "\n")
+    with pytest.raises(DataError, match=r"data.train_files: every row is bad .*none of the reward tokens"):
+        prm.load_process_examples([rows], where="data.train_files", **load)
 
     recipe = prm.ProcessRewardRecipe(prm_config(tmp_path / "c", "prm.placeholder_token=ки", "data.eval_files=[]"))
     with pytest.raises(ValueError, match="prm.placeholder_token='ки' is 2 tokens"):
