@@ -326,6 +326,8 @@ def _flags() -> list[Flag]:
         F(("--adam_offload", "--ds.adam_offload"), ALL, takes="switch", keys="{train}.adam_offload",
           apply=_switch_true("{train}.adam_offload")),
         F(("--zpg", "--ds.zpg"), ALL, cast=int, noop=(1,), refused="no ZeRO++ hierarchical partitioning setting"),
+        F(("--dist_backend",), ALL, noop=("deepspeed",),
+          refused="the trained roles run on DeepSpeed ZeRO; there is no FSDP backend: only 'deepspeed' is accepted"),
         F(("--overlap_comm", "--ds.overlap_comm"), ALL, takes="switch",
           ignored="a DeepSpeed speed setting (communication overlapped with computation)"),
         F(("--grad_accum_dtype", "--ds.grad_accum_dtype"), ALL,
