@@ -11,7 +11,7 @@
 #   PLACEMENT           roles on ranks (ppo, grpo), e.g. actor=4,critic=2,ref=1,reward=1,rollout=8,rollout_tp=2;
 #                       unset: the config's `placement`, so the layout a dry run of the YAML checked is the one
 #                       that runs; set: passed to the mode as placement=... (the check reads it too);
-#                       single-model modes (sft, rm, prm, dpo, kto) use actor=<all ranks>
+#                       single-model modes (sft, kd, rm, prm, dpo, kto) use actor=<all ranks>
 #   PYTHON              the interpreter with hpc_rlhf installed (default: python on PATH), e.g. a virtual
 #                       environment on the cluster's shared file system: PYTHON=/shared/venvs/hpc_rlhf/bin/python
 #   PLAN_MODEL          model shape for the check of roles whose model folder is a placeholder (7b, 70b, ...)
@@ -54,7 +54,7 @@ hpc_ranks_per_node() {
 # Environment of the job: rendezvous, threads, the python command (local or in the container).
 hpc_setup() {
   [ -n "${SLURM_JOB_ID:-}" ] || hpc_die "run this script with sbatch (SLURM_JOB_ID is not set)"
-  MODE=${MODE:?MODE must be set (sft, rm, prm, dpo, kto, ppo, grpo)}
+  MODE=${MODE:?MODE must be set (sft, kd, rm, prm, dpo, kto, ppo, grpo)}
   CONFIG=${CONFIG-}
   PLACEMENT=${PLACEMENT:-}
   hpc_is_role_mode || PLACEMENT=${PLACEMENT:-actor=$SLURM_NTASKS}

@@ -38,6 +38,33 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -10
     return -masked_mean(logps, learnt)
 
 
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
+                      ignore_index: int = -100) -> torch.Tensor:
+    """Knowledge distillation on given text (Hinton et al. 2015): at every label token the cross-entropy of the
+    student's next-token distribution against the teacher's,
+
+        loss = mean_t  -sum_v p_teacher(v | x_<t) log p_student(v | x_<t),
+
+    averaged over the tokens that are not `ignore_index`. It is the forward KL(teacher || student) plus the
+    teacher's entropy, which does not depend on the student. Both logits (batch, seq, vocab) are aligned with
+    labels (batch, seq) as in `sft_loss`; the labels only say which positions count. A batch with no label is 0.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} differ: the two models must share the vocabulary")
+    if labels.shape != student_logits.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits shape "
+                         f"{tuple(student_logits.shape)} without its vocabulary dim")
+    learnt = labels != ignore_index
+    if not learnt.any():
+        return student_logits.nan_to_num(0.0, 0.0, 0.0).sum() * 0.0  # no label token: 0, still in the graph
+    # Only the label positions: the (tokens, vocab) probabilities of the prompt would be memory spent for nothing.
+    teacher_probs = torch.softmax(teacher_logits[learnt].float(), dim=-1)
+    student_logps = torch.log_softmax(student_logits[learnt].float(), dim=-1)
+    # A token the student rules out entirely (-inf) that the teacher also gives no mass would make 0 * -inf = nan.
+    return -(teacher_probs * student_logps.masked_fill(teacher_probs == 0, 0.0)).sum(dim=-1).mean()
+
+
 # ------------------------------------------------------------------------------------------------ reward model
 def pairwise_reward_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
                          margin: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,7 @@ ALLOCATION_FLAGS = {"world_size": "--world-size", "gpus_per_node": "--gpus-per-n
 # One-model modes: what sits on each rank of their single data-parallel group, and the memory model's kind of
 # the trained model (a reward model is a value model: no LM head).
 PAIRED_WITH_REFERENCE = ("dpo", "kto", "idpo")
+WITH_TEACHER = ("kd",)  # a frozen teacher on every rank beside the trained model
 VALUE_MODEL_MODES = ("rm",)
 INFERENCE_MODES = ("generate",)
 
@@ -209,10 +210,13 @@ def _one_model(mode: str, cfg: Any, allocation: Allocation, model: str | None, f
                                                   f"({train.micro_batch_size}) x {world} ranks = "
                                                   f"{train.micro_batch_size * world}")
     with_ref = mode in PAIRED_WITH_REFERENCE and cfg.ref.mode == "colocated"
-    placement = f"actor+ref={world}" if with_ref else f"actor={world}"
+    with_teacher = mode in WITH_TEACHER
+    placement = f"actor+ref={world}" if with_ref else f"actor+teacher={world}" if with_teacher else f"actor={world}"
     shapes = {"actor": _shape(cfg.model.path, "model.path", model, folders)}
     if with_ref:
         shapes["ref"] = _shape(cfg.ref.path, "ref.path", model, folders) if cfg.ref.path else shapes["actor"]
+    if with_teacher:
+        shapes["teacher"] = _shape(cfg.kd.teacher, "kd.teacher", model, folders)
     memory_kind = "critic" if mode in VALUE_MODEL_MODES else "ref" if mode in INFERENCE_MODES else "actor"
 
     def load_of(name: str, kind: str) -> RoleLoad:

@@ -26,6 +26,7 @@ from hpc_rlhf.launch.local import run_or_spawn
 # mode -> module defining Config and run(cfg)
 TRAINING_MODES = {
     "sft": "hpc_rlhf.trainers.sft",
+    "kd": "hpc_rlhf.trainers.kd",
     "rm": "hpc_rlhf.trainers.rm",
     "prm": "hpc_rlhf.trainers.prm",
     "dpo": "hpc_rlhf.trainers.dpo",
@@ -40,6 +41,7 @@ TRAINING_MODES = {
 # mode -> its Config class, "module:Class" in a module that imports no torch (the recipe module's `Config` is it)
 MODE_CONFIGS = {
     "sft": "hpc_rlhf.trainers.config:SFTConfig",
+    "kd": "hpc_rlhf.trainers.config:KDConfig",
     "rm": "hpc_rlhf.trainers.config:RMConfig",
     "prm": "hpc_rlhf.trainers.config:PRMConfig",
     "dpo": "hpc_rlhf.trainers.config:DPOConfig",
@@ -65,6 +67,7 @@ COMMANDS = {
 }
 DESCRIPTIONS = {
     "sft": "supervised fine-tuning on prompt/response pairs or chats",
+    "kd": "knowledge distillation: SFT toward a frozen teacher's next-token distributions",
     "rm": "reward model on chosen/rejected pairs (Bradley-Terry)",
     "prm": "process reward model: a label after each step of a solution",
     "dpo": "direct preference optimisation (sigmoid, IPO, cDPO)",

@@ -281,7 +281,7 @@ def build_parser(prog: str = "python -m hpc_rlhf.launch.slurm") -> argparse.Argu
         description="Queue an hpc-rlhf training mode on Slurm with submitit (requeued on preemption).",
         epilog=f"example: {prog} sft --config examples/tiny/sft.yaml --nodes 2 --tasks-per-node 2 --wait -- "
                f"train.max_steps=50")
-    parser.add_argument("mode", help="training mode (sft, rm, prm, dpo, kto, ppo, grpo, ...)")
+    parser.add_argument("mode", help="training mode (sft, kd, rm, prm, dpo, kto, ppo, grpo, ...)")
     parser.add_argument("--config", "-c", default=None, help="YAML config of the mode")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--tasks-per-node", type=int, default=1, help="ranks per node (one per GPU)")

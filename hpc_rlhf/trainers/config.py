@@ -1,4 +1,5 @@
-"""The configuration of the one-model modes (`sft`, `rm`, `prm`, `dpo`, `kto`, `generate`, `rs`, `csft`, `idpo`): each
+"""The configuration of the one-model modes (`sft`, `kd`, `rm`, `prm`, `dpo`, `kto`, `generate`, `rs`, `csft`,
+`idpo`): each
 mode's `Config` with the sections and defaults of its own, beside the shared ones of hpc_rlhf/config.py. It imports
 no torch: `--help` and `--dry-run` read these keys on a login node or in a Slurm batch step, before any rank starts.
 """
@@ -47,6 +48,29 @@ def refuse_packing(data: DataSection, mode: str) -> None:
     they would ignore is refused rather than dropped."""
     if data.packing:
         raise ConfigError(f"data.packing: {mode} trains padded rows (packing is for sft, csft and rs): remove it")
+
+
+# -------------------------------------------------------------------------------------------------------- kd
+@dataclass
+class DistillationSection:
+    """Knowledge distillation on the training texts: a frozen teacher's next-token distribution at every response
+    token, beside the data's own tokens (algorithms.losses.distillation_loss)."""
+    teacher: str = field("runs/grpo/final", help="teacher model folder: a causal LM with the student's tokenizer")
+    coef: float = field(0.4, min=0, max=1, help="weight of the distillation loss; the next-token loss of the data "
+                                                "weighs 1 - coef (1: the teacher alone)")
+
+
+@dataclass
+class KDConfig:
+    output_dir: str = field("runs/kd", help="where metrics, TensorBoard, checkpoints and final/ go")
+    model: ModelSection = section(ModelSection)
+    kd: DistillationSection = section(DistillationSection)
+    data: DataSection = dataclasses.field(default_factory=_sft_data)
+    train: TrainSection = section(TrainSection)
+    eval: GenerationEvalSection = section(GenerationEvalSection)
+    log: LogSection = section(LogSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    dist: DistSection = section(DistSection)
 
 
 # -------------------------------------------------------------------------------------------------------- rm

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpc_rlhf.algorithms.losses import (aggregate_loss, cispo_loss, dpo_loss, gspo_loss, kto_loss, loss_mask,
+from hpc_rlhf.algorithms.losses import (aggregate_loss, cispo_loss, distillation_loss, dpo_loss, gspo_loss, kto_loss,
+                                        loss_mask,
                                         loss_normalizer, pairwise_reward_loss, policy_loss, process_reward_loss,
                                         sft_loss, value_loss)
 
@@ -17,6 +18,38 @@ def test_sft_loss_hand_computed_with_ignored_tokens():
     labels = torch.tensor([[2, -100, 0]])
     # -log p: 3.40760596 - 3 = 0.40760596 and 3.40760596 - 1 = 2.40760596; mean over the 2 learnt tokens.
     torch.testing.assert_close(sft_loss(logits, labels), torch.tensor(1.40760596))
+
+
+def test_distillation_loss_hand_computed_with_ignored_tokens_and_ruled_out_words():
+    INF = float("inf")
+    student = torch.tensor([[[0.0, math.log(3.0)], [9.0, 1.0], [0.0, math.log(3.0)], [0.0, -INF]]])
+    teacher = torch.tensor([[[0.0, 0.0], [1.0, 9.0], [0.0, -INF], [0.0, -INF]]])
+    labels = torch.tensor([[1, -100, 0, 0]])
+    # p_student = (1/4, 3/4): against (1/2, 1/2) -(ln(1/4) + ln(3/4)) / 2 = 0.83698822; against (1, 0) ln 4 =
+    # 1.38629436; the last token, ruled out by both, 0 (not 0 x -inf); the second is not learnt. Mean of three.
+    loss = distillation_loss(student, teacher, labels)
+    torch.testing.assert_close(loss, torch.tensor((0.83698822 + 1.38629436 + 0.0) / 3))
+    assert distillation_loss(student, teacher, torch.full_like(labels, -100)).item() == 0.0
+
+
+def test_distillation_loss_is_the_forward_kl_plus_the_teachers_entropy_and_its_gradient_pulls_to_the_teacher():
+    torch.manual_seed(0)
+    student = torch.randn(2, 5, 7, requires_grad=True)
+    teacher = torch.randn(2, 5, 7)
+    labels = torch.randint(0, 7, (2, 5))
+    labels[0, :2] = -100
+    loss = distillation_loss(student, teacher, labels)
+    loss.backward()
+    learnt = labels != -100
+    p_teacher, logp_student = teacher.softmax(-1)[learnt], student.detach().log_softmax(-1)[learnt]
+    kl = F.kl_div(logp_student, p_teacher, reduction="none").sum(-1)
+    entropy = -(p_teacher * p_teacher.log()).sum(-1)
+    torch.testing.assert_close(loss.detach(), (kl + entropy).mean())
+    expected = torch.zeros_like(student)
+    expected[learnt] = (logp_student.exp() - p_teacher) / int(learnt.sum())
+    torch.testing.assert_close(student.grad, expected)
+    with pytest.raises(ValueError, match="share the vocabulary"):
+        distillation_loss(student, teacher[..., :6], labels)
 
 
 def test_sft_loss_matches_cross_entropy_and_its_gradient():
