@@ -1,6 +1,6 @@
-"""`hpc-rlhf from-openrlhf [--mode ppo|dpo|rm|prm|sft] [--set KEY=VALUE ...] -- <OpenRLHF flags>`: an hpc_rlhf YAML
+"""`hpc-rlhf from-openrlhf [--mode ppo|dpo|rm|prm|sft|kd] [--set KEY=VALUE ...] -- <OpenRLHF flags>`: an hpc_rlhf YAML
 config from the command-line flags of OpenRLHF's training scripts (train_ppo_ray, train_dpo, train_rm, train_prm,
-train_sft).
+train_sft, train_kd).
 
 Every flag the converter knows is in one table, `FLAGS`, and is one of three kinds:
 - mapped: set to the hpc_rlhf key(s) of the same meaning (a note says where the two differ in a detail);
@@ -37,10 +37,11 @@ from hpc_rlhf.config import ConfigError, all_keys, from_dict, parse_override
 from hpc_rlhf.launch.modes import mode_config
 
 PROG = "hpc-rlhf from-openrlhf"
-MODES = ("ppo", "dpo", "rm", "prm", "sft")
-SCRIPTS = {"ppo": "train_ppo_ray", "dpo": "train_dpo", "rm": "train_rm", "prm": "train_prm", "sft": "train_sft"}
+MODES = ("ppo", "dpo", "rm", "prm", "sft", "kd")
+SCRIPTS = {"ppo": "train_ppo_ray", "dpo": "train_dpo", "rm": "train_rm", "prm": "train_prm", "sft": "train_sft",
+           "kd": "train_kd"}
 ALL = MODES
-ONE_MODEL = ("dpo", "rm", "prm", "sft")
+ONE_MODEL = ("dpo", "rm", "prm", "sft", "kd")
 ROLE_DEFAULT_NODES, ROLE_DEFAULT_GPUS = 1, 8  # OpenRLHF's default for every role's --*_num_nodes/--*_num_gpus_per_node
 ADVANTAGES = {"gae": "gae", "reinforce": "reinforce_pp", "rloo": "rloo", "reinforce_baseline": "reinforce_pp_baseline",
               "group_norm": "grpo", "dr_grpo": "dr_grpo"}
@@ -236,7 +237,8 @@ HUB_SPLIT = "the split of a hub data set; a local file has only its rows: accept
 
 def _flags() -> list[Flag]:
     F = Flag
-    ppo, dpo, rm, prm, sft = ("ppo",), ("dpo",), ("rm",), ("prm",), ("sft",)
+    ppo, dpo, rm, prm, sft, kd = ("ppo",), ("dpo",), ("rm",), ("prm",), ("sft",), ("kd",)
+    on_sft_data = ("sft", "kd")  # train_kd reads train_sft's rows
     flags = [
         # ---- placement (PPO): counts worked out in Conversion.placement()
         F(("--actor_num_nodes", "--actor.num_nodes"), ppo, cast=int, keys="placement: actor",
@@ -344,7 +346,7 @@ def _flags() -> list[Flag]:
         F(("--deepcompile", "--ds.deepcompile"), ALL, takes="switch", refused="no DeepCompile here"),
         F(("--packing_samples", "--ds.packing_samples"), ALL, takes="switch", keys="data.packing; rl.padding_free",
           apply=lambda c, v: _packing(c), note="PPO: rl.padding_free (rows of real tokens in scoring and training); "
-                                               "SFT: data.packing; DPO, RM and PRM: nothing (they train padded "
+                                               "SFT and KD: data.packing; DPO, RM and PRM: nothing (they train padded "
                                                "rows here; packing changes only their speed)"),
         F(("--use_dynamic_batch", "--train.dynamic_batch_enable"), ppo, takes="switch",
           keys="rl.micro_batch_tokens, rl.score_micro_batch_tokens", apply=_keep_switch("dynamic_batch"),
@@ -400,7 +402,8 @@ def _flags() -> list[Flag]:
         F(("--dataset_split", "--data.dataset_split"), ONE_MODEL, noop=("train",), refused=HUB_SPLIT),
         F(("--train_split",), sft, noop=("train",), refused=HUB_SPLIT),
         F(("--eval_split", "--eval.split"), ALL, noop=("train",), refused=HUB_SPLIT),
-        F(("--input_key", "--data.input_key"), ("ppo", "sft"), keys="data.prompt_key", apply=to("data.prompt_key")),
+        F(("--input_key", "--data.input_key"), ("ppo", *on_sft_data), keys="data.prompt_key",
+          apply=to("data.prompt_key")),
         F(("--input_key", "--data.input_key"), prm, keys="data.input_key", apply=to("data.input_key"),
           note="the solution text, a marker after each step"),
         F(("--label_key", "--data.label_key"), prm, keys="data.label_key", apply=to("data.label_key"),
@@ -411,7 +414,7 @@ def _flags() -> list[Flag]:
           note="the right-step token first; without the flag OpenRLHF fits the whole vocabulary, hpc_rlhf keeps its "
                "default [+, -]"),
         F(("--prompt_key", "--data.prompt_key"), ("dpo", "rm"), keys="data.prompt_key", apply=to("data.prompt_key")),
-        F(("--output_key", "--data.output_key"), sft, keys="data.response_key", apply=to("data.response_key")),
+        F(("--output_key", "--data.output_key"), on_sft_data, keys="data.response_key", apply=to("data.response_key")),
         F(("--label_key", "--data.label_key"), ppo, keys="data.answer_key", apply=to("data.answer_key"),
           note="the reference answer the reward functions get"),
         F(("--chosen_key", "--data.chosen_key"), ("dpo", "rm"), keys="data.chosen_key", apply=to("data.chosen_key")),
@@ -475,7 +478,8 @@ def _flags() -> list[Flag]:
         F(("--lr_warmup_ratio",), ALL, cast=float, noop=(0.0,), lifted_by="train.warmup_steps",
           refused="hpc_rlhf's warmup is a number of steps (train.warmup_steps, RL steps in PPO): give "
                   "--set train.warmup_steps=N"),
-        F(("--aux_loss_coef", "--actor.aux_loss_coef", "--model.aux_loss_coef"), ("ppo", "rm", "prm", "sft", "dpo"),
+        F(("--aux_loss_coef", "--actor.aux_loss_coef", "--model.aux_loss_coef"),
+          ("ppo", "rm", "prm", "sft", "kd", "dpo"),
           cast=float, noop=(0.0,), refused="no mixture-of-experts balancing loss"),
         F(("--enable_ema", "--train.enable_ema"), ppo, takes="switch", refused="no EMA of the weights"),
         F(("--ema_beta", "--train.ema_beta"), ppo, cast=float, refused="no EMA of the weights"),
@@ -563,8 +567,14 @@ def _flags() -> list[Flag]:
           apply=to("rm.margin_key", lambda _: "margin"), note="OpenRLHF reads the margin from the 'margin' column"),
         F(("--compute_fp32_loss", "--model.compute_fp32_loss_enable"), rm, takes="switch",
           refused="no such switch (the loss is computed in the model's dtype)"),
-        F(("--pretrain_mode", "--model.pretrain_mode_enable"), sft, takes="switch",
+        F(("--pretrain_mode", "--model.pretrain_mode_enable"), on_sft_data, takes="switch",
           refused="no loss on the prompt tokens: SFT trains on the responses"),
+        F(("--teacher_model",), kd, core=True, keys="kd.teacher", apply=to("kd.teacher"), note=LOCAL_MODEL),
+        F(("--kd_coef",), kd, core=True, cast=float, keys="kd.coef", apply=to("kd.coef"),
+          note="the same mix: (1 - coef) x the data's next-token loss + coef x the cross-entropy to the teacher"),
+        F(("--teacher_offload",), kd, takes="switch",
+          refused="the frozen teacher stays on the GPU (sharded like the student with train.zero_stage=3); "
+                  "no offload of it to the CPU"),
         # ---- checkpoints and logs
         F(("--save_path", "--ckpt.output_dir"), ALL, keys="output_dir", apply=to("output_dir"),
           note="the final model goes to output_dir/final (the critic to final_critic), checkpoints to "
@@ -645,7 +655,7 @@ def _keep_switch(slot: str) -> Callable[["Conversion", Any], None]:
 def _packing(conv: "Conversion") -> None:
     if conv.mode == "ppo":  # the RL step packs rows of real tokens (issue 37)
         conv.set("rl.padding_free", True)
-    elif conv.mode == "sft":
+    elif conv.mode in ("sft", "kd"):
         conv.set("data.packing", True)
     # dpo, rm, prm: they train padded rows here (data.packing is refused there); packing changes only their speed
 
@@ -732,7 +742,7 @@ class Conversion:
         # the built-in tiny task's held-out files, which a converted run must not read.
         if "data.eval_files" not in self.keys:
             self.set_derived("data.eval_files", [])
-        if self.mode in ("sft", "dpo"):
+        if self.mode in ("sft", "kd", "dpo"):
             self.set_derived("eval.prompt_files", [])
         for key, value in self.sets.items():
             if key in self.keys and self.keys[key] != value:
@@ -1028,11 +1038,11 @@ def flag_table(mode: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, theirs = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, None)
-    parser = argparse.ArgumentParser(prog=PROG, usage=f"{PROG} [--mode ppo|dpo|rm|prm|sft] [--set KEY=VALUE ...] -- "
-                                                      f"<OpenRLHF flags>",
+    parser = argparse.ArgumentParser(prog=PROG, usage=f"{PROG} [--mode ppo|dpo|rm|prm|sft|kd] [--set KEY=VALUE ...] "
+                                                      f"-- <OpenRLHF flags>",
                                      description="Print the hpc_rlhf YAML config of an OpenRLHF command's flags "
-                                                 "(train_ppo_ray, train_dpo, train_rm, train_prm, train_sft). Flags "
-                                                 "without an exact equivalent are refused by name.")
+                                                 "(train_ppo_ray, train_dpo, train_rm, train_prm, train_sft, "
+                                                 "train_kd). Flags without an exact equivalent are refused by name.")
     parser.add_argument("--mode", default="ppo", choices=MODES, help="which OpenRLHF script the flags are for")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an hpc_rlhf key no flag gives (e.g. train.max_steps=500); repeatable")

@@ -85,7 +85,7 @@ DESCRIPTIONS = {
     "demo": "the built-in pipeline on CPU: SFT -> reward model -> PPO",
     "submit": "queue a training mode on Slurm with submitit (requeued on preemption)",
     "plot": "draw an RL run's reward, KL and held-out accuracy (PNG), with a control run as a line",
-    "from-openrlhf": "print the hpc_rlhf config of an OpenRLHF command's flags (ppo, dpo, rm, prm, sft)",
+    "from-openrlhf": "print the hpc_rlhf config of an OpenRLHF command's flags (ppo, dpo, rm, prm, sft, kd)",
     "bandwidth": "time an all-reduce across the job's ranks (run on every rank): NCCL or gloo bandwidth",
 }
 
