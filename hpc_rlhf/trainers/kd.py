@@ -19,8 +19,6 @@ import torch
 
 from hpc_rlhf.algorithms.losses import distillation_loss
 from hpc_rlhf.config import ConfigError, ModelSection
-from hpc_rlhf.data.examples import pad_collate
-from hpc_rlhf.data.packing import pack_examples, packed_collate, packed_model_kwargs
 from hpc_rlhf.engines.train import TrainEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer, same_tokenizer_problem
 from hpc_rlhf.runtime import loop
@@ -28,7 +26,7 @@ from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
 from hpc_rlhf.runtime.reference import FrozenModel, balanced_chunks
 from hpc_rlhf.trainers.config import KDConfig as Config  # the mode's keys, torch-free for --help and --dry-run
-from hpc_rlhf.trainers.sft import load_sft_examples, shifted_loss
+from hpc_rlhf.trainers.sft import label_tokens, load_train_and_eval, model_inputs, shifted_loss
 
 
 class DistillationRecipe:
@@ -49,12 +47,7 @@ class DistillationRecipe:
         if problem:
             raise ConfigError(problem)
         self.tokenizer = load_tokenizer(tokenizer_folder)
-        self.train_examples = load_sft_examples(cfg.data.train_files, cfg, self.tokenizer, "data.train_files",
-                                                cfg.data.max_train_rows)
-        self.eval_examples = (load_sft_examples(cfg.data.eval_files, cfg, self.tokenizer, "data.eval_files",
-                                                cfg.data.max_eval_rows) if cfg.data.eval_files else [])
-        if cfg.data.packing:
-            self.train_examples = pack_examples(self.train_examples, cfg.data.max_len)
+        self.train_examples, self.eval_examples = load_train_and_eval(cfg, self.tokenizer)
         self.eval_prompts = load_eval_prompts(cfg)
         self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
         teacher_cfg = ModelSection(path=cfg.kd.teacher, dtype=cfg.model.dtype,
@@ -65,15 +58,8 @@ class DistillationRecipe:
     def _losses(self, batch_examples, packed: bool) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """(next-token loss, distillation loss) of a micro-batch, each a mean over its label tokens; the number
         of label tokens; the number of real tokens. `packed`: the examples are packed rows (data.packing)."""
-        pad = self.tokenizer.pad_token_id
-        if packed:
-            batch = packed_collate(batch_examples, pad)
-            kwargs = packed_model_kwargs(batch, self.cfg.model.attn_implementation)
-        else:
-            batch = pad_collate(batch_examples, pad)
-            kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-        kwargs = {k: v.to(self.run.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-        labels = batch["labels"].to(self.run.device)
+        kwargs, labels = model_inputs(batch_examples, self.tokenizer.pad_token_id, packed,
+                                      self.cfg.model.attn_implementation, self.run.device)
         logits = self.engine(**kwargs).logits.float()
         teacher_logits = self.teacher(**kwargs).logits.float()
         if teacher_logits.shape[-1] != logits.shape[-1]:
@@ -116,15 +102,11 @@ class DistillationRecipe:
         return loop.MicroBatch(self._combined(nll, kd), tokens, {"nll": nll.detach(), "kd_loss": kd.detach()},
                                loss_tokens=loss_tokens)
 
-    def _loss_tokens(self, rows: list[int]) -> int:
-        """Label tokens the loss of these rows is a mean over (what _losses counts, without a forward)."""
-        return sum(int((torch.as_tensor(self.train_examples[i]["labels"])[1:] != -100).sum()) for i in rows)
-
     def train(self) -> dict[str, float]:
         last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                            micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
                                            evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
-                                           loss_tokens_of=self._loss_tokens,
+                                           loss_tokens_of=lambda rows: label_tokens(self.train_examples, rows),
                                            row_length=lambda row: len(self.train_examples[row]["input_ids"]))
         loop.finish_training(self.run, self.engine, self.tokenizer)
         self.teacher.close()

@@ -40,6 +40,35 @@ def load_sft_examples(paths, cfg: Config, tokenizer, where: str, max_rows):
                         max_prompt_len=data.max_prompt_len, chat_template=chat, wheres=columns["_source"])
 
 
+def load_train_and_eval(cfg, tokenizer) -> tuple[list, list]:
+    """(training examples, held-out examples) of `data.train_files` and `data.eval_files`; the training ones in
+    packed rows with data.packing."""
+    data = cfg.data
+    train = load_sft_examples(data.train_files, cfg, tokenizer, "data.train_files", data.max_train_rows)
+    held_out = (load_sft_examples(data.eval_files, cfg, tokenizer, "data.eval_files", data.max_eval_rows)
+                if data.eval_files else [])
+    return (pack_examples(train, data.max_len) if data.packing else train), held_out
+
+
+def model_inputs(examples, pad_id: int, packed: bool, attn_implementation: str,
+                 device) -> tuple[dict, torch.Tensor]:
+    """(the model's keyword arguments, the labels) of a micro-batch of examples, on `device`. `packed`: the
+    examples are packed rows (training with data.packing; held-out examples are never packed)."""
+    if packed:
+        batch = packed_collate(examples, pad_id)
+        kwargs = packed_model_kwargs(batch, attn_implementation)
+    else:
+        batch = pad_collate(examples, pad_id)
+        kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    return kwargs, batch["labels"].to(device)
+
+
+def label_tokens(examples, rows: list[int]) -> int:
+    """The label tokens of these rows, which a next-token loss is a mean over (as shifted_loss counts them)."""
+    return sum(int((torch.as_tensor(examples[i]["labels"])[1:] != -100).sum()) for i in rows)
+
+
 def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token loss: position t's logits predict the label at t+1."""
     return sft_loss(logits[:, :-1], labels[:, 1:])
@@ -57,12 +86,7 @@ class SFTRecipe:
         run_setup.check_batch_sizes(cfg.train, run.world_size)
         run_setup.check_fits_model(cfg.data.max_len, cfg.model.path, "data.max_len")  # input validation up front
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-        self.train_examples = load_sft_examples(cfg.data.train_files, cfg, self.tokenizer, "data.train_files",
-                                                cfg.data.max_train_rows)
-        self.eval_examples = (load_sft_examples(cfg.data.eval_files, cfg, self.tokenizer, "data.eval_files",
-                                                cfg.data.max_eval_rows) if cfg.data.eval_files else [])
-        if cfg.data.packing:
-            self.train_examples = pack_examples(self.train_examples, cfg.data.max_len)
+        self.train_examples, self.eval_examples = load_train_and_eval(cfg, self.tokenizer)
         self.eval_prompts = load_eval_prompts(cfg)
         self.engine = TrainEngine(build_causal_lm(cfg.model), cfg.train, group=None, model_dtype=cfg.model.dtype)
         self.bad_steps, self.stop = loop.start_training(run, {"model": self.engine})
@@ -70,15 +94,8 @@ class SFTRecipe:
     def _forward_loss(self, batch_examples, packed: bool) -> tuple[torch.Tensor, int, int]:
         """Mean next-token loss of a micro-batch, its number of label tokens, its number of real tokens. `packed`:
         the examples are packed rows (training with data.packing; held-out examples are never packed)."""
-        pad = self.tokenizer.pad_token_id
-        if packed:
-            batch = packed_collate(batch_examples, pad)
-            kwargs = packed_model_kwargs(batch, self.cfg.model.attn_implementation)
-        else:
-            batch = pad_collate(batch_examples, pad)
-            kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-        kwargs = {k: v.to(self.run.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-        labels = batch["labels"].to(self.run.device)
+        kwargs, labels = model_inputs(batch_examples, self.tokenizer.pad_token_id, packed,
+                                      self.cfg.model.attn_implementation, self.run.device)
         logits = self.engine(**kwargs).logits
         real_tokens = sum(len(example["input_ids"]) for example in batch_examples)
         return shifted_loss(logits.float(), labels), int((labels[:, 1:] != -100).sum()), real_tokens
@@ -110,16 +127,12 @@ class SFTRecipe:
                                                         packed=self.cfg.data.packing)
         return loop.MicroBatch(loss, tokens, loss_tokens=loss_tokens)
 
-    def _loss_tokens(self, rows: list[int]) -> int:
-        """Label tokens the loss of these rows is a mean over (what _forward_loss counts, without a forward)."""
-        return sum(int((torch.as_tensor(self.train_examples[i]["labels"])[1:] != -100).sum()) for i in rows)
-
     def train(self) -> dict[str, float]:
         # The loss is a mean over every response token of the optimizer step (loop.train_one_model).
         last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                            micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
                                            evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
-                                           loss_tokens_of=self._loss_tokens,
+                                           loss_tokens_of=lambda rows: label_tokens(self.train_examples, rows),
                                            row_length=lambda row: len(self.train_examples[row]["input_ids"]))
         loop.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval

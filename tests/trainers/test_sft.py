@@ -64,7 +64,7 @@ def test_the_loss_is_a_token_mean_over_the_whole_step_whatever_the_micro_batches
         recipe = sft.SFTRecipe(sft_config(tmp_path / name, *settings, *extra))
         recipe.setup()
         rows = order.step_indices(len(recipe.train_examples), 8, 0, recipe.cfg.train.seed)
-        lengths = [recipe._loss_tokens([i]) for i in rows]
+        lengths = [sft.label_tokens(recipe.train_examples, [i]) for i in rows]
         recipe.train()
         figures[name] = read_metrics(tmp_path / name)[-1]
     assert len(set(lengths)) > 1, f"the step's answers must differ in length for this test to mean anything: {lengths}"
