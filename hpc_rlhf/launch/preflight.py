@@ -5,7 +5,7 @@ every rank has loaded its model.
 - model folders: every folder the plan read (`report["model_folders"]`: actor.path, critic.path, reward.models[i],
   model.path, ...) holds a config.json and weights whose safetensors headers read, and the tokenizer folder
   (`actor.tokenizer` or `model.tokenizer`, else the model folder) has tokenizer files; a teacher to distill from
-  (distill.teacher) has the same tokenizer;
+  (distill.teacher, kd.teacher) has the same tokenizer;
 - data files: every `*_files` key (data.train_files, data.eval_files, eval.prompt_files, ...) names files or
   folders that exist; the first PEEK_ROWS rows of a JSON or JSON Lines file parse as JSON objects (the trainer
   checks every row against its mode's keys when it loads them);
@@ -36,8 +36,8 @@ def check_files(cfg: Any, report: dict, checkpoint_gb: float) -> list[str]:
     (for the job log). Raises AllocationError naming the key of the first problem."""
     checked = [_check_model_folder(key, folder) for key, folder in report["model_folders"].items()]
     checked += [_check_tokenizer(key, folder) for key, folder in tokenizer_folders(cfg).items()]
-    if getattr(getattr(cfg, "distill", None), "teacher", None):
-        checked.append(_check_teacher_tokenizer(cfg))
+    for key, teacher in teachers(cfg).items():
+        checked.append(_check_teacher_tokenizer(cfg, key, teacher))
     for key, paths in data_files(cfg).items():
         checked += [_check_data_file(key, Path(path)) for path in paths]
     checked.append(_check_output_dir(cfg.output_dir, checkpoint_gb))
@@ -85,14 +85,25 @@ def _check_tokenizer(key: str, folder: str) -> str:
     return f"{key}: tokenizer in {folder}"
 
 
-def _check_teacher_tokenizer(cfg: Any) -> str:
+def teachers(cfg: Any) -> dict[str, str]:
+    """key -> the teacher folder a run distills from: RL's `distill.teacher`, knowledge distillation's
+    `kd.teacher`."""
+    found = {}
+    for section in ("distill", "kd"):
+        teacher = getattr(getattr(cfg, section, None), "teacher", None)
+        if teacher:
+            found[f"{section}.teacher"] = teacher
+    return found
+
+
+def _check_teacher_tokenizer(cfg: Any, teacher_key: str, teacher: str) -> str:
     from hpc_rlhf.models.builders import same_tokenizer_problem  # transformers: only a teacher's check loads it
 
     [(key, folder)] = tokenizer_folders(cfg).items()
-    problem = same_tokenizer_problem(folder, cfg.distill.teacher, key)
+    problem = same_tokenizer_problem(folder, teacher, key, teacher_key)
     if problem:
-        raise AllocationError("distill.teacher", problem)
-    return f"distill.teacher: the same tokenizer as {key} ({folder})"
+        raise AllocationError(teacher_key, problem)
+    return f"{teacher_key}: the same tokenizer as {key} ({folder})"
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, str]]:

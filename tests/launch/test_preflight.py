@@ -80,3 +80,24 @@ def test_an_output_dir_without_room_for_two_checkpoints_is_refused(tmp_path, mon
     preflight.check_files(cfg, report, 2.4)  # 4.8 GB: fits in 5
     with pytest.raises(AllocationError, match=r"output_dir: .* has 5.0 GB free, but 2 checkpoints need about 6.0 GB"):
         preflight.check_files(cfg, report, 3.0)
+
+
+def test_a_knowledge_distillation_teacher_is_checked_for_weights_and_the_students_tokenizer(tmp_path):
+    from hpc_rlhf.trainers import kd
+
+    def kd_run(teacher: Path):
+        cfg = load_config(kd.Config, REPO / "examples" / "tiny" / "kd.yaml",
+                          [f"model.path={MODEL}", f"kd.teacher={teacher}", f"output_dir={tmp_path / 'out'}",
+                           "train.micro_batch_size=64", "dist.nproc=2"])
+        return cfg, check_config("kd", cfg, 2, 2, gpu_memory_gb=1000)
+
+    cfg, report = kd_run(MODEL)
+    keys = [line.split(":", 1)[0] for line in preflight.check_files(cfg, report, 0.0)]
+    assert keys[:3] == ["model.path", "kd.teacher", "model.path"] and "kd.teacher" in keys[3:]
+    other = tmp_path / "teacher"  # two digits' ids swapped in its tokenizer
+    shutil.copytree(MODEL, other)
+    spec = (other / "tokenizer.json").read_text().replace('"0": ', '"zero": ').replace('"1": ', '"0": ')
+    (other / "tokenizer.json").write_text(spec.replace('"zero": ', '"1": '))
+    cfg, report = kd_run(other)
+    with pytest.raises(AllocationError, match=r"kd\.teacher: kd\.teacher '.*teacher' does not share the tokenizer"):
+        preflight.check_files(cfg, report, 0.0)
