@@ -61,7 +61,7 @@ class DistillationRecipe:
         kwargs, labels = model_inputs(batch_examples, self.tokenizer.pad_token_id, packed,
                                       self.cfg.model.attn_implementation, self.run.device)
         logits = self.engine(**kwargs).logits.float()
-        teacher_logits = self.teacher(**kwargs).logits.float()
+        teacher_logits = self.teacher(**kwargs).logits  # cast at the label positions only (distillation_loss)
         if teacher_logits.shape[-1] != logits.shape[-1]:
             raise ConfigError(f"kd.teacher '{self.cfg.kd.teacher}' has {teacher_logits.shape[-1]} output tokens and "
                               f"model.path '{self.cfg.model.path}' {logits.shape[-1]}: the two must share the "
