@@ -30,6 +30,7 @@ state it could break. It closes every inherited file descriptor, so that it hold
 from __future__ import annotations
 
 import errno
+import gc
 import ipaddress
 import os
 import select
@@ -107,16 +108,32 @@ def start(port: int, world_size: int, timeout_s: float, secret: str, host: str =
     keys with `secret` (hpc_rlhf.dist.store_guard); return once it listens."""
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
-    pid = os.fork()
+    # No collection may run in the child before it has set the inherited objects aside: libraries' at-fork hooks
+    # allocate in the child (filelock 4.3's resets its lock registry), and a collection there walked the parent's
+    # whole heap and crashed once (segfault in the collector, 2026-11-30, the learning lane's pytest, whose other
+    # threads were waiting on the shared models' runs). The child's collections then walk only its own objects.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        pid = os.fork()
+    except BaseException:
+        if collecting:
+            gc.enable()
+        raise
     if pid == 0:  # the store's process: never returns
         code = 0
         try:
+            gc.freeze()
+            if collecting:
+                gc.enable()
             os.close(read_fd)
             _serve(host, port, world_size, timeout_s, secret, write_fd, parent)
         except BaseException:  # noqa: BLE001 - nothing to print to: stdout and stderr are closed
             code = 1
         finally:
             os._exit(code)  # no atexit handlers, no flushing of the parent's buffers
+    if collecting:
+        gc.enable()
     os.close(write_fd)
     try:
         answer = _read_answer(read_fd, READY_TIMEOUT_S)

@@ -6,6 +6,7 @@ plays rank 1, a client of the store."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -133,6 +134,21 @@ def test_a_port_in_use_is_said():
         port = busy.getsockname()[1]
         with pytest.raises(store_host.StoreHostError, match="(?i)address already in use"):
             store_host.start(port, 2, timeout_s=5, secret=SECRET)
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_the_fork_leaves_the_parents_collector_as_it_was(collecting):
+    """The collector is off across the fork (no collection in the child's at-fork hooks) and back after it."""
+    if not collecting:
+        gc.disable()
+    try:
+        host = store_host.start(0, 1, timeout_s=5, secret=SECRET, host=store_host.LOOPBACK)
+        assert gc.isenabled() == collecting
+        store, _ = _client(host.port)
+        host.close(store)
+        _wait_for(lambda: os.waitpid(host.pid, os.WNOHANG)[0] == host.pid, 5, "the store's process to leave")
+    finally:
+        gc.enable()
 
 
 def test_close_lets_it_leave_while_its_parent_lives():
