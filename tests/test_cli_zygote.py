@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -246,11 +247,34 @@ def test_the_stand_in_runs_the_rank_forked_and_ends_as_it_does(tmp_path):
     assert proc.wait(60) == -signal.SIGTERM  # death by the same signal, as srun would see it
 
 
+def wait_or_say_why(proc, rank: int, timeout_s: float = 60) -> int:
+    """The stand-in's exit code; if it does not end in time, an error with what the rank's process was doing (its
+    state and signal masks, from /proc) and what the stand-in wrote to stderr. It timed out once in a fresh-clone
+    suite (2026-11-30, the learning lane) with nothing to go on."""
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            lines = Path(f"/proc/{rank}/status").read_text().splitlines()
+            status = "; ".join(line for line in lines if line.split(":")[0] in
+                               ("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt", "Threads"))
+        except OSError:
+            status = "gone"
+        for pid, kill in ((rank, os.killpg), (proc.pid, os.kill)):
+            try:
+                kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _, err = proc.communicate()
+        raise AssertionError(f"the stand-in did not end within {timeout_s} s; rank process {rank}: {status}; "
+                             f"the stand-in's stderr: {err[-2000:]!r}") from None
+
+
 def test_a_stop_signal_to_the_stand_in_reaches_the_rank(tmp_path):
     proc = stand_in(tmp_path, "sleep")
-    first_line(proc)
+    rank = int(first_line(proc)[0])
     proc.send_signal(signal.SIGUSR1)
-    assert proc.wait(60) == 75
+    assert wait_or_say_why(proc, rank) == 75
     assert proc.stdout.read() == "stopping on SIGUSR1\n"
 
 
