@@ -97,10 +97,15 @@ def teachers(cfg: Any) -> dict[str, str]:
 
 
 def _check_teacher_tokenizer(cfg: Any, teacher_key: str, teacher: str) -> str:
-    from hpc_rlhf.models.builders import same_tokenizer_problem  # transformers: only a teacher's check loads it
+    """The teacher shares the student's tokenizer; knowledge distillation's (`kd.teacher`), which compares whole
+    next-token distributions, also the width of the student's output layer."""
+    # transformers: only a teacher's check loads it
+    from hpc_rlhf.models.builders import same_output_width_problem, same_tokenizer_problem
 
     [(key, folder)] = tokenizer_folders(cfg).items()
     problem = same_tokenizer_problem(folder, teacher, key, teacher_key)
+    if not problem and teacher_key == "kd.teacher":
+        problem = same_output_width_problem(cfg.model.path, teacher, "model.path", teacher_key)
     if problem:
         raise AllocationError(teacher_key, problem)
     return f"{teacher_key}: the same tokenizer as {key} ({folder})"

@@ -220,6 +220,20 @@ def same_tokenizer_problem(student: str | Path, teacher: str | Path, student_key
     return None
 
 
+def same_output_width_problem(student: str | Path, teacher: str | Path, student_key: str = "model.path",
+                              teacher_key: str = "kd.teacher") -> str | None:
+    """Why a teacher's next-token distributions cannot be set beside a student's, or None: knowledge distillation
+    compares them word by word, so both output layers must have the same width (their configs' `vocab_size`,
+    which a shared tokenizer does not fix: families pad it to different multiples). Both folders are named."""
+    widths = [read_model_config(check_model_folder(folder)).get_text_config().vocab_size
+              for folder in (student, teacher)]
+    if widths[0] == widths[1]:
+        return None
+    return (f"{teacher_key} '{teacher}' has {widths[1]} output tokens (vocab_size in its config.json) and "
+            f"{student_key} '{student}' {widths[0]}: the teacher's next-token distributions must be as wide as "
+            f"the student's")
+
+
 def build_causal_lm(model_cfg: ModelSection, for_training: bool = True, device: torch.device | str | None = None,
                     where: str = "model"):
     """The actor or reference model: `AutoModelForCausalLM` from `model_cfg.path`.

@@ -20,7 +20,8 @@ import torch
 from hpc_rlhf.algorithms.losses import distillation_loss
 from hpc_rlhf.config import ConfigError, ModelSection
 from hpc_rlhf.engines.train import TrainEngine
-from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer, same_tokenizer_problem
+from hpc_rlhf.models.builders import (build_causal_lm, load_tokenizer, same_output_width_problem,
+                                      same_tokenizer_problem)
 from hpc_rlhf.runtime import loop
 from hpc_rlhf.runtime import run as run_setup
 from hpc_rlhf.runtime.evaluation import generation_exact_match, load_eval_prompts
@@ -44,6 +45,7 @@ class DistillationRecipe:
         tokenizer_folder = cfg.model.tokenizer or cfg.model.path
         problem = same_tokenizer_problem(tokenizer_folder, cfg.kd.teacher, "model.tokenizer" if cfg.model.tokenizer
                                          else "model.path", "kd.teacher")
+        problem = problem or same_output_width_problem(cfg.model.path, cfg.kd.teacher)
         if problem:
             raise ConfigError(problem)
         self.tokenizer = load_tokenizer(tokenizer_folder)

@@ -4,6 +4,7 @@ output_dir without room for two checkpoints). Through the sbatch scripts: tests/
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -82,7 +83,7 @@ def test_an_output_dir_without_room_for_two_checkpoints_is_refused(tmp_path, mon
         preflight.check_files(cfg, report, 3.0)
 
 
-def test_a_knowledge_distillation_teacher_is_checked_for_weights_and_the_students_tokenizer(tmp_path):
+def test_a_knowledge_distillation_teacher_is_checked_for_weights_the_students_tokenizer_and_width(tmp_path):
     from hpc_rlhf.trainers import kd
 
     def kd_run(teacher: Path):
@@ -100,4 +101,11 @@ def test_a_knowledge_distillation_teacher_is_checked_for_weights_and_the_student
     (other / "tokenizer.json").write_text(spec.replace('"zero": ', '"1": '))
     cfg, report = kd_run(other)
     with pytest.raises(AllocationError, match=r"kd\.teacher: kd\.teacher '.*teacher' does not share the tokenizer"):
+        preflight.check_files(cfg, report, 0.0)
+    wider = tmp_path / "wider"  # the student's tokenizer, an output layer of another width
+    shutil.copytree(MODEL, wider)
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 24}))
+    cfg, report = kd_run(wider)
+    with pytest.raises(AllocationError, match=r"kd\.teacher: kd\.teacher '.*wider' has \d+ output tokens"):
         preflight.check_files(cfg, report, 0.0)

@@ -71,7 +71,7 @@ def test_with_coef_0_it_is_sft_and_the_loss_mixes_the_two_means(world, tmp_path)
         assert row["loss"] == pytest.approx(0.75 * row["nll"] + 0.25 * row["kd_loss"], rel=1e-6, abs=0)
 
 
-def test_the_teacher_must_exist_and_share_the_tokenizer(world, tmp_path):
+def test_the_teacher_must_exist_and_share_the_tokenizer_and_output_width(world, tmp_path):
     from hpc_rlhf.trainers import kd
 
     recipe = kd.DistillationRecipe(kd_config(tmp_path / "a", f"kd.teacher={tmp_path / 'nowhere'}"))
@@ -89,3 +89,12 @@ def test_the_teacher_must_exist_and_share_the_tokenizer(world, tmp_path):
     with pytest.raises(ConfigError, match=f"kd.teacher '{other}' does not share the tokenizer of model.path "
                                           f"'{TINY_MODEL}'.*2 mapped differently"):
         recipe.setup()
+    wider = tmp_path / "wider"  # the same tokenizer, an output layer padded to 128 words: refused before any load
+    shutil.copytree(TINY_MODEL, wider)
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": 128}))
+    recipe = kd.DistillationRecipe(kd_config(tmp_path / "d", f"kd.teacher={wider}"))
+    with pytest.raises(ConfigError, match=f"kd.teacher '{wider}' has 128 output tokens .* and model.path "
+                                          f"'{TINY_MODEL}' {config['vocab_size']}: "):
+        recipe.setup()
+    assert not hasattr(recipe, "engine")
