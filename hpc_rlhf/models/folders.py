@@ -36,7 +36,8 @@ def check_model_folder(path: str | Path) -> Path:
         if adapter.is_file():
             base = _json_value(adapter, "base_model_name_or_path")
             raise ModelFolderError(f"model folder '{folder}' holds only a LoRA adapter (base model: {base}); "
-                                   f"save with model.lora.merge_on_save=true to get a full model folder")
+                                   f"merge it into its base with `hpc-rlhf merge-lora {folder} MERGED_FOLDER`, or save "
+                                   f"with model.lora.merge_on_save=true to get a full model folder")
         raise ModelFolderError(f"model folder '{folder}' has no config.json, so it is not a Hugging Face model "
                                f"folder")
     if not any((folder / name).is_file() for name in WEIGHT_FILES) and not any(folder.glob("*.safetensors")):

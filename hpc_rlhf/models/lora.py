@@ -249,6 +249,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
 # LoRA RL moves and saves the adapter alone (rl/sync.py): its tensors travel under the names of PEFT's adapter file
 # (adapter_model.safetensors), so that peft, vLLM and a receiving copy of the model all read them as they are.
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+REWARD_NORMALIZATION_FILE = "reward_normalization.json"  # a reward model's constants beside its adapter
 
 
 def _peft_model(model):
@@ -344,6 +345,7 @@ def save_model(model, output_dir: str | Path, tokenizer=None, merge: bool = True
     output_dir.mkdir(parents=True, exist_ok=True)
     if is_peft_model(model) and not merge:
         save_pretrained_on_this_rank(model, output_dir)
+        _write_reward_normalization(unwrap_model(model).config, output_dir)
     else:
         base = unwrap_model(model)
         state = merged_state_dict(model) if is_peft_model(model) else None
@@ -353,6 +355,14 @@ def save_model(model, output_dir: str | Path, tokenizer=None, merge: bool = True
     if tokenizer is not None:
         tokenizer.save_pretrained(str(output_dir))
     return output_dir
+
+
+def _write_reward_normalization(config, output_dir: Path) -> None:
+    """A reward model's normalisation constants live in its config.json, which an adapter folder does not have:
+    they go beside the adapter (REWARD_NORMALIZATION_FILE), where `hpc-rlhf merge-lora` puts them back."""
+    if hasattr(config, "reward_mean") or hasattr(config, "reward_std"):
+        constants = {key: getattr(config, key) for key in ("reward_mean", "reward_std") if hasattr(config, key)}
+        (output_dir / REWARD_NORMALIZATION_FILE).write_text(json.dumps(constants, indent=2) + "\n")
 
 
 def _drop_quantization_config(output_dir: Path) -> None:

@@ -90,7 +90,13 @@ def test_lora_ppo_syncs_the_adapter_alone_and_resumes_it_exactly(tmp_path, lengt
     assert adapters[0].keys() == adapters[1].keys() and len(adapters[0]) == 2 * 4 * 2  # A, B x q, k, v, o x 2 layers
     assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
     assert not (full / "final" / "config.json").exists()  # the adapter alone, as asked
-    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(REPO / TINY_MODEL), full / "final")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(REPO / TINY_MODEL), full / "final")
+    # `hpc-rlhf merge-lora` finds the base the run named and writes a model that computes as base plus adapter
+    hpc_rlhf("merge-lora", str(full / "final"), str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids = torch.arange(3, 40).reshape(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
 VLLM = "rollout.backend=vllm"
