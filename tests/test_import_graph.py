@@ -25,7 +25,7 @@ The layering, lowest first; an area may import itself and the areas listed for i
                                  world, the communicator count, the step-time model, `plan` and `simulate`)
     launch                       everything above (starting jobs and modes: the library under the command line)
     cli, __main__, chat, demo,   the entry points: anything
-    plot, openrlhf
+    plot, openrlhf, serve_rm
 
 Within dist/, the modules a process joins the world with sit below those that run on the world:
 hostlist, placement, launch_env, liveness <- store_host, watchdog <- bootstrap (tested by the acyclicity and
@@ -41,7 +41,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hpc_rlhf"
 
-ENTRY_POINTS = {"cli", "__main__", "chat", "demo", "plot", "openrlhf"}
+ENTRY_POINTS = {"cli", "__main__", "chat", "demo", "plot", "openrlhf", "serve_rm"}
 LOWER = {
     "utils": set(),
     "config": set(),
