@@ -300,7 +300,8 @@ def _flags() -> list[Flag]:
         F(("--remote_rm_url", "--reward.remote_url"), ppo,
           refused="OpenRLHF's remote reward protocol (query, prompts, labels) and its reward_func files differ from "
                   "hpc_rlhf's (reward.http_url: prompts, responses, answers; reward.functions: file.py:function): "
-                  "port the function and give it with --set reward.functions=[...] or reward.http_url=..."),
+                  "serve a reward model folder with `hpc-rlhf serve-rm`, or port the function, and give it with "
+                  "--set reward.http_url=... or reward.functions=[...]"),
         F(("--agent_func_path", "--train.agent_func_path"), ppo,
           refused="agents: hpc_rlhf's environments (env.name, env.http_url) have another interface: port it"),
         F(("--value_head_prefix", "--ds.value_head_prefix"), ("ppo", "rm"), noop=("score",),
