@@ -16,6 +16,11 @@ GSPO_CLIP_EPS = 3e-4
 GSPO_CLIP_EPS_HIGH = 4e-4
 GSPO_LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
 
+# process_rewards.aggregate_steps: a response's reward from its steps' scores. min: a solution is as good as its
+# worst step (a wrong step anywhere spoils it); product: the chance that every step is right, read as independent;
+# last: the PRM's verdict after the last step; mean: partial credit.
+STEP_AGGREGATIONS = ("min", "product", "last", "mean")
+
 IS_CORRECTIONS = ("none", "tis_token", "tis_seq", "mis_token", "mis_seq")  # importance.off_policy_correction
 # The truncation cap, and masked IS's upper bound, when the config sets none: 2 is the usual bound of truncated and
 # masked IS in other RL systems; it bounds what one token or answer of a stale batch can weigh and leaves weights

@@ -9,7 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from hpc_rlhf.algorithms.choices import (DEFAULT_IS_CAP, ESTIMATORS, GSPO_CLIP_EPS, GSPO_CLIP_EPS_HIGH,
-                                         GSPO_LOSS_AGGREGATIONS, IS_CORRECTIONS, POLICY_LOSSES, resolve_is_correction)
+                                         GSPO_LOSS_AGGREGATIONS, IS_CORRECTIONS, POLICY_LOSSES, STEP_AGGREGATIONS,
+                                         resolve_is_correction)
 from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
                              ModelSection, TrainSection, field, section)
 from hpc_rlhf.dist.memory import VLLM_MAX_LORA_RANKS
@@ -94,6 +95,9 @@ class RewardSection:
                                                            "the environment variable holding its value; values "
                                                            "never reach logs or config.yaml")
     clip: float = field(0.0, min=0, help="clip the combined score to [-clip, clip] (0 = off)")
+    process_aggregate: str = field("min", choices=list(STEP_AGGREGATIONS),
+                                   help="a process reward model's (hpc-rlhf prm) reward of a response from its "
+                                        "steps' scores; a response without a step marker gets 0")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from hpc_rlhf.rl import episodes, messages, micro_batches
 from hpc_rlhf.rl.batches import SampleBatch, make_batch, shard_bounds, to_ragged
 from hpc_rlhf.rl.config import reward_role_names
 from hpc_rlhf.rl.packed import PADDED, Layout, policy_forward, score_forward, value_forward
+from hpc_rlhf.rl.process_rewards import ProcessRewardSpec, process_scores_of
 from hpc_rlhf.rl.routes import Routes
 from hpc_rlhf.utils.http_post import headers_from_env, shown_url
 
@@ -146,7 +147,8 @@ class Scoring:
 
     def __init__(self, cfg, routes: Routes, tokenizer, device, temperature: float, *, actor=None, critic=None,
                  ref=None, teacher=None, reward_models: dict | None = None, rule_functions=(),
-                 ref_from_actor: bool = False, layouts: Mapping[str, Layout] | None = None):
+                 ref_from_actor: bool = False, layouts: Mapping[str, Layout] | None = None,
+                 process_specs: Mapping[str, ProcessRewardSpec] | None = None):
         self.cfg, self.routes, self.tokenizer, self.device = cfg, routes, tokenizer, device
         layouts = layouts or {}
 
@@ -169,7 +171,10 @@ class Scoring:
         if teacher is not None:  # on-policy distillation: the teacher's log-probs of the sampled tokens
             self.scorers["teacher"] = logprobs_of(teacher.model, temperature, layout=layout_of("teacher"))
         for name, frozen in (reward_models or {}).items():
-            self.scorers[name] = scores_of(frozen.model, cfg.reward.normalize, layout_of(name))
+            if name in (process_specs or {}):  # a process reward model: its steps' scores, on padded rows
+                self.scorers[name] = process_scores_of(frozen.model, process_specs[name], cfg.reward.process_aggregate)
+            else:
+                self.scorers[name] = scores_of(frozen.model, cfg.reward.normalize, layout_of(name))
         self.computed_by = {"ref": "actor"} if ref_from_actor else None
         self.rule_functions = list(rule_functions)
         self.with_rules = bool(self.rule_functions or cfg.reward.http_url)

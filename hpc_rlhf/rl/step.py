@@ -65,6 +65,7 @@ from hpc_rlhf.rl.evaluation import evaluate
 from hpc_rlhf.rl.experience import build_experience
 from hpc_rlhf.rl.metrics import pad_share, sample_figures, step_timing
 from hpc_rlhf.rl.packed import Layout, role_layouts
+from hpc_rlhf.rl.process_rewards import ProcessRewardSpec, process_reward_spec
 from hpc_rlhf.rl.prompts import Prompts, load_prompts
 from hpc_rlhf.rl.roles import build_rollout_engine, ranks_per_node, sharded_attention
 from hpc_rlhf.rl.rollout import Generation, RolloutPipeline, batch_seed, engine_led_here
@@ -146,20 +147,25 @@ class RLRecipe:
                                        attn_implementation=cfg.actor.attn_implementation)
             teacher = FrozenModel(teacher_cfg, cfg.train, run.device, group=groups.role_group("teacher"))
             sharded_attention(teacher.model, "teacher")
-        for name, path in zip(self.reward_roles, cfg.reward.models):
-            if groups.has_role(name):
-                reward_models[name] = FrozenModel(ModelSection(path=path, dtype=cfg.actor.dtype), cfg.train,
-                                                  run.device, group=groups.role_group(name), build=build_value_model)
-                sharded_attention(reward_models[name].model, name)
         self.layout = Layout.of(cfg.rl, self.tokenizer.pad_token_id)  # padded or packed rows (rl.padding_free)
         # each role's: a sequence-parallel role's rows are shared by its rank's block (placement key <kind>_sp)
         self.layouts = role_layouts(self.layout, ["actor", "critic", "ref", "teacher", *self.reward_roles])
+        process_specs = {}  # reward roles that hold a process reward model (rl/process_rewards.py)
+        for index, (name, path) in enumerate(zip(self.reward_roles, cfg.reward.models)):
+            spec = self._process_reward_spec(index, path, plan.sequence_parallel(name))
+            if spec is not None:
+                process_specs[name] = spec
+            if groups.has_role(name):
+                build = build_causal_lm if spec is not None else build_value_model
+                reward_models[name] = FrozenModel(ModelSection(path=path, dtype=cfg.actor.dtype), cfg.train,
+                                                  run.device, group=groups.role_group(name), build=build)
+                sharded_attention(reward_models[name].model, name)
         self.score = Scoring(cfg, self.routes, self.tokenizer, run.device, self.sampling.logprob_temperature,
                              actor=self.actor, critic=self.critic, ref=ref, teacher=teacher,
                              reward_models=reward_models,
                              rule_functions=[(spec, reward_fns.load_reward_function(spec))
                                              for spec in cfg.reward.functions],
-                             ref_from_actor=ref_from_actor, layouts=self.layouts)
+                             ref_from_actor=ref_from_actor, layouts=self.layouts, process_specs=process_specs)
         if groups.has_role("rollout"):
             rollout = build_rollout_engine(cfg, plan, self.tokenizer, run.device, actor=self.actor)
         self.weights = WeightSync(plan, self.actor, rollout, cfg.rollout.backend,
@@ -179,6 +185,23 @@ class RLRecipe:
         self.stop = checkpointing.StopSignal()
         self.bad_steps = checkpointing.NonFiniteGuard(cfg.train.max_bad_steps, self.mode)
         run_setup.open_logger(run, cfg.train.max_steps)
+
+    def _process_reward_spec(self, index: int, path: str, sequence_parallel: int) -> ProcessRewardSpec | None:
+        """A process reward model's spec when reward.models[index] is one (its config records process_reward),
+        checked against the policy: it scores the policy's token ids, so it shares the policy's tokenizer."""
+        key = f"reward.models[{index}]"
+        spec = process_reward_spec(path, self.tokenizer, key)
+        if spec is None:
+            return None
+        actor_tokenizer = self.cfg.actor.tokenizer or self.cfg.actor.path
+        problem = same_tokenizer_problem(actor_tokenizer, path, "actor.tokenizer" if self.cfg.actor.tokenizer
+                                         else "actor.path", key)
+        if problem:
+            raise ConfigError(problem)
+        if sequence_parallel > 1:
+            raise ConfigError(f"{key} '{path}' is a process reward model, which scores whole padded rows: its role "
+                              f"cannot be sequence parallel (drop its <role>_sp from the placement)")
+        return spec
 
     def _engine_train_cfg(self, train: TrainSection) -> TrainSection:
         """The engine counts optimizer steps: several per RL step (ppo_epochs x samples / batch_size)."""
