@@ -95,9 +95,11 @@ class RewardScorer:
 
         from hpc_rlhf.config import ModelSection
         from hpc_rlhf.models.builders import check_model_folder, load_tokenizer
+        from hpc_rlhf.models.folders import not_a_process_reward_model
         from hpc_rlhf.models.value_model import build_value_model
 
         check_model_folder(folder)  # before the tokenizer, whose loader would name a folder that is no model otherwise
+        not_a_process_reward_model(folder, "serve-rm MODEL_DIR")
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(folder, pad_to_eos=True)
         self.model = build_value_model(ModelSection(path=folder, dtype=dtype, init_value_head=False),

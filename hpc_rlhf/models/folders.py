@@ -106,10 +106,25 @@ def safetensors_file_problem(path: Path) -> str | None:
     return None
 
 
+def process_reward_record(folder: str | Path):
+    """The `process_reward` record of a model folder's config.json (what `hpc-rlhf prm` writes: the step marker and
+    the reward tokens), or None for any other folder, or one whose config cannot be read (its loader names why)."""
+    return _json_value(Path(folder) / "config.json", "process_reward")
+
+
+def not_a_process_reward_model(folder: str | Path, key: str) -> None:
+    """ModelFolderError for a sequence-level scorer given a process reward model, whose head would be started
+    anew: such a model scores the steps of a solution, which only the RL recipes' reward roles read."""
+    if process_reward_record(folder) is not None:
+        raise ModelFolderError(f"{key}: '{folder}' is a process reward model (hpc-rlhf prm), which scores each step "
+                               f"of a solution, not a whole sequence; here a reward model of whole sequences is "
+                               f"needed (hpc-rlhf rm). The RL recipes' reward.models take a process reward model.")
+
+
 def _json_value(path: Path, key: str):
     try:
         return json.loads(path.read_text()).get(key)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: JSON that is not an object
         return None
 
 

@@ -11,7 +11,6 @@ itself, as the solutions the PRM was trained on have them: a policy fine-tuned o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,6 +20,7 @@ import torch
 from hpc_rlhf.algorithms.process_rewards import aggregate_steps, step_probabilities
 from hpc_rlhf.config import ConfigError
 from hpc_rlhf.data.examples import single_token_id
+from hpc_rlhf.models.folders import process_reward_record
 from hpc_rlhf.rl.batches import SampleBatch
 
 
@@ -35,10 +35,7 @@ def process_reward_spec(folder: str | Path, tokenizer, key: str) -> ProcessRewar
     """The spec a process reward model's config.json records, with the ids of the policy's tokenizer; None for
     any other model folder. ConfigError naming `key` (the reward.models entry) when the record is unusable."""
     path = Path(folder) / "config.json"
-    try:
-        record = json.loads(path.read_text(encoding="utf-8")).get("process_reward")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return None  # not a readable model config: the model builder names the problem
+    record = process_reward_record(folder)
     if record is None:
         return None
     marker, tokens = (record.get("placeholder_token"), record.get("reward_tokens")) if isinstance(record, dict) \

@@ -34,6 +34,7 @@ from hpc_rlhf.dist.agree import decided_by
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
+from hpc_rlhf.models.folders import not_a_process_reward_model
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores
 from hpc_rlhf.rewards import call_reward_function, load_reward_function
 from hpc_rlhf.runtime import run as run_setup
@@ -74,7 +75,8 @@ class Scorer:
         self.cfg = cfg
         self.functions = [(spec, load_reward_function(spec)) for spec in cfg.functions]
         self.reward_models = []
-        for path in cfg.reward_models:
+        for index, path in enumerate(cfg.reward_models):
+            not_a_process_reward_model(path, f"score.reward_models[{index}]")
             rm_cfg = ModelSection(path=path, dtype=model_cfg.dtype, attn_implementation=model_cfg.attn_implementation)
             self.reward_models.append((path, build_value_model(rm_cfg, for_training=False, device=device)))
         self.device = device
