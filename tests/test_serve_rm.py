@@ -176,13 +176,13 @@ def test_the_command_serves_until_scancel_s_signal(reward_model):
     import re
     import signal
     import subprocess
-    import sys
 
-    from tests.distributed import REPO, worker_env
+    from tests.distributed import REPO, rank_python, worker_env
 
-    proc = subprocess.Popen([sys.executable, "-m", "hpc_rlhf", "serve-rm", str(reward_model), "--port", "0",
-                             "--normalize"], cwd=REPO, env=worker_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    env = worker_env()  # forked from the tests' pre-imported interpreter, its signals and exit its own
+    proc = subprocess.Popen([rank_python(env), "-m", "hpc_rlhf", "serve-rm", str(reward_model), "--port", "0",
+                             "--normalize"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         line = proc.stdout.readline()
         found = re.search(r"at (http://127\.0\.0\.1:\d+/)", line)
