@@ -100,11 +100,11 @@ def d(tmp_path_factory) -> Path:
     model_config = json.loads((root / "zero_reward_std" / "config.json").read_text())
     (root / "zero_reward_std" / "config.json").write_text(json.dumps({**model_config, "reward_mean": 0.5,
                                                                       "reward_std": 0.0}))
-    # a process reward model, as hpc-rlhf prm records one, where a scorer of whole sequences is needed
+    # a process reward model whose step marker is not one token of the policy's tokenizer
     shutil.copytree(root / "model", root / "prm")
     model_config = json.loads((root / "prm" / "config.json").read_text())
     (root / "prm" / "config.json").write_text(json.dumps({**model_config, "process_reward": {
-        "placeholder_token": "#", "reward_tokens": ["+", "-"]}}))
+        "placeholder_token": "##", "reward_tokens": ["+", "-"]}}))
     (root / "a_file").write_text("not a folder\n")
     (root / "folder").mkdir()
 
@@ -323,8 +323,8 @@ CLI_CASES = [
      "model-00002-of-00003.safetensors"),
     ("truncated reward model", [*GENERATE, "score.reward_models=[{d}/truncated]"],
      "model folder '{d}/truncated': weight file model.safetensors is truncated or corrupt"),
-    ("process reward model scoring whole sequences", [*GENERATE, "score.reward_models=[{d}/model,{d}/prm]"],
-     "score.reward_models[1]: '{d}/prm' is a process reward model (hpc-rlhf prm), which scores each step"),
+    ("process reward model whose marker is two tokens", [*GENERATE, "score.reward_models=[{d}/model,{d}/prm]"],
+     "score.reward_models[1] placeholder_token='##' is 2 tokens"),
     ("reward normalisation that cannot be applied", [*GENERATE, "score.reward_models=[{d}/zero_reward_std]",
                                                      "score.normalize=true"],
      "model folder '{d}/zero_reward_std': config.json has reward_std=0.0, which must be a positive finite number"),

@@ -23,8 +23,8 @@ from hpc_rlhf.rl import episodes, messages, micro_batches
 from hpc_rlhf.rl.batches import SampleBatch, make_batch, shard_bounds, to_ragged
 from hpc_rlhf.rl.config import reward_role_names
 from hpc_rlhf.rl.packed import PADDED, Layout, policy_forward, score_forward, value_forward
-from hpc_rlhf.rl.process_rewards import ProcessRewardSpec, process_scores_of
 from hpc_rlhf.rl.routes import Routes
+from hpc_rlhf.runtime.process_rewards import ProcessRewardSpec, process_rewards
 from hpc_rlhf.utils.http_post import headers_from_env, shown_url
 
 
@@ -115,6 +115,17 @@ def scores_of(model, normalize: bool, layout: Layout = PADDED) -> Callable[[Samp
     def one(sub: SampleBatch) -> list[torch.Tensor]:
         scores = score_forward(model, sub, normalize, layout)
         return [v.reshape(1).float().cpu() for v in scores]
+    return one
+
+
+def process_scores_of(model, spec: ProcessRewardSpec, how: str) -> Callable[[SampleBatch], list[torch.Tensor]]:
+    """One reward per sample from a process reward model: the steps the policy marked in its response (generated
+    tokens only: action_mask[j - 1] covers token j), aggregated; on padded rows whatever the role's layout."""
+    def one(sub: SampleBatch) -> list[torch.Tensor]:
+        generated = torch.zeros_like(sub.input_ids, dtype=torch.bool)
+        generated[:, 1:] = sub.action_mask > 0
+        rewards = process_rewards(model, sub.input_ids, sub.attention_mask, generated, spec, how)
+        return [v.reshape(1) for v in rewards]
     return one
 
 

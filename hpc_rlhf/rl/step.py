@@ -65,7 +65,6 @@ from hpc_rlhf.rl.evaluation import evaluate
 from hpc_rlhf.rl.experience import build_experience
 from hpc_rlhf.rl.metrics import pad_share, sample_figures, step_timing
 from hpc_rlhf.rl.packed import Layout, role_layouts
-from hpc_rlhf.rl.process_rewards import ProcessRewardSpec, process_reward_spec
 from hpc_rlhf.rl.prompts import Prompts, load_prompts
 from hpc_rlhf.rl.roles import build_rollout_engine, ranks_per_node, sharded_attention
 from hpc_rlhf.rl.rollout import Generation, RolloutPipeline, batch_seed, engine_led_here
@@ -74,6 +73,7 @@ from hpc_rlhf.rl.scoring import Scoring
 from hpc_rlhf.rl.sync import WeightSync
 from hpc_rlhf.runtime import checkpointing
 from hpc_rlhf.runtime import run as run_setup
+from hpc_rlhf.runtime.process_rewards import ProcessRewardSpec, process_reward_spec
 from hpc_rlhf.runtime.reference import FrozenModel
 
 log = logging.getLogger("hpc_rlhf")
@@ -150,7 +150,7 @@ class RLRecipe:
         self.layout = Layout.of(cfg.rl, self.tokenizer.pad_token_id)  # padded or packed rows (rl.padding_free)
         # each role's: a sequence-parallel role's rows are shared by its rank's block (placement key <kind>_sp)
         self.layouts = role_layouts(self.layout, ["actor", "critic", "ref", "teacher", *self.reward_roles])
-        process_specs = {}  # reward roles that hold a process reward model (rl/process_rewards.py)
+        process_specs = {}  # reward roles that hold a process reward model (runtime/process_rewards.py)
         for index, (name, path) in enumerate(zip(self.reward_roles, cfg.reward.models)):
             spec = self._process_reward_spec(index, path, plan.sequence_parallel(name))
             if spec is not None:

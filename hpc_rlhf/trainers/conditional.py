@@ -72,7 +72,7 @@ def score_existing(cfg: Config, run: run_setup.Run) -> list[dict]:
     prompts = prompt_examples(tokenizer, [row[data.prompt_key] for row in rows], max_prompt_len=data.max_prompt_len,
                               chat_template=data.apply_chat_template, wheres=[row["_source"] for row in rows])
     responses = encode_many(tokenizer, [row[data.response_key] for row in rows], add_special_tokens=False)
-    records, with_specials, sequences = [], [], []
+    records, with_specials, sequences, prompt_lens = [], [], [], []
     for index, (row, prompt, response_ids) in enumerate(zip(rows, prompts, responses)):
         record = {"prompt": row[data.prompt_key], "response": row[data.response_key], "index": index, "sample": 0}
         if row.get(data.answer_key) is not None:
@@ -80,7 +80,9 @@ def score_existing(cfg: Config, run: run_setup.Run) -> list[dict]:
         records.append(record)
         with_specials.append(row[data.response_key] + (tokenizer.eos_token or ""))
         sequences.append(prompt["input_ids"] + response_ids + [tokenizer.eos_token_id])
-    Scorer(cfg.score, cfg.model, run.device).score(records, with_specials, sequences, tokenizer.pad_token_id)
+        prompt_lens.append(len(prompt["input_ids"]))
+    Scorer(cfg.score, cfg.model, run.device).score(records, with_specials, sequences, prompt_lens,
+                                                   tokenizer.pad_token_id)
     return records
 
 

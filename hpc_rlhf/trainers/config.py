@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hpc_rlhf.algorithms.choices import DPO_LOSS_TYPES
+from hpc_rlhf.algorithms.choices import DPO_LOSS_TYPES, STEP_AGGREGATIONS
 from hpc_rlhf.config import (TINY_ASSETS, CheckpointSection, ConfigError, DataSection, DistSection, LogSection,
                              ModelSection, ReferenceSection, TrainSection, field, section)
 
@@ -261,6 +261,9 @@ class ScoreSection:
     reward_models: list[str] = field([], help="reward model folders (same tokenizer as the policy)")
     normalize: bool = field(False, help="reward models: apply the reward_mean/reward_std of their config")
     micro_batch_size: int = field(64, min=1, help="sequences per reward model forward pass")
+    process_aggregate: str = field("min", choices=list(STEP_AGGREGATIONS),
+                                   help="a process reward model's (hpc-rlhf prm) score of a response from its "
+                                        "steps' scores; a response without a step marker gets 0")
 
     @property
     def enabled(self) -> bool:

@@ -34,10 +34,10 @@ from hpc_rlhf.dist.agree import decided_by
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
 from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
-from hpc_rlhf.models.folders import not_a_process_reward_model
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores
 from hpc_rlhf.rewards import call_reward_function, load_reward_function
 from hpc_rlhf.runtime import run as run_setup
+from hpc_rlhf.runtime.process_rewards import ProcessRewardSpec, process_rewards, process_reward_spec
 from hpc_rlhf.trainers.config import GenerateConfig as Config  # the mode's keys, torch-free for --help and --dry-run
 from hpc_rlhf.trainers.config import GenerateSection, ScoreSection
 
@@ -69,38 +69,49 @@ def sampling_params(gen: GenerateSection, eos_id: int) -> SamplingParams:
 
 # ------------------------------------------------------------------------------------------------ scoring
 class Scorer:
-    """Rule functions and reward models; `score(records, token ids)` adds "scores" and "score" to each record."""
+    """Rule functions and reward models; `score(records, texts, token ids, prompt lengths)` adds "scores" and
+    "score" to each record. A process reward model (runtime/process_rewards.py) scores the steps marked in each
+    response."""
 
     def __init__(self, cfg: ScoreSection, model_cfg: ModelSection, device: torch.device):
         self.cfg = cfg
         self.functions = [(spec, load_reward_function(spec)) for spec in cfg.functions]
-        self.reward_models = []
+        self.reward_models = []  # (folder, model, its process reward spec or None)
+        tokenizer = load_tokenizer(model_cfg.tokenizer or model_cfg.path) if cfg.reward_models else None
         for index, path in enumerate(cfg.reward_models):
-            not_a_process_reward_model(path, f"score.reward_models[{index}]")
             rm_cfg = ModelSection(path=path, dtype=model_cfg.dtype, attn_implementation=model_cfg.attn_implementation)
-            self.reward_models.append((path, build_value_model(rm_cfg, for_training=False, device=device)))
+            spec = process_reward_spec(path, tokenizer, f"score.reward_models[{index}]")
+            build = build_value_model if spec is None else build_causal_lm
+            self.reward_models.append((path, build(rm_cfg, for_training=False, device=device), spec))
         self.device = device
 
     @torch.no_grad()
-    def _model_scores(self, model, sequences: list[list[int]], pad_id: int) -> list[float]:
+    def _model_scores(self, model, spec: ProcessRewardSpec | None, sequences: list[list[int]],
+                      prompt_lens: list[int], pad_id: int) -> list[float]:
         out: list[float] = []
         step = self.cfg.micro_batch_size
         for start in range(0, len(sequences), step):
             batch = pad_collate([{"input_ids": s, "labels": s} for s in sequences[start:start + step]], pad_id)
-            scores = sequence_scores(model, batch["input_ids"].to(self.device),
-                                     batch["attention_mask"].to(self.device), normalize=self.cfg.normalize)
+            input_ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+            if spec is None:
+                scores = sequence_scores(model, input_ids, mask, normalize=self.cfg.normalize)
+            else:  # the response's markers are the steps, not the prompt's
+                after_prompt = torch.arange(input_ids.shape[1], device=self.device)[None, :] >= torch.tensor(
+                    prompt_lens[start:start + step], device=self.device)[:, None]
+                scores = process_rewards(model, input_ids, mask, after_prompt & (mask > 0), spec,
+                                         self.cfg.process_aggregate)
             out.extend(scores.float().cpu().tolist())
         return out
 
     def score(self, records: list[dict], texts_with_specials: list[str], sequences: list[list[int]],
-              pad_id: int) -> None:
+              prompt_lens: list[int], pad_id: int) -> None:
         columns: dict[str, list[float]] = {}
         prompts = [r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"]) for r in records]
         answers = [r.get("answer") for r in records]
         for spec, fn in self.functions:
             columns[spec] = call_reward_function(fn, spec, prompts, texts_with_specials, answers)
-        for path, model in self.reward_models:
-            columns[path] = self._model_scores(model, sequences, pad_id)
+        for path, model, process_spec in self.reward_models:
+            columns[path] = self._model_scores(model, process_spec, sequences, prompt_lens, pad_id)
         for i, record in enumerate(records):
             record["scores"] = {name: values[i] for name, values in columns.items()}
             record["score"] = float(sum(values[i] for values in columns.values()))
@@ -157,7 +168,7 @@ def generate_chunk(engine: HFRolloutEngine, tokenizer, rows: Sequence[dict], fir
             out = engine.generate([ids], seeded)
             responses += out.responses
             reasons += out.finish_reasons
-    records, with_specials, sequences = [], [], []
+    records, with_specials, sequences, prompt_lens = [], [], [], []
     for offset, (row, ids) in enumerate(zip(rows, prompts)):
         for sample, (tokens, reason) in enumerate(zip(responses[offset], reasons[offset])):
             token_list = tokens.tolist()
@@ -169,8 +180,9 @@ def generate_chunk(engine: HFRolloutEngine, tokenizer, rows: Sequence[dict], fir
             records.append(record)
             with_specials.append(tokenizer.decode(token_list, skip_special_tokens=False))
             sequences.append(list(ids) + token_list)
+            prompt_lens.append(len(ids))
     if scorer is not None:
-        scorer.score(records, with_specials, sequences, tokenizer.pad_token_id)
+        scorer.score(records, with_specials, sequences, prompt_lens, tokenizer.pad_token_id)
     return records
 
 

@@ -12,6 +12,7 @@ import pytest
 from hpc_rlhf.config import TINY_ASSETS, ConfigError, load_config
 
 DATA = f"{TINY_ASSETS}/data"
+TINY_MODEL = f"{TINY_ASSETS}/models/llama-tiny"
 BASE = ["data.max_train_rows=10", "generate.n=3", "generate.chunk_size=3", "generate.max_new_tokens=4",
         "generate.temperature=1.0", "generate.seed=5", "score.functions=[exact_match]"]
 
@@ -89,3 +90,35 @@ if __name__ == "__main__":
     generate.run(gen_config(Path(out)))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def test_a_process_reward_model_scores_the_steps_of_each_response(world, tmp_path):
+    """score.reward_models takes a process reward model (runtime/process_rewards.py): each response's score is its
+    own steps' aggregate, the prompt's markers not counted, as computed for each sample alone; a generate run
+    writes it beside the rule score."""
+    import torch
+
+    from hpc_rlhf.config import ModelSection
+    from hpc_rlhf.models.builders import load_tokenizer
+    from hpc_rlhf.trainers import generate
+    from hpc_rlhf.trainers.config import ScoreSection
+    from tests.runtime.test_process_rewards import PROMPTS, RESPONSES, by_hand, make_prm_folder
+
+    prm = make_prm_folder(tmp_path / "prm")
+    tokenizer = load_tokenizer(prm, pad_to_eos=True)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    responses = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in RESPONSES]
+    scorer = generate.Scorer(ScoreSection(reward_models=[str(prm)], process_aggregate="last", micro_batch_size=2),
+                             ModelSection(path=TINY_MODEL), torch.device("cpu"))
+    records = [{"prompt": p} for p in PROMPTS]
+    scorer.score(records, RESPONSES, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts],
+                 tokenizer.pad_token_id)
+    model = scorer.reward_models[0][1]
+    expected = [by_hand(model, scorer.reward_models[0][2], p, r, "last") for p, r in zip(prompts, responses)]
+    assert [r["score"] for r in records] == pytest.approx(expected, abs=1e-6)
+    assert expected[1] == 0.0 and 0 < expected[0] < 1
+
+    generate.run(gen_config(tmp_path / "out", f"model.path={TINY_MODEL}", f"score.reward_models=[{prm}]",
+                            "generate.max_new_tokens=4"))
+    rows = [json.loads(line) for line in (tmp_path / "out" / "generations.jsonl").read_text().splitlines()]
+    assert all(set(r["scores"]) == {"exact_match", str(prm)} and 0 <= r["scores"][str(prm)] <= 1 for r in rows)
