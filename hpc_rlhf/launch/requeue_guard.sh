@@ -22,8 +22,11 @@ watched=${3:-}
 poll=${REQUEUE_GUARD_POLL_S:-30}
 job=${SLURM_JOB_ID:?requeue_guard.sh runs inside a Slurm job}
 restarts=${SLURM_RESTART_COUNT:-0}
-sleeper=
-trap '[ -z "$sleeper" ] || kill "$sleeper" 2>/dev/null; exit 0' TERM
+# No TERM trap: the batch shell's `kill` must end the guard at once, and bash 5.2 fails to run a trap that arrives
+# while it parses a $(...) (the handler is refused as "unexpected EOF", the loop goes on, seen in a test run). With
+# TERM's default action the guard ends wherever it is. It waits with a timed `read` on a pipe of its own that no
+# one writes to, not with a `sleep` child, so that no child outlives it holding the job's output open.
+exec {pause}<> <(:)
 say() { echo "[$(date +%H:%M:%S) job $job restart $restarts] requeue guard: $*" >&2; }
 
 while true; do
@@ -32,7 +35,7 @@ while true; do
   state=$(sed -n 's/.* JobState=\([^ ]*\).*/\1/p' <<<"$fields")
   case "$state" in
     RUNNING|"") ;;  # "": scontrol did not answer this time (a busy controller): ask again
-    PENDING|CONFIGURING) sleep 1; continue ;;
+    PENDING|CONFIGURING) read -r -t 1 -u "$pause" _ || true; continue ;;
     *) exit 0 ;;  # completing, completed, requeued, cancelled: nothing left to guard
   esac
   end=$(sed -n 's/.* EndTime=\([^ ]*\).*/\1/p' <<<"$fields")
@@ -56,9 +59,5 @@ while true; do
   else
     wait_s=$poll
   fi
-  # In the background, so that the batch shell's `kill` (the step has ended) ends the sleep too: a sleep left
-  # behind would hold the job's output open.
-  sleep "$((wait_s > 1 ? wait_s : 1))" &
-  sleeper=$!
-  wait "$sleeper"
+  read -r -t "$((wait_s > 1 ? wait_s : 1))" -u "$pause" _ || true
 done

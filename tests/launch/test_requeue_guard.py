@@ -90,3 +90,23 @@ def test_the_guard_ends_with_the_batch_shell_it_watches(tmp_path):
     finally:
         guard.kill()
     assert guard.returncode == 0 and not (tmp_path / "requeued").exists()
+
+
+def test_a_term_ends_the_guard_at_once_with_nothing_left_holding_its_output(tmp_path):
+    """The batch shell ends the guard with `kill` once the step is over. Wherever that lands (asking scontrol,
+    parsing its answer, waiting for the next poll), the guard ends at once and no child of it keeps the job's
+    output open: a TERM trap could miss it under bash 5.2, which refuses a trap that arrives while it parses a
+    $(...), and a `sleep` child would hold the output until it ended."""
+    set_end(tmp_path, 3600)
+    for attempt in range(20):
+        guard = start_guard(tmp_path, margin_s=60)
+        try:
+            time.sleep(0.01 + 0.02 * (attempt % 7))  # different moments of its loop (it polls every second)
+            guard.terminate()
+            started = time.monotonic()
+            guard.communicate(timeout=10)  # the pipes close when every process holding them has ended
+            assert time.monotonic() - started < 2, f"attempt {attempt}: the guard's output stayed open"
+        finally:
+            guard.kill()
+        assert guard.returncode == -15, (attempt, guard.returncode)  # TERM's own end, no handler
+    assert not (tmp_path / "requeued").exists()
