@@ -100,6 +100,12 @@ def d(tmp_path_factory) -> Path:
     model_config = json.loads((root / "zero_reward_std" / "config.json").read_text())
     (root / "zero_reward_std" / "config.json").write_text(json.dumps({**model_config, "reward_mean": 0.5,
                                                                       "reward_std": 0.0}))
+    # a reward model whose tokenizer maps two digits to each other's ids
+    shutil.copytree(root / "classifier", root / "other_tokenizer")
+    copy_tokenizer(root / "other_tokenizer")
+    spec = json.loads((root / "other_tokenizer" / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["0"], spec["model"]["vocab"]["1"] = spec["model"]["vocab"]["1"], spec["model"]["vocab"]["0"]
+    (root / "other_tokenizer" / "tokenizer.json").write_text(json.dumps(spec))
     # a process reward model whose step marker is not one token of the policy's tokenizer
     shutil.copytree(root / "model", root / "prm")
     model_config = json.loads((root / "prm" / "config.json").read_text())
@@ -323,6 +329,8 @@ CLI_CASES = [
      "model-00002-of-00003.safetensors"),
     ("truncated reward model", [*GENERATE, "score.reward_models=[{d}/truncated]"],
      "model folder '{d}/truncated': weight file model.safetensors is truncated or corrupt"),
+    ("reward model with another tokenizer", [*GENERATE, "score.reward_models=[{d}/other_tokenizer]"],
+     "score.reward_models[0] '{d}/other_tokenizer' does not share the tokenizer of model.path '{d}/model': "),
     ("process reward model whose marker is two tokens", [*GENERATE, "score.reward_models=[{d}/model,{d}/prm]"],
      "score.reward_models[1] placeholder_token='##' is 2 tokens"),
     ("reward normalisation that cannot be applied", [*GENERATE, "score.reward_models=[{d}/zero_reward_std]",

@@ -86,24 +86,34 @@ def _check_tokenizer(key: str, folder: str) -> str:
 
 
 def teachers(cfg: Any) -> dict[str, str]:
-    """key -> the teacher folder a run distills from: RL's `distill.teacher`, knowledge distillation's
-    `kd.teacher`."""
+    """key -> each folder that scores the policy's token ids and so must share its tokenizer: the teacher a run
+    distills from (RL's `distill.teacher`, knowledge distillation's `kd.teacher`) and each reward model (RL's
+    `reward.models`, the `score.reward_models` of generate, rs, idpo and csft)."""
     found = {}
     for section in ("distill", "kd"):
         teacher = getattr(getattr(cfg, section, None), "teacher", None)
         if teacher:
             found[f"{section}.teacher"] = teacher
+    for section, key in (("reward", "models"), ("score", "reward_models")):
+        for index, path in enumerate(getattr(getattr(cfg, section, None), key, None) or []):
+            found[f"{section}.{key}[{index}]"] = path
     return found
 
 
 def _check_teacher_tokenizer(cfg: Any, teacher_key: str, teacher: str) -> str:
-    """The teacher shares the student's tokenizer; knowledge distillation's (`kd.teacher`), which compares whole
-    next-token distributions, also the width of the student's output layer."""
+    """The teacher or reward model shares the policy's tokenizer; knowledge distillation's teacher (`kd.teacher`),
+    which compares whole next-token distributions, also the width of the student's output layer."""
     # transformers: only a teacher's check loads it
-    from hpc_rlhf.models.builders import same_output_width_problem, same_tokenizer_problem
+    from hpc_rlhf.models.builders import (reward_model_tokenizer_problem, same_output_width_problem,
+                                          same_tokenizer_problem)
 
     [(key, folder)] = tokenizer_folders(cfg).items()
-    problem = same_tokenizer_problem(folder, teacher, key, teacher_key)
+    if teacher_key.startswith(("reward.", "score.")):
+        if tokenizer_folder_problem(Path(teacher)) is not None:
+            return f"{teacher_key}: no tokenizer files beside the model, not compared with {key}'s"
+        problem = reward_model_tokenizer_problem(folder, teacher, key, teacher_key)
+    else:
+        problem = same_tokenizer_problem(folder, teacher, key, teacher_key)
     if not problem and teacher_key == "kd.teacher":
         problem = same_output_width_problem(cfg.model.path, teacher, "model.path", teacher_key)
     if problem:

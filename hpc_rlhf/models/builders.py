@@ -202,8 +202,13 @@ def load_tokenizer(path: str | Path, pad_to_eos: bool = False):
     return tokenizer
 
 
+DISTILL_ADVICE = "distill from a teacher of the same model family and tokenizer"
+REWARD_MODEL_ADVICE = ("a reward model scores the policy's token ids: train it from the policy's model (hpc-rlhf rm), "
+                       "or serve it over HTTP (hpc-rlhf serve-rm and reward.http_url: it tokenises the text itself)")
+
+
 def same_tokenizer_problem(student: str | Path, teacher: str | Path, student_key: str = "actor.path",
-                           teacher_key: str = "distill.teacher") -> str | None:
+                           teacher_key: str = "distill.teacher", advice: str = DISTILL_ADVICE) -> str | None:
     """Why a teacher cannot score a student's tokens, or None: its tokenizer must map every token to the same id
     (a teacher with another vocabulary would score other tokens than those sampled) and end sequences with the
     same token. Both folders are named."""
@@ -213,11 +218,20 @@ def same_tokenizer_problem(student: str | Path, teacher: str | Path, student_key
     if vocabulary != other:
         differ = sorted(t for t in set(vocabulary) | set(other) if vocabulary.get(t) != other.get(t))
         shown = ", ".join(f"{t!r}: {vocabulary.get(t)} vs {other.get(t)}" for t in differ[:3])
-        return (f"{head}: {len(vocabulary)} vs {len(other)} tokens, {len(differ)} mapped differently ({shown}); "
-                "distill from a teacher of the same model family and tokenizer")
+        return f"{head}: {len(vocabulary)} vs {len(other)} tokens, {len(differ)} mapped differently ({shown}); {advice}"
     if ours.eos_token_id != theirs.eos_token_id:
         return f"{head}: end-of-sequence token {ours.eos_token_id} vs {theirs.eos_token_id}"
     return None
+
+
+def reward_model_tokenizer_problem(policy: str | Path, reward_model: str | Path, policy_key: str,
+                                   reward_model_key: str) -> str | None:
+    """Why a reward model cannot score the policy's token ids, or None: it must share the policy's tokenizer
+    (same_tokenizer_problem). A reward model folder without tokenizer files cannot be compared and passes: what it
+    was trained with is unknown here."""
+    if tokenizer_folder_problem(Path(reward_model)) is not None:
+        return None
+    return same_tokenizer_problem(policy, reward_model, policy_key, reward_model_key, advice=REWARD_MODEL_ADVICE)
 
 
 def same_output_width_problem(student: str | Path, teacher: str | Path, student_key: str = "model.path",

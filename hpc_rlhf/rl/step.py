@@ -54,7 +54,8 @@ from hpc_rlhf.dist import agree, groups, watchdog
 from hpc_rlhf.dist.placement import make_plan
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.train import TrainEngine
-from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer, same_tokenizer_problem
+from hpc_rlhf.models.builders import (build_causal_lm, load_tokenizer, reward_model_tokenizer_problem,
+                                      same_tokenizer_problem)
 from hpc_rlhf.models.dropout import disable_dropout
 from hpc_rlhf.models.value_model import build_value_model
 from hpc_rlhf.rl import episodes, messages, training
@@ -187,17 +188,16 @@ class RLRecipe:
         run_setup.open_logger(run, cfg.train.max_steps)
 
     def _process_reward_spec(self, index: int, path: str, sequence_parallel: int) -> ProcessRewardSpec | None:
-        """A process reward model's spec when reward.models[index] is one (its config records process_reward),
-        checked against the policy: it scores the policy's token ids, so it shares the policy's tokenizer."""
+        """A process reward model's spec when reward.models[index] is one (its config records process_reward);
+        None for an outcome reward model. Either scores the policy's token ids, so it shares its tokenizer."""
         key = f"reward.models[{index}]"
+        actor_key = "actor.tokenizer" if self.cfg.actor.tokenizer else "actor.path"
+        problem = reward_model_tokenizer_problem(self.cfg.actor.tokenizer or self.cfg.actor.path, path, actor_key, key)
+        if problem:
+            raise ConfigError(problem)
         spec = process_reward_spec(path, self.tokenizer, key)
         if spec is None:
             return None
-        actor_tokenizer = self.cfg.actor.tokenizer or self.cfg.actor.path
-        problem = same_tokenizer_problem(actor_tokenizer, path, "actor.tokenizer" if self.cfg.actor.tokenizer
-                                         else "actor.path", key)
-        if problem:
-            raise ConfigError(problem)
         if sequence_parallel > 1:
             raise ConfigError(f"{key} '{path}' is a process reward model, which scores whole padded rows: its role "
                               f"cannot be sequence parallel (drop its <role>_sp from the placement)")

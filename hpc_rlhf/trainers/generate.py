@@ -33,7 +33,7 @@ from hpc_rlhf.data.loading import load_rows
 from hpc_rlhf.dist.agree import decided_by
 from hpc_rlhf.engines.rollout.base import SamplingParams
 from hpc_rlhf.engines.rollout.hf import HFRolloutEngine
-from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer
+from hpc_rlhf.models.builders import build_causal_lm, load_tokenizer, reward_model_tokenizer_problem
 from hpc_rlhf.models.value_model import build_value_model, sequence_scores
 from hpc_rlhf.rewards import call_reward_function, load_reward_function
 from hpc_rlhf.runtime import run as run_setup
@@ -77,10 +77,16 @@ class Scorer:
         self.cfg = cfg
         self.functions = [(spec, load_reward_function(spec)) for spec in cfg.functions]
         self.reward_models = []  # (folder, model, its process reward spec or None)
-        tokenizer = load_tokenizer(model_cfg.tokenizer or model_cfg.path) if cfg.reward_models else None
+        policy = model_cfg.tokenizer or model_cfg.path
+        tokenizer = load_tokenizer(policy) if cfg.reward_models else None
         for index, path in enumerate(cfg.reward_models):
+            key = f"score.reward_models[{index}]"
+            problem = reward_model_tokenizer_problem(policy, path, "model.tokenizer" if model_cfg.tokenizer
+                                                     else "model.path", key)
+            if problem:  # it scores the policy's token ids
+                raise ConfigError(problem)
             rm_cfg = ModelSection(path=path, dtype=model_cfg.dtype, attn_implementation=model_cfg.attn_implementation)
-            spec = process_reward_spec(path, tokenizer, f"score.reward_models[{index}]")
+            spec = process_reward_spec(path, tokenizer, key)
             build = build_value_model if spec is None else build_causal_lm
             self.reward_models.append((path, build(rm_cfg, for_training=False, device=device), spec))
         self.device = device

@@ -34,8 +34,10 @@ def test_every_folder_and_file_the_run_reads_is_checked(tmp_path):
     cfg, report = tiny_ppo(tmp_path)
     lines = preflight.check_files(cfg, report, sum(checkpoint_per_node_gb(report)))
     keys = [line.split(":", 1)[0] for line in lines]
-    assert keys == ["actor.path", "critic.path", "reward.models[0]", "actor.path", "data.train_files",
-                    "data.eval_files", "output_dir"]
+    # the folders, the policy's tokenizer, the reward model's tokenizer against it, the data, the output
+    assert keys == ["actor.path", "critic.path", "reward.models[0]", "actor.path", "reward.models[0]",
+                    "data.train_files", "data.eval_files", "output_dir"]
+    assert f"reward.models[0]: the same tokenizer as actor.path ({MODEL})" in lines
     assert (tmp_path / "out").is_dir()  # made, and nothing left in it
     assert list((tmp_path / "out").iterdir()) == []
 
@@ -109,3 +111,22 @@ def test_a_knowledge_distillation_teacher_is_checked_for_weights_the_students_to
     cfg, report = kd_run(wider)
     with pytest.raises(AllocationError, match=r"kd\.teacher: kd\.teacher '.*wider' has \d+ output tokens"):
         preflight.check_files(cfg, report, 0.0)
+
+
+def test_a_reward_model_must_share_the_policys_tokenizer_when_it_has_one(tmp_path):
+    """It scores the policy's token ids. A reward model folder without tokenizer files cannot be compared: said, and
+    passed."""
+    other = tmp_path / "rm"  # two digits' ids swapped in its tokenizer
+    shutil.copytree(MODEL, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["0"], spec["model"]["vocab"]["1"] = spec["model"]["vocab"]["1"], spec["model"]["vocab"]["0"]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    cfg, report = tiny_ppo(tmp_path, f"reward.models=[{other}]")
+    with pytest.raises(AllocationError, match=r"reward\.models\[0\]: reward\.models\[0\] '.*rm' does not share the "
+                                              r"tokenizer of actor\.path .*a reward model scores the policy's token"):
+        preflight.check_files(cfg, report, 0.0)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (other / name).unlink()
+    cfg, report = tiny_ppo(tmp_path, f"reward.models=[{other}]")
+    lines = preflight.check_files(cfg, report, 0.0)
+    assert "reward.models[0]: no tokenizer files beside the model, not compared with actor.path's" in lines

@@ -312,3 +312,23 @@ def test_sequence_parallel_roles_train_as_data_parallel_ones(tmp_path, two_rank_
     assert refused.returncode != 0
     assert "actor_sp=2, critic_sp=2, ref_sp=2, reward_sp=2: sequence parallelism splits packed rows" in \
         refused.stdout + refused.stderr
+
+
+def test_a_reward_model_of_another_tokenizer_is_refused_at_set_up(tmp_path):
+    """A reward model scores the policy's token ids: one whose tokenizer maps tokens to other ids is refused by
+    name on its ranks' set-up, before a sample is generated (and by the sbatch scripts' preflight)."""
+    import shutil
+
+    other = tmp_path / "rm"
+    shutil.copytree(TINY_MODEL, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    proc = hpc_rlhf_cli("grpo", "--config", "examples/tiny/grpo.yaml", f"actor.path={TINY_MODEL}", "rl.kl_coef=0",
+                        "placement=actor=1,reward=1,rollout@actor", f"reward.models=[{other}]", "reward.functions=[]",
+                        f"output_dir={tmp_path / 'out'}", *QUIET, check=False)
+    assert proc.returncode != 0
+    assert (f"reward.models[0] '{other}' does not share the tokenizer of actor.path '{TINY_MODEL}': 104 vs 104 "
+            f"tokens, 2 mapped differently") in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
