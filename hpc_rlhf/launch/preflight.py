@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hpc_rlhf.dist.allocation import AllocationError
-from hpc_rlhf.models.folders import ModelFolderError, check_model_folder, tokenizer_folder_problem
+from hpc_rlhf.models.folders import (ModelFolderError, check_model_folder, same_tokenizer_files,
+                                     tokenizer_folder_problem)
 
 PEEK_ROWS = 5
 CHECKPOINTS_OF_ROOM = 2
@@ -103,14 +104,18 @@ def teachers(cfg: Any) -> dict[str, str]:
 def _check_teacher_tokenizer(cfg: Any, teacher_key: str, teacher: str) -> str:
     """The teacher or reward model shares the policy's tokenizer; knowledge distillation's teacher (`kd.teacher`),
     which compares whole next-token distributions, also the width of the student's output layer."""
-    # transformers: only a teacher's check loads it
+    [(key, folder)] = tokenizer_folders(cfg).items()
+    same = f"{teacher_key}: the same tokenizer as {key} ({folder})"
+    reward_model = teacher_key.startswith(("reward.", "score."))
+    if reward_model and tokenizer_folder_problem(Path(teacher)) is not None:
+        return f"{teacher_key}: no tokenizer files beside the model, not compared with {key}'s"
+    if reward_model and same_tokenizer_files(folder, teacher):
+        return same  # the usual case (a reward model trained from the policy's model), without transformers
+    # transformers (~4 CPU-s of imports): only a teacher's check, or a reward model's whose files differ, loads it
     from hpc_rlhf.models.builders import (reward_model_tokenizer_problem, same_output_width_problem,
                                           same_tokenizer_problem)
 
-    [(key, folder)] = tokenizer_folders(cfg).items()
-    if teacher_key.startswith(("reward.", "score.")):
-        if tokenizer_folder_problem(Path(teacher)) is not None:
-            return f"{teacher_key}: no tokenizer files beside the model, not compared with {key}'s"
+    if reward_model:
         problem = reward_model_tokenizer_problem(folder, teacher, key, teacher_key)
     else:
         problem = same_tokenizer_problem(folder, teacher, key, teacher_key)
@@ -118,7 +123,7 @@ def _check_teacher_tokenizer(cfg: Any, teacher_key: str, teacher: str) -> str:
         problem = same_output_width_problem(cfg.model.path, teacher, "model.path", teacher_key)
     if problem:
         raise AllocationError(teacher_key, problem)
-    return f"{teacher_key}: the same tokenizer as {key} ({folder})"
+    return same
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, str]]:

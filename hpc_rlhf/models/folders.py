@@ -128,6 +128,24 @@ def _json_value(path: Path, key: str):
         return None
 
 
+def same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
+    """Whether two folders hold the same tokenizer files, byte for byte (then they load the same tokenizer; the
+    usual case of a model trained from another): a check that needs no tokenizer library. False says nothing."""
+    names = set(TOKENIZER_VOCABULARY_FILES) | set(TOKENIZER_JSON_FILES) | {"merges.txt"}
+    a, b = Path(a), Path(b)
+    names |= {p.name for folder in (a, b) for p in folder.glob("*.tiktoken")}
+    found = False
+    for name in sorted(names):
+        ours, theirs = a / name, b / name
+        if ours.is_file() != theirs.is_file():
+            return False
+        if ours.is_file():
+            if ours.stat().st_size != theirs.stat().st_size or ours.read_bytes() != theirs.read_bytes():
+                return False
+            found = found or name in TOKENIZER_VOCABULARY_FILES or name.endswith(".tiktoken")
+    return found
+
+
 def tokenizer_folder_problem(folder: Path) -> str | None:
     """Why a tokenizer folder that failed to load cannot load, where that can be named: a JSON file that does not
     parse (a truncated copy), or no vocabulary file at all (not a tokenizer folder). None otherwise."""

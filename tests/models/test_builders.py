@@ -275,3 +275,26 @@ def test_a_teacher_must_share_the_students_tokenizer(tmp_path):
     problem = same_tokenizer_problem(student, teacher)
     assert problem.startswith(f"distill.teacher '{teacher}' does not share the tokenizer of actor.path '{student}'")
     assert "2 mapped differently ('0': 7 vs 8, '1': 8 vs 7)" in problem
+
+
+def test_tokenizer_files_that_are_the_same_bytes_are_the_same_tokenizer(tmp_path):
+    """The preflight's check of a reward model's tokenizer without transformers: identical files say "the same";
+    anything else (other bytes, a file on one side only, no tokenizer at all) says nothing."""
+    import shutil
+
+    from hpc_rlhf.config import TINY_ASSETS
+    from hpc_rlhf.models.folders import same_tokenizer_files
+
+    model = Path(TINY_ASSETS) / "models" / "llama-tiny"
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    assert same_tokenizer_files(model, copy)
+    (copy / "special_tokens_map.json").write_text("{}")  # on one side only
+    assert not same_tokenizer_files(model, copy)
+    (copy / "special_tokens_map.json").unlink()
+    spec = json.loads((copy / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["0"], spec["model"]["vocab"]["1"] = spec["model"]["vocab"]["1"], spec["model"]["vocab"]["0"]
+    (copy / "tokenizer.json").write_text(json.dumps(spec))
+    assert not same_tokenizer_files(model, copy)
+    (tmp_path / "empty").mkdir()
+    assert not same_tokenizer_files(tmp_path / "empty", tmp_path / "empty")  # no tokenizer: not "the same"
