@@ -19,8 +19,8 @@ The network is not trusted: the server listens on 127.0.0.1 unless `--host` says
 needs a shared secret (`--token-env NAME`: the environment variable holding it; clients send `Authorization:
 Bearer <secret>`, as `reward.http_headers_from_env={Authorization: NAME}` does when NAME holds `Bearer <secret>`)
 or an explicit `--allow-anyone`. A request is read within `--read-timeout-s`, is at most `--max-request-mb` and
-`--max-texts` texts, and is answered 4xx with a JSON `error` naming what was wrong; requests are scored one at a
-time (the model is one).
+`--max-texts` texts, and is answered 4xx with a JSON `error` naming what was wrong (500 and the cause when the
+scoring itself fails; the server goes on); requests are scored one at a time (the model is one).
 """
 
 from __future__ import annotations
@@ -160,9 +160,18 @@ def make_server(scorer: RewardScorer, host: str, port: int, *, token: str | None
                 print(f"serve-rm: {self.client_address[0]}: {len(sequences)} rewards in "
                       f"{time.monotonic() - started:.2f} s", file=sys.stderr, flush=True)
             except RequestError as exc:
-                self._answer(exc.status, {"error": str(exc)})
-                print(f"serve-rm: {self.client_address[0]}: refused ({exc.status}): {exc}", file=sys.stderr,
-                      flush=True)
+                self._refuse(exc.status, str(exc))
+            except TimeoutError:  # the body did not come within --read-timeout-s: nothing to answer to
+                print(f"serve-rm: {self.client_address[0]}: no whole request within {read_timeout_s:g} s "
+                      f"(--read-timeout-s)", file=sys.stderr, flush=True)
+            except ValueError as exc:  # what the tokenizer refuses (a chat prompt its template cannot render, ...)
+                self._refuse(400, f"the texts cannot be tokenised: {exc}")
+            except Exception as exc:  # the server goes on; the caller learns that this batch failed, and why
+                self._refuse(500, f"scoring failed: {type(exc).__name__}: {exc}")
+
+        def _refuse(self, status: int, reason: str) -> None:
+            self._answer(status, {"error": reason})
+            print(f"serve-rm: {self.client_address[0]}: refused ({status}): {reason}", file=sys.stderr, flush=True)
 
         def do_GET(self):
             self._answer(405, {"error": "POST a JSON body: {'prompts': [...], 'responses': [...]} or {'query': [...]}"})

@@ -135,7 +135,15 @@ def test_with_a_secret_only_its_holders_are_answered(scorer):
         assert remote_rewards(url, ["1+1="], ["2"], [None], headers={"Authorization": "Bearer s3cret"})
 
 
-def test_a_client_that_sends_slowly_loses_its_connection_not_the_server(scorer):
+def test_a_failure_in_scoring_is_answered_and_the_server_goes_on(scorer, monkeypatch):
+    with serving(scorer) as url:
+        monkeypatch.setattr(scorer, "rewards", lambda sequences: 1 / 0)
+        assert post(url, {"query": ["1"]}) == (500, {"error": "scoring failed: ZeroDivisionError: division by zero"})
+        monkeypatch.undo()
+        assert post(url, {"query": ["1"]})[0] == 200
+
+
+def test_a_client_that_sends_slowly_loses_its_connection_not_the_server(scorer, capfd):
     with serving(scorer, read_timeout_s=0.5) as url:
         port = int(url.rstrip("/").rsplit(":", 1)[1])
         slow = socket.create_connection(("127.0.0.1", port))
@@ -146,6 +154,7 @@ def test_a_client_that_sends_slowly_loses_its_connection_not_the_server(scorer):
         assert slow.recv(100) == b""  # closed by the server at its read timeout
         assert time.monotonic() - started < 10
         slow.close()
+    assert "no whole request within 0.5 s (--read-timeout-s)" in capfd.readouterr().err
 
 
 def test_the_network_needs_a_secret_or_an_explicit_choice(monkeypatch, reward_model, capsys):

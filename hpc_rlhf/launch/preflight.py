@@ -37,8 +37,8 @@ def check_files(cfg: Any, report: dict, checkpoint_gb: float) -> list[str]:
     (for the job log). Raises AllocationError naming the key of the first problem."""
     checked = [_check_model_folder(key, folder) for key, folder in report["model_folders"].items()]
     checked += [_check_tokenizer(key, folder) for key, folder in tokenizer_folders(cfg).items()]
-    for key, teacher in teachers(cfg).items():
-        checked.append(_check_teacher_tokenizer(cfg, key, teacher))
+    for key, scorer in token_id_scorers(cfg).items():
+        checked.append(_check_scorer_tokenizer(cfg, key, scorer))
     for key, paths in data_files(cfg).items():
         checked += [_check_data_file(key, Path(path)) for path in paths]
     checked.append(_check_output_dir(cfg.output_dir, checkpoint_gb))
@@ -86,7 +86,7 @@ def _check_tokenizer(key: str, folder: str) -> str:
     return f"{key}: tokenizer in {folder}"
 
 
-def teachers(cfg: Any) -> dict[str, str]:
+def token_id_scorers(cfg: Any) -> dict[str, str]:
     """key -> each folder that scores the policy's token ids and so must share its tokenizer: the teacher a run
     distills from (RL's `distill.teacher`, knowledge distillation's `kd.teacher`) and each reward model (RL's
     `reward.models`, the `score.reward_models` of generate, rs, idpo and csft)."""
@@ -101,7 +101,7 @@ def teachers(cfg: Any) -> dict[str, str]:
     return found
 
 
-def _check_teacher_tokenizer(cfg: Any, teacher_key: str, teacher: str) -> str:
+def _check_scorer_tokenizer(cfg: Any, teacher_key: str, teacher: str) -> str:
     """The teacher or reward model shares the policy's tokenizer; knowledge distillation's teacher (`kd.teacher`),
     which compares whole next-token distributions, also the width of the student's output layer."""
     [(key, folder)] = tokenizer_folders(cfg).items()
