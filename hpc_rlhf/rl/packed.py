@@ -1,9 +1,9 @@
 """The padding-free layout of a micro-batch of samples (rl.padding_free): the samples' real tokens packed into a few
 rows, each sample whole in one row, `position_ids` restarting at 0 at each sample, no attention mask; the model
 keeps attention within a sample from the restarting positions (hpc_rlhf.data.packing says how on each attention
-backend). The conversions between this layout and the padded one of rl/batches.py are pure; the three forwards at
-the end (a policy's log-probs, a critic's values, a reward model's scores) take either layout and answer in the
-padded one, so that everything after them (losses, advantages, the exchange) is the same either way.
+backend). The conversions between this layout and the padded one of rl/batches.py are pure; the forwards at the
+end (a policy's log-probs, a critic's values, a reward model's scores, a process reward model's logits at the
+steps) take either layout and answer in the padded one, so that everything after them (losses, advantages, the exchange) is the same either way.
 
 Rows are at most `row_tokens` long (default: the longest sample of the micro-batch), filled first-fit decreasing.
 A row as long as the longest sample keeps each row's attention as cheap as a padded row's (sdpa on CPU attends over
@@ -285,3 +285,24 @@ def score_forward(model, sub: SampleBatch, normalize: bool, layout: Layout = PAD
     kwargs.pop("use_cache")
     values = token_values(model, attention_mask=None, **kwargs)
     return normalized_scores(model, values.reshape(-1)[packed.last_token_index().to(values.device)], normalize)
+
+
+def logits_at(model, sub: SampleBatch, positions: Sequence[Sequence[int]], layout: Layout = PADDED) -> torch.Tensor:
+    """(N, V) a causal LM's logits at the given places of the samples: `positions[i]` the columns of sample i in
+    the padded layout; the N rows of the answer sample by sample, each sample's in the order given (a process
+    reward model's markers, runtime/process_rewards.py). Not for a role on a sequence block."""
+    if layout.sharded:
+        raise ValueError("logits at chosen positions are computed on whole rows: not on a sequence block")
+    samples = [i for i, found in enumerate(positions) for _ in found]
+    columns = [j for found in positions for j in found]
+    device = sub.input_ids.device
+    if not layout.padding_free:
+        logits = model(input_ids=sub.input_ids, attention_mask=sub.attention_mask, use_cache=False).logits
+        return logits[torch.tensor(samples, dtype=torch.long, device=device),
+                      torch.tensor(columns, dtype=torch.long, device=device)]
+    packed = layout.pack(sub)
+    logits = model(**packed.model_kwargs(attention_of(model))).logits
+    width = logits.shape[1]
+    flat = torch.tensor([packed.row[i] * width + packed.offset[i] + j for i, j in zip(samples, columns)],
+                        dtype=torch.long, device=logits.device)
+    return logits.reshape(-1, logits.shape[-1])[flat]

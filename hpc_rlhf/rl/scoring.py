@@ -22,9 +22,9 @@ from hpc_rlhf.models.lora import adapter_disabled
 from hpc_rlhf.rl import episodes, messages, micro_batches
 from hpc_rlhf.rl.batches import SampleBatch, make_batch, shard_bounds, to_ragged
 from hpc_rlhf.rl.config import reward_role_names
-from hpc_rlhf.rl.packed import PADDED, Layout, policy_forward, score_forward, value_forward
+from hpc_rlhf.rl.packed import PADDED, Layout, logits_at, policy_forward, score_forward, value_forward
 from hpc_rlhf.rl.routes import Routes
-from hpc_rlhf.runtime.process_rewards import ProcessRewardSpec, process_rewards
+from hpc_rlhf.runtime.process_rewards import ProcessRewardSpec, rewards_of_steps, step_positions
 from hpc_rlhf.utils.http_post import headers_from_env, shown_url
 
 
@@ -118,13 +118,15 @@ def scores_of(model, normalize: bool, layout: Layout = PADDED) -> Callable[[Samp
     return one
 
 
-def process_scores_of(model, spec: ProcessRewardSpec, how: str) -> Callable[[SampleBatch], list[torch.Tensor]]:
+def process_scores_of(model, spec: ProcessRewardSpec, how: str, layout: Layout = PADDED
+                      ) -> Callable[[SampleBatch], list[torch.Tensor]]:
     """One reward per sample from a process reward model: the steps the policy marked in its response (generated
-    tokens only: action_mask[j - 1] covers token j), aggregated; on padded rows whatever the role's layout."""
+    tokens only: action_mask[j - 1] covers token j), aggregated."""
     def one(sub: SampleBatch) -> list[torch.Tensor]:
         generated = torch.zeros_like(sub.input_ids, dtype=torch.bool)
         generated[:, 1:] = sub.action_mask > 0
-        rewards = process_rewards(model, sub.input_ids, sub.attention_mask, generated, spec, how)
+        positions = step_positions(sub.input_ids, generated, spec.marker_id)
+        rewards = rewards_of_steps(logits_at(model, sub, positions, layout), positions, spec, how)
         return [v.reshape(1) for v in rewards]
     return one
 
@@ -182,8 +184,9 @@ class Scoring:
         if teacher is not None:  # on-policy distillation: the teacher's log-probs of the sampled tokens
             self.scorers["teacher"] = logprobs_of(teacher.model, temperature, layout=layout_of("teacher"))
         for name, frozen in (reward_models or {}).items():
-            if name in (process_specs or {}):  # a process reward model: its steps' scores, on padded rows
-                self.scorers[name] = process_scores_of(frozen.model, process_specs[name], cfg.reward.process_aggregate)
+            if name in (process_specs or {}):  # a process reward model: its steps' scores
+                self.scorers[name] = process_scores_of(frozen.model, process_specs[name],
+                                                       cfg.reward.process_aggregate, layout_of(name))
             else:
                 self.scorers[name] = scores_of(frozen.model, cfg.reward.normalize, layout_of(name))
         self.computed_by = {"ref": "actor"} if ref_from_actor else None

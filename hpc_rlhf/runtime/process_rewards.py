@@ -59,16 +59,23 @@ def step_positions(input_ids: torch.Tensor, may_be_step: torch.Tensor, marker_id
     return positions
 
 
+def rewards_of_steps(step_logits: torch.Tensor, positions: list[list[int]], spec: ProcessRewardSpec,
+                     how: str) -> torch.Tensor:
+    """(B,) float32 reward of each row from its steps' logits: `step_logits` (N, V) the model's logits at every
+    row's markers (`positions`, row by row, in order), their scores aggregated by `how`."""
+    reward_ids = torch.tensor(spec.reward_ids, dtype=torch.long, device=step_logits.device)
+    steps = step_probabilities(step_logits[:, reward_ids]).cpu()
+    return aggregate_steps(list(steps.split([len(found) for found in positions])), how)
+
+
 def process_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, may_be_step: torch.Tensor,
                     spec: ProcessRewardSpec, how: str) -> torch.Tensor:
     """(B,) float32 reward of each row from a process reward model (a causal LM, frozen): its steps' scores
     aggregated by `how`. Rows are padded (`attention_mask`); `may_be_step` marks the positions whose markers are
-    steps (the responses')."""
+    steps (the responses'). The RL recipes' scorer also takes packed rows (rl/scoring.py)."""
     positions = step_positions(input_ids, may_be_step, spec.marker_id)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     device = logits.device
     rows = torch.tensor([i for i, found in enumerate(positions) for _ in found], dtype=torch.long, device=device)
     columns = torch.tensor([j for found in positions for j in found], dtype=torch.long, device=device)
-    reward_ids = torch.tensor(spec.reward_ids, dtype=torch.long, device=device)
-    steps = step_probabilities(logits[rows, columns][:, reward_ids]).cpu()
-    return aggregate_steps(list(steps.split([len(found) for found in positions])), how)
+    return rewards_of_steps(logits[rows, columns], positions, spec, how)

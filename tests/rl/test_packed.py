@@ -1,7 +1,7 @@
 """The padding-free layout of the RL roles' forwards (hpc_rlhf/rl/packed.py, rl.padding_free): where each sample goes
 in the packed rows, that the conversions back to the padded layout put every value at its place, and that each role
-(actor and LoRA reference log-probs, critic values, reward-model scores, and the actor's and critic's gradients, an
-episode's holes in the action mask included) computes on packed rows what it computes on padded ones."""
+(actor and LoRA reference log-probs, critic values, reward-model scores, a process reward model's step scores, and
+the actor's and critic's gradients, an episode's holes in the action mask included) computes on packed rows what it computes on padded ones."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from hpc_rlhf.rl.batches import make_batch
 from hpc_rlhf.rl.metrics import pad_share
 from hpc_rlhf.rl.packed import (PADDED, Layout, pack_batch, policy_forward, processed_tokens, unpack_next_token,
                                 unpack_tokens, value_forward)
+from hpc_rlhf.runtime.process_rewards import ProcessRewardSpec
 from tests.models.conftest import tiny_config
 
 PAD = 0
@@ -139,6 +140,24 @@ def test_critic_values_and_reward_scores_are_each_samples_own_in_either_layout(l
         want = per_token[len(prompt) - 1:len(prompt) - 1 + len(response)]
         assert value.shape == response.shape and torch.allclose(value, want, atol=TOLERANCE)
         assert torch.allclose(score, (last - 0.5) / 2.0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_process_reward_scores_are_each_samples_own_steps_in_either_layout(layout):
+    prm = tiny(LlamaForCausalLM, seed=2)
+    spec = ProcessRewardSpec(marker_id=9, reward_ids=(10, 11))
+    # Markers (9): two steps in the first response, one in the second and third, none in the fourth (its prompt's
+    # is no step). Rows of 9 hold the samples of 6 and 3 tokens, and of 5 and 4: the third starts at offset 5.
+    prompts = [[1, 9], [1, 5, 6, 7], [1, 9], [1, 9]]
+    responses = [torch.tensor([8, 9, 10, 9]), torch.tensor([9]), torch.tensor([9, 12]), torch.tensor([11])]
+    got = scoring.process_scores_of(prm, spec, "min", layout)(make_batch(prompts, responses, PAD))
+    for prompt, response, reward in zip(prompts, responses, got, strict=True):
+        with torch.no_grad():
+            logits = prm(input_ids=alone(prompt, response)).logits[0]
+        steps = [len(prompt) + t for t, token in enumerate(response.tolist()) if token == 9]
+        want = min((torch.softmax(logits[j, [10, 11]], -1)[0].item() for j in steps), default=0.0)
+        assert reward.shape == (1,) and reward.item() == pytest.approx(want, abs=TOLERANCE)
+    assert got[3].item() == 0.0 and all(0 < reward.item() < 1 for reward in got[:3])
 
 
 def gradients(model, loss) -> torch.Tensor:
