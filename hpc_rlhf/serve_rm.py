@@ -18,18 +18,22 @@ at the last token, as the in-job reward roles read it; with `--normalize` it is 
 The network is not trusted: the server listens on 127.0.0.1 unless `--host` says otherwise, and any other address
 needs a shared secret (`--token-env NAME`: the environment variable holding it; clients send `Authorization:
 Bearer <secret>`, as `reward.http_headers_from_env={Authorization: NAME}` does when NAME holds `Bearer <secret>`)
-or an explicit `--allow-anyone`. A request is read within `--read-timeout-s`, is at most `--max-request-mb` and
-`--max-texts` texts, and is answered 4xx with a JSON `error` naming what was wrong (500 and the cause when the
-scoring itself fails; the server goes on); requests are scored one at a time (the model is one).
+or an explicit `--allow-anyone`. A request must arrive whole within `--read-timeout-s` of its connection (a client
+that trickles bytes loses it as one that sends nothing does), is at most `--max-request-mb` and `--max-texts` texts,
+and is answered 4xx with a JSON `error` naming what was wrong (500 and the cause when the scoring itself fails; the
+server goes on). At most `--max-connections` are served at once, each on a thread of its own; one more is answered
+503 at once and closed. Requests are scored one at a time (the model is one).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -143,12 +147,75 @@ class RewardScorer:
         return out
 
 
+BUSY_REPLY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+              b"Connection: close\r\n\r\n%s")
+
+
+class BoundedServer(ThreadingHTTPServer):
+    """A threading HTTP server that serves at most `max_connections` connections at once (a thread each) and
+    answers one more with a 503 from the accepting thread, so that callers on the network cannot make it start a
+    thread for each of theirs."""
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int):
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self.slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            reason = json.dumps({"error": f"busy: {self.max_connections} connections are being served "
+                                          f"(--max-connections); try again"}).encode()
+            try:
+                request.settimeout(1.0)  # the accepting thread waits on no caller
+                request.sendall(BUSY_REPLY % (len(reason), reason))
+            except OSError:
+                pass
+            print(f"serve-rm: {client_address[0]}: refused (503): {self.max_connections} connections already "
+                  f"(--max-connections)", file=sys.stderr, flush=True)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: its slot is free again
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def make_server(scorer: RewardScorer, host: str, port: int, *, token: str | None, max_request_bytes: int,
-                max_texts: int, read_timeout_s: float) -> ThreadingHTTPServer:
+                max_texts: int, read_timeout_s: float, max_connections: int = 64) -> ThreadingHTTPServer:
     """The HTTP server (not yet serving) of `scorer` at host:port (port 0: any free port)."""
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = read_timeout_s  # a client that sends its request slowly loses its connection, not the server
+        timeout = read_timeout_s + 5  # a backstop: the deadline below ends a request that is not whole first
+
+        def setup(self):
+            super().setup()
+            # A client that sends a byte now and then would renew a per-read timeout forever: the request, headers
+            # and body, must be whole by this deadline, or the connection is shut, which ends its reads.
+            self.cut = False
+            self.deadline = threading.Timer(read_timeout_s, self._cut)
+            self.deadline.daemon = True
+            self.deadline.start()
+
+        def _cut(self) -> None:
+            self.cut = True
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+        def finish(self):
+            self.deadline.cancel()
+            if self.cut:  # whatever the handler made of the partial request, nobody was answered
+                print(f"serve-rm: {self.client_address[0]}: no whole request within {read_timeout_s:g} s "
+                      f"(--read-timeout-s)", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                super().finish()
 
         def do_POST(self):
             started = time.monotonic()
@@ -161,9 +228,8 @@ def make_server(scorer: RewardScorer, host: str, port: int, *, token: str | None
                       f"{time.monotonic() - started:.2f} s", file=sys.stderr, flush=True)
             except RequestError as exc:
                 self._refuse(exc.status, str(exc))
-            except TimeoutError:  # the body did not come within --read-timeout-s: nothing to answer to
-                print(f"serve-rm: {self.client_address[0]}: no whole request within {read_timeout_s:g} s "
-                      f"(--read-timeout-s)", file=sys.stderr, flush=True)
+            except TimeoutError:  # the body did not come by the deadline: nothing to answer to (finish logs it)
+                self.cut = True
             except ValueError as exc:  # what the tokenizer refuses (a chat prompt its template cannot render, ...)
                 self._refuse(400, f"the texts cannot be tokenised: {exc}")
             except Exception as exc:  # the server goes on; the caller learns that this batch failed, and why
@@ -171,6 +237,8 @@ def make_server(scorer: RewardScorer, host: str, port: int, *, token: str | None
 
         def _refuse(self, status: int, reason: str) -> None:
             self._answer(status, {"error": reason})
+            if self.cut:  # a partial request the deadline cut short: finish says so
+                return
             print(f"serve-rm: {self.client_address[0]}: refused ({status}): {reason}", file=sys.stderr, flush=True)
 
         def do_GET(self):
@@ -187,7 +255,13 @@ def make_server(scorer: RewardScorer, host: str, port: int, *, token: str | None
             if int(length) > max_request_bytes:
                 raise RequestError(413, f"the body is {int(length)} bytes; this server reads at most "
                                         f"{max_request_bytes} (--max-request-mb)")
-            return self.rfile.read(int(length))
+            body = self.rfile.read(int(length))
+            if len(body) < int(length):
+                if self.cut:  # the deadline shut the connection
+                    raise TimeoutError
+                raise RequestError(400, f"the body ended after {len(body)} of its {int(length)} bytes")
+            self.deadline.cancel()
+            return body
 
         def _answer(self, status: int, payload: dict) -> None:
             reply = json.dumps(payload).encode()
@@ -197,15 +271,13 @@ def make_server(scorer: RewardScorer, host: str, port: int, *, token: str | None
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
                 self.wfile.write(reply)
-            except (BrokenPipeError, ConnectionResetError):  # the client gave up; nothing to tell it
+            except OSError:  # the client gave up, or the deadline shut the connection: nothing to tell
                 pass
 
         def log_message(self, *args):  # one line per request is printed by do_POST
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    return BoundedServer((host, port), Handler, max_connections)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -225,9 +297,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-request-mb", type=float, default=16.0)
     parser.add_argument("--max-texts", type=int, default=4096, help="texts per request at most")
-    parser.add_argument("--read-timeout-s", type=float, default=60.0, help="time a client has to send its request")
+    parser.add_argument("--read-timeout-s", type=float, default=60.0,
+                        help="time a client has to send its whole request, from its connection")
+    parser.add_argument("--max-connections", type=int, default=64,
+                        help="connections served at once; one more is answered 503 (busy)")
     args = parser.parse_args(argv)
-    for name in ("max_len", "batch_size", "max_texts"):
+    for name in ("max_len", "batch_size", "max_texts", "max_connections"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_request_mb <= 0 or args.read_timeout_s <= 0:
@@ -261,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                               normalize=args.normalize, chat_template=args.chat_template, dtype=args.dtype)
         server = make_server(scorer, args.host, args.port, token=token,
                              max_request_bytes=int(args.max_request_mb * 2 ** 20), max_texts=args.max_texts,
-                             read_timeout_s=args.read_timeout_s)
+                             read_timeout_s=args.read_timeout_s, max_connections=args.max_connections)
     except (ValueError, ConfigError, OSError) as exc:
         print(f"hpc-rlhf serve-rm: {exc}", file=sys.stderr)
         return 2

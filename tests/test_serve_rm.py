@@ -44,9 +44,9 @@ def scorer(reward_model):
 
 
 @contextlib.contextmanager
-def serving(scorer, token=None, max_request_bytes=1 << 20, max_texts=100, read_timeout_s=10.0):
+def serving(scorer, token=None, max_request_bytes=1 << 20, max_texts=100, read_timeout_s=10.0, max_connections=64):
     server = serve_rm.make_server(scorer, "127.0.0.1", 0, token=token, max_request_bytes=max_request_bytes,
-                                  max_texts=max_texts, read_timeout_s=read_timeout_s)
+                                  max_texts=max_texts, read_timeout_s=read_timeout_s, max_connections=max_connections)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -157,6 +157,55 @@ def test_a_client_that_sends_slowly_loses_its_connection_not_the_server(scorer, 
     assert "no whole request within 0.5 s (--read-timeout-s)" in capfd.readouterr().err
 
 
+def test_a_client_that_trickles_its_request_loses_it_at_the_deadline(scorer, capfd):
+    """A byte every 0.1 s would renew a per-read timeout forever: the whole request must come within the time."""
+    with serving(scorer, read_timeout_s=0.6) as url:
+        port = int(url.rstrip("/").rsplit(":", 1)[1])
+        trickle = socket.create_connection(("127.0.0.1", port))
+        started, closed = time.monotonic(), False
+        try:
+            for byte in b"POST / HTTP/1.0\r\nHost: x\r\nContent-Length: 400\r\n\r\n" + b" " * 400:
+                trickle.sendall(bytes([byte]))
+                time.sleep(0.1)
+                if time.monotonic() - started > 10:
+                    break
+        except OSError:  # the server shut the connection
+            closed = True
+        trickle.settimeout(5)
+        with contextlib.suppress(OSError):
+            closed = closed or trickle.recv(100) == b""
+        trickle.close()
+        assert closed and time.monotonic() - started < 5
+        assert post(url, {"query": ["1"]})[0] == 200
+    assert "no whole request within 0.6 s (--read-timeout-s)" in capfd.readouterr().err
+
+
+def test_connections_beyond_the_limit_are_answered_busy_and_the_slots_come_back(scorer, capfd):
+    with serving(scorer, max_connections=2, read_timeout_s=30.0) as url:
+        port = int(url.rstrip("/").rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        time.sleep(0.3)  # both taken by their threads
+        extra = socket.create_connection(("127.0.0.1", port))
+        extra.settimeout(10)
+        reply = b""
+        while chunk := extra.recv(4096):
+            reply += chunk
+        extra.close()
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 503") and "--max-connections" in json.loads(body)["error"]
+        for connection in idle:
+            connection.close()
+        for _ in range(50):  # their threads end as they read the closed connections
+            with contextlib.suppress(OSError):
+                if post(url, {"query": ["1"]})[0] == 200:
+                    break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("no slot came back after the idle connections closed")
+        assert all(post(url, {"query": ["1"]})[0] == 200 for _ in range(3))
+    assert "refused (503): 2 connections already (--max-connections)" in capfd.readouterr().err
+
+
 def test_the_network_needs_a_secret_or_an_explicit_choice(monkeypatch, reward_model, capsys):
     def args(*argv):
         return serve_rm.parse_args([str(reward_model), *argv])
@@ -177,6 +226,8 @@ def test_the_network_needs_a_secret_or_an_explicit_choice(monkeypatch, reward_mo
     assert "--host 0.0.0.0 lets other machines in" in err and "model folder '/nowhere/rm' does not exist" in err
     with pytest.raises(SystemExit):
         serve_rm.parse_args([str(reward_model), "--max-len", "0"])
+    with pytest.raises(SystemExit):
+        serve_rm.parse_args([str(reward_model), "--max-connections", "0"])
     assert isinstance(args(), argparse.Namespace)
 
 
