@@ -532,6 +532,9 @@ class CheckpointSection:
     every_steps: int = field(0, help="save every N steps (0 = only at the end and on preemption)", min=0)
     keep: int = field(2, help="number of checkpoints to keep", min=1)
     resume: bool = field(True, help="continue from the newest complete checkpoint in output_dir")
+    save_hf: bool = field(False, help="each checkpoint of every_steps also holds the trained models as Hugging Face "
+                                      "folders (<checkpoint>/hf/<model>, as final/ is written), kept and pruned "
+                                      "with it; none in a checkpoint a stop signal asked for, or at the last step")
 
 
 @dataclass

@@ -592,8 +592,10 @@ def _flags() -> list[Flag]:
                                                                            "(checkpoint.keep)"),
         F(("--load_checkpoint", "--ckpt.load_enable"), ALL, takes="switch", keys="checkpoint.resume=true",
           apply=_switch_true("checkpoint.resume"), note="hpc_rlhf resumes by default (a requeued job continues)"),
-        F(("--save_hf_ckpt", "--ckpt.save_hf"), ALL, takes="switch",
-          refused="checkpoints are hpc_rlhf's own; the final model is a Hugging Face folder (output_dir/final)"),
+        F(("--save_hf_ckpt", "--ckpt.save_hf"), ALL, takes="switch", keys="checkpoint.save_hf=true",
+          apply=_switch_true("checkpoint.save_hf"),
+          note="each checkpoint of --save_steps also holds the trained models as Hugging Face folders "
+               "(<checkpoint>/hf/<model>)"),
         F(("--disable_ds_ckpt", "--ckpt.disable_ds"), ALL, takes="switch",
           refused="checkpoints hold the optimizer states, which a resume needs"),
         F(("--best_metric_key", "--ckpt.best_metric_key"), ppo, refused="no best-checkpoint selection"),

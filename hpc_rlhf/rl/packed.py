@@ -3,7 +3,8 @@ rows, each sample whole in one row, `position_ids` restarting at 0 at each sampl
 keeps attention within a sample from the restarting positions (hpc_rlhf.data.packing says how on each attention
 backend). The conversions between this layout and the padded one of rl/batches.py are pure; the forwards at the
 end (a policy's log-probs, a critic's values, a reward model's scores, a process reward model's logits at the
-steps) take either layout and answer in the padded one, so that everything after them (losses, advantages, the exchange) is the same either way.
+steps) take either layout and answer in the padded one, so that everything after them (losses, advantages, the
+exchange) is the same either way.
 
 Rows are at most `row_tokens` long (default: the longest sample of the micro-batch), filled first-fit decreasing.
 A row as long as the longest sample keeps each row's attention as cheap as a padded row's (sdpa on CPU attends over

@@ -212,6 +212,12 @@ class RLRecipe:
     def _my_engines(self) -> dict:
         return {name: engine for name, engine in (("actor", self.actor), ("critic", self.critic)) if engine}
 
+    def _my_models(self) -> dict[str, checkpointing.ModelToSave]:
+        """The trained models this rank takes part in, as checkpoint.save_hf writes them into a checkpoint."""
+        lora = {"actor": self.cfg.actor.lora, "critic": self.cfg.critic.lora}
+        return {name: checkpointing.ModelToSave(engine, self.tokenizer, lora[name])
+                for name, engine in self._my_engines().items()}
+
     # -------------------------------------------------------------------------------------------- the step
     def train(self) -> dict[str, float]:
         cfg, run = self.cfg, self.run
@@ -290,7 +296,8 @@ class RLRecipe:
                 run.logger.log(done, metrics)
             run.logger.advance()
             checkpointing.checkpoint_or_stop(run, done, self._my_engines(), stopping, cfg.train.max_steps,
-                                             save_extra=self.pipeline.save)  # the batches in flight go with it
+                                             save_extra=self.pipeline.save,  # the batches in flight go with it
+                                             hf_models=self._my_models())
         with watchdog.phase("checkpoint"):
             if self.actor is not None:
                 checkpointing.save_final_model(self.actor, run.output_dir / "final", self.tokenizer, cfg.actor.lora)

@@ -3,7 +3,9 @@ checkpoint and a clean exit that the launcher requeues; checkpoints are atomic (
 checksums a share of the files; rank 0 writes the marker and renames) and a resumed run continues exactly (engines,
 optimizer, RNG states, the recipe's own state); a resume that finds checkpoints of which none verifies refuses
 (CheckpointError, exit 2) rather than start over; too many non-finite steps in a row stop a run; the final model
-is written as a Hugging Face folder.
+is written as a Hugging Face folder, and with checkpoint.save_hf each scheduled checkpoint holds such a folder of
+every trained model too (`<checkpoint>/hf/<name>`: a step's model to evaluate or serve, sealed and pruned with the
+checkpoint). A reward model's copy has no normalisation constants: `hpc-rlhf rm` computes them at the end.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +30,16 @@ from hpc_rlhf.utils import checkpoint as ckpt
 log = logging.getLogger("hpc_rlhf")
 
 TRAINER_STATE = "trainer_state.json"
+HF_FOLDER = "hf"  # checkpoint.save_hf: <checkpoint>/hf/<name>, a Hugging Face folder of each trained model
+
+
+@dataclass(frozen=True)
+class ModelToSave:
+    """What a trained model's Hugging Face folder is written from (save_final_model): its engine, the tokenizer
+    saved beside it, and its LoRA settings (merged or the adapter alone)."""
+    engine: Any
+    tokenizer: Any
+    lora: Any
 
 
 class CheckpointError(ConfigError):
@@ -84,7 +97,8 @@ class NonFiniteGuard:
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 def save_checkpoint(run: Run, step: int, engines: dict, state: dict[str, Any] | None = None,
-                    save_extra: Callable[[Path], dict[str, Any]] | None = None) -> Path:
+                    save_extra: Callable[[Path], dict[str, Any]] | None = None,
+                    hf_models: dict[str, ModelToSave] | None = None) -> Path:
     """All ranks: every engine this rank holds saves into the staging folder; each rank fsyncs and checksums a
     share of the files; rank 0 writes the marker and moves the folder into place.
 
@@ -92,6 +106,8 @@ def save_checkpoint(run: Run, step: int, engines: dict, state: dict[str, Any] | 
     on all ranks of each engine's group. Per-rank RNG states are saved too, for exact resume. `save_extra(staging)`,
     called on every rank, writes what else the recipe keeps (e.g. the RL batches in flight) into the staging folder
     and returns entries for the trainer state (rank 0's are written): sealed by the same commit as the rest.
+    `hf_models` (checkpoint.save_hf): the trained models this rank takes part in, each written as a Hugging Face
+    folder `hf/<name>` of the checkpoint, as final/ is.
     """
     if run.is_main:
         ckpt.prepare_staging(run.output_dir, step)
@@ -99,6 +115,8 @@ def save_checkpoint(run: Run, step: int, engines: dict, state: dict[str, Any] | 
     staging = ckpt.staging_dir(run.output_dir, step)
     for name, engine in engines.items():
         engine.save_checkpoint(staging / name)
+    for name, model in (hf_models or {}).items():
+        save_final_model(model.engine, staging / HF_FOLDER / name, model.tokenizer, model.lora)
     rng_dir = staging / "rng"
     rng_dir.mkdir(exist_ok=True)
     # The seed and the rank count beside the states: a resume on another number of ranks derives each rank's
@@ -238,13 +256,18 @@ class Preempted(SystemExit):
 
 
 def checkpoint_or_stop(run: Run, step: int, engines: dict, stopping: bool, max_steps: int,
-                       save_extra: Callable[[Path], dict[str, Any]] | None = None) -> None:
+                       save_extra: Callable[[Path], dict[str, Any]] | None = None,
+                       hf_models: dict[str, ModelToSave] | None = None) -> None:
     """End of an optimizer step: checkpoint when one is due or `stopping` (a stop signal somewhere, agreed by all
     ranks: `StopSignal.requested`); after a stop's checkpoint, raise Preempted so the job exits for requeueing.
-    `save_extra`: see `save_checkpoint`."""
-    if stopping or should_save(step, run.cfg.checkpoint.every_steps, max_steps):
+    `save_extra`: see `save_checkpoint`. `hf_models`: written into a checkpoint of checkpoint.every_steps when
+    checkpoint.save_hf is on; not into one only a stop signal asked for (the job has seconds left to write it)
+    nor at the last step (final/ is that model)."""
+    due = should_save(step, run.cfg.checkpoint.every_steps, max_steps)
+    if stopping or due:
+        copies = hf_models if due and step < max_steps and run.cfg.checkpoint.save_hf else None
         with watchdog.phase("checkpoint"):
-            save_checkpoint(run, step, engines, save_extra=save_extra)
+            save_checkpoint(run, step, engines, save_extra=save_extra, hf_models=copies)
     if stopping:
         run.logger.close()
         raise Preempted(step)

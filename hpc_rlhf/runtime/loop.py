@@ -15,8 +15,8 @@ import torch
 
 from hpc_rlhf.data.order import rank_micro_batches, step_indices
 from hpc_rlhf.dist import watchdog
-from hpc_rlhf.runtime.checkpointing import (NonFiniteGuard, StopSignal, checkpoint_or_stop, resume_if_possible,
-                                            save_final_model)
+from hpc_rlhf.runtime.checkpointing import (ModelToSave, NonFiniteGuard, StopSignal, checkpoint_or_stop,
+                                            resume_if_possible, save_final_model)
 from hpc_rlhf.runtime.run import (Run, eval_before_training, eval_due, log_due, open_logger, reduce_sum,
                                   window_means)
 from hpc_rlhf.utils import faults
@@ -112,7 +112,7 @@ def step_share(micro_tokens: int, step_tokens: int, micro_batches_in_step: int) 
 
 def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callable[[list[int]], MicroBatch],
                     window: FigureWindow, evaluate: Callable[[], dict[str, float]], bad_steps: NonFiniteGuard,
-                    stop: StopSignal, loss_tokens_of: Callable[[list[int]], int] | None = None,
+                    stop: StopSignal, tokenizer=None, loss_tokens_of: Callable[[list[int]], int] | None = None,
                     row_length: Callable[[int], int] | None = None) -> dict[str, float]:
     """The training loop of a one-model mode, the whole world one data-parallel group; returns the last
     evaluation's figures.
@@ -129,7 +129,8 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
 
     Per optimizer step: this rank's micro-batches of `num_rows` training rows (step_micro_batches), each one's
     `micro_batch_loss(row indices)` trained on; on a logging step the window's figures, the step figures and,
-    when due, `evaluate()` go to metrics.jsonl; then a checkpoint when one is due or a stop was requested.
+    when due, `evaluate()` go to metrics.jsonl; then a checkpoint when one is due or a stop was requested (with
+    checkpoint.save_hf, the model as a Hugging Face folder in it, `tokenizer` beside it).
     Failure handling: the watchdog knows the step in progress and its phase (`eval`, `training`, `checkpoint`),
     which is also where HPC_RLHF_FAULT's kill/raise/freeze/hang faults fire, and a nan fault poisons the loss.
     """
@@ -169,5 +170,6 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
                 metrics.update(last_eval)
             run.logger.log(done, metrics)
             window_tokens, window_start = 0, time.perf_counter()
-        checkpoint_or_stop(run, done, {"model": engine}, stop.requested(), cfg.train.max_steps)
+        checkpoint_or_stop(run, done, {"model": engine}, stop.requested(), cfg.train.max_steps,
+                           hf_models={"model": ModelToSave(engine, tokenizer, cfg.model.lora)})
     return last_eval

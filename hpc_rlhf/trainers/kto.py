@@ -185,7 +185,8 @@ class KTORecipe:
     def train(self) -> dict[str, float]:
         last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                            micro_batch_loss=self._micro_batch, window=KTOWindow(),
-                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop)
+                                           evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
+                                           tokenizer=self.tokenizer)
         loop.finish_training(self.run, self.engine, self.tokenizer)
         return last_eval
 

@@ -132,6 +132,7 @@ class ProcessRewardRecipe:
         last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                          micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
                                          evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
+                                         tokenizer=self.tokenizer,
                                          loss_tokens_of=self._markers, row_length=self._row_length)
         # What a consumer needs to score steps with the saved model.
         unwrap_model(self.engine.module).config.process_reward = {

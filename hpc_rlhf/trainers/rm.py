@@ -170,6 +170,7 @@ class RewardModelRecipe:
         last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                            micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
                                            evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
+                                           tokenizer=self.tokenizer,
                                            row_length=self._pair_length)
         with watchdog.phase("eval"):
             mean, std = self.normalization_constants()

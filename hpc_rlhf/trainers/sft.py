@@ -132,6 +132,7 @@ class SFTRecipe:
         last_eval = loop.train_one_model(self.run, self.engine, num_rows=len(self.train_examples),
                                            micro_batch_loss=self._micro_batch, window=loop.MeanWindow(),
                                            evaluate=self.evaluate, bad_steps=self.bad_steps, stop=self.stop,
+                                           tokenizer=self.tokenizer,
                                            loss_tokens_of=lambda rows: label_tokens(self.train_examples, rows),
                                            row_length=lambda row: len(self.train_examples[row]["input_ids"]))
         loop.finish_training(self.run, self.engine, self.tokenizer)

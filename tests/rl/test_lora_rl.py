@@ -58,12 +58,13 @@ def test_lora_ppo_syncs_the_adapter_alone_and_resumes_it_exactly(tmp_path, lengt
     and not after, and every figure equals that of the same run with a separate reference model on a ref role
     (ref_mode=model: on CPU in fp32 the adapter-off actor's log-probs are the reference model's, bit for bit); a
     run cut back to its step-2 checkpoint and resumed repeats steps 3-4 and ends with the same adapter, bit for
-    bit, saved alone in final/ (merge_on_save=false), a PEFT folder that peft loads."""
+    bit, saved alone in final/ (merge_on_save=false), a PEFT folder that peft loads. The step-2 checkpoint holds the
+    adapter and the critic as Hugging Face folders too (checkpoint.save_hf), which changes no figure."""
     common = ["--config", "examples/tiny/ppo.yaml", f"actor.path={TINY_MODEL}", f"critic.path={TINY_MODEL}",
               "reward.models=[]", length_reward, "placement=actor=1,critic=1,rollout=1", "actor.lora.rank=8",
               "actor.lora.merge_on_save=false", "train.lr=1e-3", "rollout.prompts_per_step=8", "train.batch_size=32",
               "critic_train.batch_size=32", "log.eval_every_steps=0", "checkpoint.every_steps=2",
-              "checkpoint.keep=3", "train.max_steps=4", *QUIET]
+              "checkpoint.keep=3", "checkpoint.save_hf=true", "train.max_steps=4", *QUIET]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     hpc_rlhf("ppo", *common, f"output_dir={full}")
     rows = read_metrics(full)
@@ -89,6 +90,12 @@ def test_lora_ppo_syncs_the_adapter_alone_and_resumes_it_exactly(tmp_path, lengt
     adapters = [load_file(out / "final" / "adapter_model.safetensors") for out in (full, resumed)]
     assert adapters[0].keys() == adapters[1].keys() and len(adapters[0]) == 2 * 4 * 2  # A, B x q, k, v, o x 2 layers
     assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+    step_2 = full / "checkpoints" / "step_000000002" / "hf"
+    at_step_2 = load_file(step_2 / "actor" / "adapter_model.safetensors")
+    assert at_step_2.keys() == adapters[0].keys() and not (step_2 / "actor" / "config.json").exists()
+    assert not all(torch.equal(at_step_2[k], adapters[0][k]) for k in at_step_2)  # two more steps trained it
+    assert (step_2 / "critic" / "model.safetensors").is_file()
+    assert not (full / "checkpoints" / "step_000000004" / "hf").exists()
     assert not (full / "final" / "config.json").exists()  # the adapter alone, as asked
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(REPO / TINY_MODEL), full / "final")
     # `hpc-rlhf merge-lora` finds the base the run named and writes a model that computes as base plus adapter

@@ -6,6 +6,7 @@ through the command line (the local launcher).
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -103,13 +104,29 @@ def test_a_packed_run_evaluates_its_held_out_examples_unpacked(world, tmp_path):
 
 
 def test_resume_from_a_checkpoint_repeats_the_uninterrupted_run(world, tmp_path):
+    """The uninterrupted run also writes its step-3 model as a Hugging Face folder into the checkpoint
+    (checkpoint.save_hf): the weights the checkpoint holds, sealed with it, and nothing of the training changed
+    (the resumed run, which writes none, repeats the uninterrupted one bit for bit)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from hpc_rlhf.trainers import sft
+    from hpc_rlhf.utils import checkpoint as ckpt
 
     common = ["train.max_steps=6", "train.batch_size=8", "train.micro_batch_size=4", "train.warmup_steps=2",
               "log.every_steps=1", "log.eval_every_steps=0", "checkpoint.every_steps=3", "checkpoint.keep=5",
               "data.max_train_rows=200", "data.max_eval_rows=16", "eval.max_rows=8", "model.dtype=float32"]
     whole = tmp_path / "whole"
-    sft.run(sft_config(whole, *common))
+    sft.run(sft_config(whole, *common, "checkpoint.save_hf=true"))
+    step_3, step_6 = (whole / "checkpoints" / f"step_00000000{n}" for n in (3, 6))
+    copy = AutoModelForCausalLM.from_pretrained(step_3 / "hf" / "model")
+    AutoTokenizer.from_pretrained(step_3 / "hf" / "model")
+    held = torch.load(next((step_3 / "model").rglob("mp_rank_00_model_states.pt")), weights_only=False)["module"]
+    assert copy.state_dict().keys() == held.keys()
+    assert all(torch.equal(copy.state_dict()[name], held[name]) for name in held)
+    assert "hf/model/model.safetensors" in json.loads((step_3 / ckpt.MARKER).read_text())["files"]
+    assert not (step_6 / "hf").exists()  # the last step's model is final/
+    final = AutoModelForCausalLM.from_pretrained(whole / "final").state_dict()
+    assert not all(torch.equal(final[name], held[name]) for name in held)
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     # The state a job preempted after step 3 leaves behind: its step-3 checkpoint.
@@ -137,10 +154,17 @@ def test_a_two_rank_zero3_run_resumes_on_one_rank_and_on_three(tmp_path):
               "log.eval_every_steps=4", "checkpoint.every_steps=2", "checkpoint.keep=2", "data.max_train_rows=256",
               "data.max_eval_rows=32", "eval.max_rows=16", "model.dtype=float32"]
     whole = tmp_path / "whole"
-    hpc_rlhf_cli(*common, f"output_dir={whole}", "dist.nproc=2", timeout=300)
+    hpc_rlhf_cli(*common, f"output_dir={whole}", "dist.nproc=2", "checkpoint.save_hf=true", timeout=300)
     rows = read_metrics(whole)
     assert rows[-1]["step"] == 4 and rows[-1]["eval_loss"] < rows[0]["eval_loss"]
     assert (whole / "final" / "model.safetensors").is_file()
+    from transformers import AutoModelForCausalLM  # the step-2 model, gathered from both ranks' shards
+
+    at_step_2 = AutoModelForCausalLM.from_pretrained(whole / "checkpoints" / "step_000000002" / "hf" / "model")
+    final = AutoModelForCausalLM.from_pretrained(whole / "final")
+    assert at_step_2.state_dict().keys() == final.state_dict().keys()
+    assert all(a.shape == b.shape for a, b in zip(at_step_2.state_dict().values(), final.state_dict().values()))
+    assert not torch.equal(at_step_2.model.embed_tokens.weight, final.model.embed_tokens.weight)
 
     expected = {r["step"]: r for r in rows if r["step"] > 2}
     for ranks in (1, 3):
