@@ -535,6 +535,11 @@ class CheckpointSection:
     save_hf: bool = field(False, help="each checkpoint of every_steps also holds the trained models as Hugging Face "
                                       "folders (<checkpoint>/hf/<model>, as final/ is written), kept and pruned "
                                       "with it; none in a checkpoint a stop signal asked for, or at the last step")
+    best_metric: str | None = field(None, help="an evaluation figure (eval_loss, eval_accuracy, ...): the model of "
+                                               "its best evaluation so far is kept in output_dir/best/ (RL: the "
+                                               "actor), replaced when a later one beats it (None = off)")
+    best_mode: str = field("auto", choices=["auto", "max", "min"],
+                           help="best_metric: higher or lower is better (auto: lower for a *loss, higher otherwise)")
 
 
 @dataclass

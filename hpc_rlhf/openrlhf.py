@@ -598,7 +598,9 @@ def _flags() -> list[Flag]:
                "(<checkpoint>/hf/<model>)"),
         F(("--disable_ds_ckpt", "--ckpt.disable_ds"), ALL, takes="switch",
           refused="checkpoints hold the optimizer states, which a resume needs"),
-        F(("--best_metric_key", "--ckpt.best_metric_key"), ppo, refused="no best-checkpoint selection"),
+        F(("--best_metric_key", "--ckpt.best_metric_key"), ppo,
+          refused="OpenRLHF's evaluation figures are not hpc_rlhf's: set checkpoint.best_metric to one of this "
+                  "run's (eval_accuracy in RL; --set checkpoint.best_metric=eval_accuracy)"),
         F(("--logging_steps", "--logger.logging_steps"), ALL, core=True, cast=int, keys="log.every_steps",
           apply=to("log.every_steps")),
         F(("--eval_steps", "--eval.steps"), ALL, core=True, cast=int, keys="log.eval_every_steps",

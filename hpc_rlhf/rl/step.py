@@ -74,6 +74,7 @@ from hpc_rlhf.rl.scoring import Scoring
 from hpc_rlhf.rl.sync import WeightSync
 from hpc_rlhf.runtime import checkpointing
 from hpc_rlhf.runtime import run as run_setup
+from hpc_rlhf.runtime.best_model import BestModel
 from hpc_rlhf.runtime.process_rewards import ProcessRewardSpec, process_reward_spec
 from hpc_rlhf.runtime.reference import FrozenModel
 
@@ -222,10 +223,12 @@ class RLRecipe:
     def train(self) -> dict[str, float]:
         cfg, run = self.cfg, self.run
         result = {}
+        best = BestModel(run)  # checkpoint.best_metric: the actor of the best evaluation in output_dir/best/
         if run.start_step == 0 and cfg.log.eval_every_steps > 0:
             with watchdog.phase("eval"):  # failure handling: each phase of the loop is named for the watchdog
                 result.update(self.evaluate())
             run.logger.log(0, dict(result))
+            best.update(0, result, None)  # step 0 is not this run's model: only the figure's name is checked
         watchdog.set_step(run.start_step + 1)
         for index in self.pipeline.to_prefill(run.start_step):  # asynchronous RL: the first K batches
             self._rollout(index, version=run.start_step, phase="rollout_prefill")
@@ -292,6 +295,7 @@ class RLRecipe:
                 with watchdog.phase("eval"):
                     result.update(self.evaluate())
                 metrics.update(result)
+                best.update(done, result, self._my_models().get("actor"))
             if done % cfg.log.every_steps == 0 or "eval_accuracy" in metrics:
                 run.logger.log(done, metrics)
             run.logger.advance()

@@ -15,6 +15,7 @@ import torch
 
 from hpc_rlhf.data.order import rank_micro_batches, step_indices
 from hpc_rlhf.dist import watchdog
+from hpc_rlhf.runtime.best_model import BestModel
 from hpc_rlhf.runtime.checkpointing import (ModelToSave, NonFiniteGuard, StopSignal, checkpoint_or_stop,
                                             resume_if_possible, save_final_model)
 from hpc_rlhf.runtime.run import (Run, eval_before_training, eval_due, log_due, open_logger, reduce_sum,
@@ -136,9 +137,12 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
     """
     cfg = run.cfg
     engine.train()
+    best = BestModel(run)  # checkpoint.best_metric: the model of the best evaluation in output_dir/best/
     if eval_before_training(run):
         with watchdog.phase("eval"):
-            run.logger.log(0, evaluate())
+            first = evaluate()
+        run.logger.log(0, first)
+        best.update(0, first, None)  # step 0 is not this run's model: only the figure's name is checked
     last_eval: dict[str, float] = {}
     window_tokens, window_start = 0, time.perf_counter()
     for step in range(run.start_step, cfg.train.max_steps):
@@ -168,6 +172,7 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
                 with watchdog.phase("eval"):
                     last_eval = evaluate()
                 metrics.update(last_eval)
+                best.update(done, last_eval, ModelToSave(engine, tokenizer, cfg.model.lora))
             run.logger.log(done, metrics)
             window_tokens, window_start = 0, time.perf_counter()
         checkpoint_or_stop(run, done, {"model": engine}, stop.requested(), cfg.train.max_steps,

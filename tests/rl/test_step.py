@@ -332,3 +332,23 @@ def test_a_reward_model_of_another_tokenizer_is_refused_at_set_up(tmp_path):
     assert (f"reward.models[0] '{other}' does not share the tokenizer of actor.path '{TINY_MODEL}': 104 vs 104 "
             f"tokens, 2 mapped differently") in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_the_actor_of_the_best_evaluation_is_kept(tmp_path):
+    """checkpoint.best_metric=eval_accuracy in GRPO: after each evaluation of a trained step, the actor of the best
+    one so far is written to output_dir/best/ with its record (rank 0's figures, every rank following)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "grpo"
+    hpc_rlhf_cli("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={TINY_MODEL}",
+                 "placement=actor+ref=1,rollout@actor", "rollout.prompts_per_step=4", "rollout.n_samples=4",
+                 "train.batch_size=16", "train.micro_batch_size=8", "train.lr=1e-3", "train.max_steps=2",
+                 "log.eval_every_steps=1",
+                 "eval.max_rows=16", "checkpoint.best_metric=eval_accuracy", *QUIET)
+    evals = {r["step"]: r["eval_accuracy"] for r in read_metrics(out) if "eval_accuracy" in r and r["step"] > 0}
+    assert sorted(evals) == [1, 2]
+    first_best = max(evals, key=lambda step: (evals[step], -step))  # a later tie does not replace it
+    record = json.loads((out / "best" / "best.json").read_text())
+    assert record == {"metric": "eval_accuracy", "value": evals[first_best], "step": first_best}
+    AutoModelForCausalLM.from_pretrained(out / "best")
+    assert (out / "best" / "tokenizer.json").is_file()

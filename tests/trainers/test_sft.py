@@ -142,6 +142,54 @@ def test_resume_from_a_checkpoint_repeats_the_uninterrupted_run(world, tmp_path)
     assert final_eval and final_eval == {k: v for k, v in read_metrics(resumed)[-1].items() if k.startswith("eval_")}
 
 
+def test_the_best_evaluation_keeps_its_model_and_a_resumed_run_goes_on_from_its_record(world, tmp_path):
+    """checkpoint.best_metric with best_mode=max on eval_loss keeps the model of the worst evaluation (the first,
+    as training lowers the loss): the same weights as that step's checkpoint copy (checkpoint.save_hf); in the
+    loss's own direction each evaluation replaces the one before, the last one's model is final/'s. A run resumed
+    from step 4 reads the record and keeps it, as the uninterrupted run did; a figure the evaluation does not give
+    is refused by name before the first step."""
+    from transformers import AutoModelForCausalLM
+
+    from hpc_rlhf.config import ConfigError
+    from hpc_rlhf.runtime.best_model import BEST_DIR, RECORD
+    from hpc_rlhf.trainers import sft
+
+    common = ["train.max_steps=6", "train.batch_size=8", "train.micro_batch_size=4", "train.warmup_steps=0",
+              "log.every_steps=2", "log.eval_every_steps=2", "checkpoint.every_steps=2", "checkpoint.keep=5",
+              "checkpoint.save_hf=true", "checkpoint.best_metric=eval_loss", "checkpoint.best_mode=max",
+              "data.max_train_rows=200", "data.max_eval_rows=16", "eval.max_rows=8", "model.dtype=float32"]
+    whole = tmp_path / "whole"
+    sft.run(sft_config(whole, *common))
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(whole) if r["step"] > 0}
+    worst = max(evals, key=evals.get)
+    assert worst == 2, evals
+    record = json.loads((whole / BEST_DIR / RECORD).read_text())
+    assert record == {"metric": "eval_loss", "value": evals[2], "step": 2}
+    best = AutoModelForCausalLM.from_pretrained(whole / BEST_DIR).state_dict()
+    copy = AutoModelForCausalLM.from_pretrained(whole / "checkpoints" / "step_000000002" / "hf" / "model").state_dict()
+    assert best.keys() == copy.keys() and all(torch.equal(best[name], copy[name]) for name in best)
+
+    lowest = tmp_path / "lowest"  # the loss's own direction: each evaluation beats the one before and replaces it
+    sft.run(sft_config(lowest, *common, "checkpoint.best_mode=auto"))
+    assert json.loads((lowest / BEST_DIR / RECORD).read_text()) == {"metric": "eval_loss", "value": evals[6], "step": 6}
+    best = AutoModelForCausalLM.from_pretrained(lowest / BEST_DIR).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(lowest / "final").state_dict()
+    assert all(torch.equal(best[name], final[name]) for name in best)
+    assert sorted(path.name for path in lowest.iterdir() if "best" in path.name) == [BEST_DIR]  # nothing left over
+
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(whole / "checkpoints" / "step_000000004", resumed / "checkpoints" / "step_000000004")
+    shutil.copytree(whole / BEST_DIR, resumed / BEST_DIR)
+    sft.run(sft_config(resumed, *common))
+    assert json.loads((resumed / BEST_DIR / RECORD).read_text()) == record
+
+    with pytest.raises(ConfigError, match=r"checkpoint.best_metric=eval_acc: this run's evaluation has no such "
+                                          r"figure \(it gives: eval_accuracy, eval_loss\)"):
+        sft.run(sft_config(tmp_path / "unknown", *common, "checkpoint.best_metric=eval_acc"))
+    assert not list((tmp_path / "unknown").glob("checkpoints/step_*"))  # refused before the first step
+
+
 def test_a_two_rank_zero3_run_resumes_on_one_rank_and_on_three(tmp_path):
     """Two ranks with ZeRO-3 write a checkpoint at step 2; the same output folder resumed on 1 and on 3 ranks
     (issue 36) continues with the optimizer state resharded: steps 3-4 as the uninterrupted run's, up to the sums'
