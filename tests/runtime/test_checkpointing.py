@@ -74,3 +74,32 @@ def test_the_rng_states_resume_bit_for_bit_on_the_same_ranks_and_derive_from_the
     other_rank = a_run(tmp_path, "train.seed=11", rank=1, world_size=1)
     checkpointing.restore_rng(other_rank, path, 3)  # no file of its own: the seed is rank 0's
     assert not torch.equal(torch.rand(4), draws[0])
+
+
+def test_model_folders_go_into_the_scheduled_checkpoints_only(tmp_path):
+    """checkpoint.save_hf: a checkpoint of every_steps holds each model's folder (hf/<name>); one that only a stop
+    signal asked for holds none (the stop's lead is for the resume's state), nor does the last step's (final/)."""
+    from hpc_rlhf.config import LoraSection
+
+    one_rank_world()
+    run = a_run(tmp_path, "checkpoint.every_steps=2", "checkpoint.save_hf=true", "checkpoint.keep=5")
+    run.logger = FakeEngine()
+    trained, model = FakeEngine(), FakeEngine()
+    models = {"model": checkpointing.ModelToSave(model, "the tokenizer", LoraSection())}
+
+    def folders_written() -> list[Path]:
+        return [call[1].relative_to(tmp_path) for call in model.calls if call[0] == "save_hf"]
+
+    checkpointing.checkpoint_or_stop(run, 2, {"model": trained}, False, 6, hf_models=models)
+    assert folders_written() == [Path("checkpoints/.staging-step_000000002/hf/model")]
+    assert model.calls[0][2] == "the tokenizer"
+    checkpointing.checkpoint_or_stop(run, 3, {"model": trained}, False, 6, hf_models=models)  # not due: nothing
+    with pytest.raises(checkpointing.Preempted):
+        checkpointing.checkpoint_or_stop(run, 5, {"model": trained}, True, 6, hf_models=models)
+    checkpointing.checkpoint_or_stop(run, 6, {"model": trained}, False, 6, hf_models=models)
+    assert len(folders_written()) == 1  # none at the stop's step 5, none at the last step 6
+    assert [c[1].name for c in trained.calls if c[0] == "save_checkpoint"] == ["model"] * 3  # steps 2, 5 and 6
+    run_off = a_run(tmp_path / "off", "checkpoint.every_steps=2")
+    run_off.logger = FakeEngine()
+    checkpointing.checkpoint_or_stop(run_off, 2, {"model": trained}, False, 6, hf_models=models)
+    assert len(folders_written()) == 1  # checkpoint.save_hf is off by default
