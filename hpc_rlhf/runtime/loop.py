@@ -164,7 +164,7 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
                 window_tokens += int(micro.tokens)
         bad_steps.update(info.skipped, done)
         run.logger.advance()
-        if log_due(cfg, done):
+        if log_due(cfg, done) or eval_due(cfg, done):  # an evaluation step writes its row, logged or not
             elapsed = time.perf_counter() - window_start
             tokens_all = reduce_sum([window_tokens])[0]
             metrics = {**window.summary(), **step_figures(info, tokens_all, elapsed, bad_steps)}

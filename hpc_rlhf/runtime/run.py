@@ -148,8 +148,8 @@ def log_due(cfg, step: int) -> bool:
 
 
 def eval_due(cfg, step: int) -> bool:
-    """Whether a logged step evaluates: every log.eval_every_steps and the last step (eval_every_steps=0: only
-    the last)."""
+    """Whether a step evaluates: every log.eval_every_steps and the last step (eval_every_steps=0: only the last);
+    its metrics row is written whether log.every_steps would log it or not."""
     every = cfg.log.eval_every_steps
     return (every > 0 and step % every == 0) or step == cfg.train.max_steps
 

@@ -103,6 +103,21 @@ def test_a_packed_run_evaluates_its_held_out_examples_unpacked(world, tmp_path):
     assert read_metrics(out)[-1]["eval_loss"] > 0
 
 
+def test_evaluations_come_every_eval_every_steps_whatever_the_logging_cadence(world, tmp_path):
+    """log.eval_every_steps=6 with log.every_steps=4: evaluations at steps 6 and 10 (each with its row), not only
+    where both cadences meet (step 12, past the run: the loop once evaluated on logged steps alone)."""
+    from hpc_rlhf.trainers import sft
+
+    out = tmp_path / "run"
+    sft.run(sft_config(out, "train.max_steps=10", "train.batch_size=8", "train.micro_batch_size=8",
+                       "log.every_steps=4", "log.eval_every_steps=6", "data.max_train_rows=100",
+                       "data.max_eval_rows=8", "eval.max_rows=4", "model.dtype=float32"))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 4, 6, 8, 10]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [0, 6, 10]
+    assert all("loss" in r for r in rows[1:])  # every row after the first carries its window's training figures
+
+
 def test_resume_from_a_checkpoint_repeats_the_uninterrupted_run(world, tmp_path):
     """The uninterrupted run also writes its step-3 model as a Hugging Face folder into the checkpoint
     (checkpoint.save_hf): the weights the checkpoint holds, sealed with it, and nothing of the training changed
