@@ -335,13 +335,14 @@ def test_a_reward_model_of_another_tokenizer_is_refused_at_set_up(tmp_path):
 
 
 def test_the_actor_of_the_best_evaluation_is_kept(tmp_path):
-    """checkpoint.best_metric=eval_accuracy in GRPO: after each evaluation of a trained step, the actor of the best
-    one so far is written to output_dir/best/ with its record (rank 0's figures, every rank following)."""
+    """checkpoint.best_metric=eval_accuracy in GRPO on three ranks (the actor on two, an engine on the third): after
+    each evaluation of a trained step, the actor of the best one so far is written to output_dir/best/ with its
+    record (rank 0's figures, every rank following; the engine's rank holds no model to write)."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "grpo"
     hpc_rlhf_cli("grpo", "--config", "examples/tiny/grpo.yaml", f"output_dir={out}", f"actor.path={TINY_MODEL}",
-                 "placement=actor+ref=1,rollout@actor", "rollout.prompts_per_step=4", "rollout.n_samples=4",
+                 "placement=actor=2,rollout=1", "rl.kl_coef=0", "rollout.prompts_per_step=4", "rollout.n_samples=4",
                  "train.batch_size=16", "train.micro_batch_size=8", "train.lr=1e-3", "train.max_steps=2",
                  "log.eval_every_steps=1",
                  "eval.max_rows=16", "checkpoint.best_metric=eval_accuracy", *QUIET)

@@ -217,7 +217,8 @@ def test_a_two_rank_zero3_run_resumes_on_one_rank_and_on_three(tmp_path):
               "log.eval_every_steps=4", "checkpoint.every_steps=2", "checkpoint.keep=2", "data.max_train_rows=256",
               "data.max_eval_rows=32", "eval.max_rows=16", "model.dtype=float32"]
     whole = tmp_path / "whole"
-    hpc_rlhf_cli(*common, f"output_dir={whole}", "dist.nproc=2", "checkpoint.save_hf=true", timeout=300)
+    hpc_rlhf_cli(*common, f"output_dir={whole}", "dist.nproc=2", "checkpoint.save_hf=true",
+                 "checkpoint.best_metric=eval_loss", timeout=300)
     rows = read_metrics(whole)
     assert rows[-1]["step"] == 4 and rows[-1]["eval_loss"] < rows[0]["eval_loss"]
     assert (whole / "final" / "model.safetensors").is_file()
@@ -228,6 +229,8 @@ def test_a_two_rank_zero3_run_resumes_on_one_rank_and_on_three(tmp_path):
     assert at_step_2.state_dict().keys() == final.state_dict().keys()
     assert all(a.shape == b.shape for a, b in zip(at_step_2.state_dict().values(), final.state_dict().values()))
     assert not torch.equal(at_step_2.model.embed_tokens.weight, final.model.embed_tokens.weight)
+    best = AutoModelForCausalLM.from_pretrained(whole / "best")  # step 4's evaluation, the only one after step 0
+    assert all(torch.equal(a, b) for a, b in zip(best.state_dict().values(), final.state_dict().values()))
 
     expected = {r["step"]: r for r in rows if r["step"] > 2}
     for ranks in (1, 3):
