@@ -209,6 +209,14 @@ def make_server(scorer: RewardScorer, host: str, port: int, *, token: str | None
             with contextlib.suppress(OSError):
                 self.connection.shutdown(socket.SHUT_RDWR)
 
+        def handle(self):
+            try:
+                super().handle()
+            except OSError as exc:  # the connection went while its request was read or answered: one line
+                if not self.cut:  # (a cut one is said by finish)
+                    print(f"serve-rm: {self.client_address[0]}: connection lost ({exc})", file=sys.stderr,
+                          flush=True)
+
         def finish(self):
             self.deadline.cancel()
             if self.cut:  # whatever the handler made of the partial request, nobody was answered

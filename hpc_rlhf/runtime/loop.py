@@ -129,8 +129,9 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
     over all its rows (or loss tokens), so the order changes no gradient but the order of float sums.
 
     Per optimizer step: this rank's micro-batches of `num_rows` training rows (step_micro_batches), each one's
-    `micro_batch_loss(row indices)` trained on; on a logging step the window's figures, the step figures and,
-    when due, `evaluate()` go to metrics.jsonl; then a checkpoint when one is due or a stop was requested (with
+    `micro_batch_loss(row indices)` trained on; on a logging or an evaluation step the window's figures, the step
+    figures and, when due, `evaluate()` go to metrics.jsonl (with checkpoint.best_metric, a better evaluation's
+    model to best/); then a checkpoint when one is due or a stop was requested (with
     checkpoint.save_hf, the model as a Hugging Face folder in it, `tokenizer` beside it).
     Failure handling: the watchdog knows the step in progress and its phase (`eval`, `training`, `checkpoint`),
     which is also where HPC_RLHF_FAULT's kill/raise/freeze/hang faults fire, and a nan fault poisons the loss.
