@@ -29,7 +29,7 @@
 #                       (hpc_rlhf/launch/requeue_guard.sh; default 120): a slow stop still requeues
 #   CHECKPOINT_GBPS     the write speed of one node to output_dir's file system, GB/s, for that warning (default 2)
 #   CHECK_FILES         1 (default): the check reads the real files too (model and tokenizer folders, the first rows
-#                       of the data files, output_dir writable with room for two checkpoints); 0: the plan only
+#                       of the data files, output_dir writable with room for the checkpoints kept, final/ and best/); 0: the plan only
 #   MASTER_ADDR/PORT    rendezvous; default: first host of the allocation, port 10000 + job id % 20000 (below
 #                       Linux's ephemeral ports, 32768-60999; the same formula as hpc_rlhf.dist.launch_env)
 #   NCCL_*              passed to every rank unchanged when set (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...);

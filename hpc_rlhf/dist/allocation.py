@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from hpc_rlhf.dist.memory import DEFAULT_LORA_TARGETS, DEFAULT_OVERHEAD_GB, HOST_OVERHEAD_GB, ModelShape, estimate
+from hpc_rlhf.dist.memory import DEFAULT_LORA_TARGETS, DEFAULT_OVERHEAD_GB, GB, HOST_OVERHEAD_GB, ModelShape, estimate
 from hpc_rlhf.dist.placement import Plan, PlacementError, make_plan
 
 BREAKDOWN = ("weights", "gradients", "optimizer", "activations", "kv_cache")
@@ -139,6 +139,8 @@ def check_allocation(placement, allocation: Allocation, load_of: Callable[[str, 
             "groups": _groups_text(plan, name),
             "memory_gb_per_rank": round(per_rank, 3),
             "own_memory_gb": round(own[name]["total"], 3),
+            # the whole model as a Hugging Face folder writes it (final/, best/, a checkpoint's hf/)
+            "model_gb": round(loads[name].shape.num_params * loads[name].dtype_bytes / GB, 6),
             "limit_gb": round(limit, 3),
             "breakdown_gb": {k: round(own[name][k], 3) for k in BREAKDOWN}
             | {"cpu_optimizer": round(own[name]["cpu_optimizer"], 3)}

@@ -71,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dry run: one training step's seconds, when known (the stop waits for the step)")
     parser.add_argument("--check-files", action="store_true",
                         help="dry run: also read the real files (model and tokenizer folders, the first rows of the "
-                             "data files, output_dir writable with room for two checkpoints); what sbatch/common.sh "
-                             "runs inside the job")
+                             "data files, output_dir writable with room for the checkpoints kept, final/ "
+                             "and best/); what sbatch/common.sh runs inside the job")
     parser.add_argument("--json", action="store_true", help="dry run: print the report as one JSON object")
 
 

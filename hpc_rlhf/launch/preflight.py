@@ -9,8 +9,11 @@ every rank has loaded its model.
 - data files: every `*_files` key (data.train_files, data.eval_files, eval.prompt_files, ...) names files or
   folders that exist; the first PEEK_ROWS rows of a JSON or JSON Lines file parse as JSON objects (the trainer
   checks every row against its mode's keys when it loads them);
-- output_dir: can be created and written, and its file system has room for two checkpoints (the plan's estimate:
-  every trained role's weights and optimizer states; a new checkpoint is complete before the old one goes).
+- output_dir: can be created and written, and its file system has room for what the run writes there at its
+  fullest (`output_dir_need`): checkpoint.keep checkpoints and the next one (it is complete before the oldest
+  goes; each with every trained role's weights and optimizer states, the plan's estimate, and its Hugging Face
+  folders under checkpoint.save_hf), final/, and best/ with a better model staged beside it
+  (checkpoint.best_metric).
 
 A login-node dry run leaves this out: the folders there may be placeholders (sized by `--model`).
 """
@@ -29,19 +32,19 @@ from hpc_rlhf.models.folders import (ModelFolderError, check_model_folder, same_
                                      tokenizer_folder_problem)
 
 PEEK_ROWS = 5
-CHECKPOINTS_OF_ROOM = 2
 
 
 def check_files(cfg: Any, report: dict, checkpoint_gb: float) -> list[str]:
-    """Check the folders and files the run will read and the folder it writes; returns one line per thing checked
-    (for the job log). Raises AllocationError naming the key of the first problem."""
+    """Check the folders and files the run will read and the folder it writes (`checkpoint_gb`: one checkpoint of
+    the trained roles' states, all nodes together); returns one line per thing checked (for the job log). Raises
+    AllocationError naming the key of the first problem."""
     checked = [_check_model_folder(key, folder) for key, folder in report["model_folders"].items()]
     checked += [_check_tokenizer(key, folder) for key, folder in tokenizer_folders(cfg).items()]
     for key, scorer in token_id_scorers(cfg).items():
         checked.append(_check_scorer_tokenizer(cfg, key, scorer))
     for key, paths in data_files(cfg).items():
         checked += [_check_data_file(key, Path(path)) for path in paths]
-    checked.append(_check_output_dir(cfg.output_dir, checkpoint_gb))
+    checked.append(_check_output_dir(cfg.output_dir, output_dir_need(cfg, report, checkpoint_gb)))
     return checked
 
 
@@ -178,12 +181,37 @@ def check_output_dir_writable(output_dir: str) -> Path:
     return folder
 
 
-def _check_output_dir(output_dir: str, checkpoint_gb: float) -> str:
+def output_dir_need(cfg: Any, report: dict, checkpoint_gb: float) -> list[tuple[str, float]]:
+    """What the run writes into output_dir at its fullest, as (what, GB) parts: checkpoint.keep checkpoints and the
+    one being written (`checkpoint_gb` each, plus the trained models' Hugging Face folders under
+    checkpoint.save_hf), final/ (every trained model), and best/ twice (checkpoint.best_metric: a better actor is
+    written beside the kept one before it replaces it). A sum of the peaks, so a little more than any one moment."""
+    trained = [row for row in report["roles"].values()
+               if row["breakdown_gb"].get("optimizer", 0.0) + row["breakdown_gb"].get("cpu_optimizer", 0.0) > 0]
+    models_gb = sum(row["model_gb"] for row in trained)
+    ckpt = getattr(cfg, "checkpoint", None)
+    if ckpt is None or not trained:
+        return []
+    hf = ckpt.save_hf and ckpt.every_steps > 0
+    each = checkpoint_gb + (models_gb if hf else 0.0)
+    parts = [(f"{ckpt.keep + 1} checkpoints (checkpoint.keep={ckpt.keep} and the next) of {each:,.1f} GB"
+              + (f", their Hugging Face folders (checkpoint.save_hf) {models_gb:,.1f} GB of it" if hf else ""),
+              (ckpt.keep + 1) * each),
+             (f"final/ {models_gb:,.1f} GB", models_gb)]
+    if ckpt.best_metric:
+        actor_gb = report["roles"]["actor"]["model_gb"]
+        parts.append((f"best/ and a better model staged beside it (checkpoint.best_metric) 2 x {actor_gb:,.1f} GB",
+                      2 * actor_gb))
+    return parts
+
+
+def _check_output_dir(output_dir: str, need: list[tuple[str, float]]) -> str:
     folder = check_output_dir_writable(output_dir)
     free_gb = shutil.disk_usage(folder).free / 1e9
-    need_gb = CHECKPOINTS_OF_ROOM * checkpoint_gb
+    need_gb = sum(gb for _, gb in need)
+    parts = "; ".join(what for what, _ in need) or "nothing trained"
     if free_gb < need_gb:
-        raise AllocationError("output_dir", f"'{folder}' has {free_gb:,.1f} GB free, but {CHECKPOINTS_OF_ROOM} "
-                                            f"checkpoints need about {need_gb:,.1f} GB ({checkpoint_gb:,.1f} GB "
-                                            f"each, from the plan): free space or choose another file system")
-    return f"output_dir: {folder} writable, {free_gb:,.0f} GB free (two checkpoints: ~{need_gb:,.1f} GB)"
+        raise AllocationError("output_dir", f"'{folder}' has {free_gb:,.1f} GB free, but the run writes about "
+                                            f"{need_gb:,.1f} GB there at its fullest ({parts}): free space, lower "
+                                            f"checkpoint.keep or choose another file system")
+    return f"output_dir: {folder} writable, {free_gb:,.0f} GB free (the run's fullest: ~{need_gb:,.1f} GB; {parts})"

@@ -1,6 +1,7 @@
 """hpc_rlhf/launch/preflight.py: the in-job check of the real files names the key of the first problem (a model
 folder without weights, a tokenizer folder without tokenizer files, a data row that is not an object, an
-output_dir without room for two checkpoints). Through the sbatch scripts: tests/launch/test_sbatch_scripts.py."""
+output_dir without room for what the run writes there). Through the sbatch scripts:
+tests/launch/test_sbatch_scripts.py."""
 
 from __future__ import annotations
 
@@ -76,13 +77,33 @@ def test_the_first_rows_of_a_data_file_must_be_json_objects(tmp_path, text, says
         preflight.check_files(cfg, report, 0.0)
 
 
-def test_an_output_dir_without_room_for_two_checkpoints_is_refused(tmp_path, monkeypatch):
-    cfg, report = tiny_ppo(tmp_path)
+def test_an_output_dir_without_room_for_the_checkpoints_kept_and_the_next_is_refused(tmp_path, monkeypatch):
+    cfg, report = tiny_ppo(tmp_path)  # checkpoint.keep=2: three checkpoints at once, then final/
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda _: usage(100e9, 95e9, 5e9))
-    preflight.check_files(cfg, report, 2.4)  # 4.8 GB: fits in 5
-    with pytest.raises(AllocationError, match=r"output_dir: .* has 5.0 GB free, but 2 checkpoints need about 6.0 GB"):
-        preflight.check_files(cfg, report, 3.0)
+    preflight.check_files(cfg, report, 1.6)  # 4.8 GB and the tiny final/: fits in 5
+    with pytest.raises(AllocationError, match=r"output_dir: .* has 5.0 GB free, but the run writes about 6.0 GB "
+                                              r"there at its fullest \(3 checkpoints \(checkpoint.keep=2 and the "
+                                              r"next\) of 2.0 GB; final/ 0.0 GB\)"):
+        preflight.check_files(cfg, report, 2.0)
+
+
+def test_the_room_counts_the_hugging_face_copies_and_best(tmp_path):
+    cfg, report = tiny_ppo(tmp_path, "checkpoint.keep=1", "checkpoint.every_steps=5", "checkpoint.save_hf=true",
+                           "checkpoint.best_metric=eval_accuracy", "actor.dtype=float32", "critic.dtype=float32")
+    roles = report["roles"]
+    # a trained role's model_gb is its whole model as a Hugging Face folder writes it: the tiny model's weights file
+    # (fp32; the default dtype counts bfloat16, as on a GPU)
+    weights_gb = (MODEL / "model.safetensors").stat().st_size / 1e9
+    assert roles["actor"]["model_gb"] == pytest.approx(weights_gb, rel=0.02)
+    models = roles["actor"]["model_gb"] + roles["critic"]["model_gb"]  # the two trained roles; ref, reward: not
+    need = preflight.output_dir_need(cfg, report, 1.0)
+    assert [gb for _, gb in need] == pytest.approx([2 * (1.0 + models), models, 2 * roles["actor"]["model_gb"]])
+    assert "checkpoint.save_hf" in need[0][0] and "checkpoint.best_metric" in need[2][0]
+    # without every_steps the checkpoints hold no Hugging Face folders (only a stop's, which has none), nor best/
+    cfg, report = tiny_ppo(tmp_path, "checkpoint.keep=1", "checkpoint.save_hf=true", "actor.dtype=float32",
+                           "critic.dtype=float32")
+    assert [gb for _, gb in preflight.output_dir_need(cfg, report, 1.0)] == pytest.approx([2.0, models])
 
 
 def test_a_knowledge_distillation_teacher_is_checked_for_weights_the_students_tokenizer_and_width(tmp_path):
