@@ -4,7 +4,7 @@ its metrics.jsonl into a PNG (default RUN_DIR/plot.png).
 Panels: the reward (mean score of a step's samples), the KL of the actor to the reference (per sequence: k1, and
 the configured estimator when it is another), the held-out exact match, and, for a run that played episodes
 (env.name, env.http_url), turns and tool calls per episode. With `--control`, the last held-out exact match of
-that run (an SFT run trained on for as long as the RL run took, as `hpc-rlhf demo` makes) is a reference line on
+that run (an SFT run trained on from the RL run's starting model, as `hpc-rlhf demo` makes) is a reference line on
 the accuracy panel: what RL adds over more imitation shows at a glance. The figure is drawn with matplotlib's
 Agg backend (no display needed, as on a compute node).
 """
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="an RL run's output_dir (it holds metrics.jsonl)")
     parser.add_argument("--out", default=None, metavar="FILE.png", help="where to write (default RUN_DIR/plot.png)")
     parser.add_argument("--control", default=None, metavar="RUN_DIR",
-                        help="an SFT run trained on for the same time: its last eval_accuracy is drawn as a line")
+                        help="an SFT run trained on from the same start: its last eval_accuracy is drawn as a line")
     args = parser.parse_args(argv)
     try:
         path = draw(args.run_dir, args.out, args.control)
