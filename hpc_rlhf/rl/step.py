@@ -229,6 +229,11 @@ class RLRecipe:
                 result.update(self.evaluate())
             run.logger.log(0, dict(result))
             best.update(0, result, None)  # step 0 is not this run's model: only the figure's name is checked
+        elif run_setup.eval_owed_first(run):  # the evaluation a stop signal skipped, of the actor it checkpointed
+            with watchdog.phase("eval"):
+                result.update(self.evaluate())
+            run.logger.log(run.start_step, dict(result))
+            best.update(run.start_step, result, self._my_models().get("actor"))
         watchdog.set_step(run.start_step + 1)
         for index in self.pipeline.to_prefill(run.start_step):  # asynchronous RL: the first K batches
             self._rollout(index, version=run.start_step, phase="rollout_prefill")
@@ -291,7 +296,10 @@ class RLRecipe:
                 metrics.update(step_timing(t0, t_generate, t_score, t_train, t_sync, len(generated)))
                 metrics.update({"weight_sync_mb": sync_mb, "skipped_steps": self.bad_steps.total,
                                 "staleness": staleness})
-            if cfg.log.eval_every_steps and (done % cfg.log.eval_every_steps == 0 or done == cfg.train.max_steps):
+            # A stop signal's seconds go to the checkpoint: its step's evaluation waits for the resumed run.
+            eval_now = bool(cfg.log.eval_every_steps) and (done % cfg.log.eval_every_steps == 0
+                                                           or done == cfg.train.max_steps)
+            if eval_now and not stopping:
                 with watchdog.phase("eval"):
                     result.update(self.evaluate())
                 metrics.update(result)
@@ -301,7 +309,7 @@ class RLRecipe:
             run.logger.advance()
             checkpointing.checkpoint_or_stop(run, done, self._my_engines(), stopping, cfg.train.max_steps,
                                              save_extra=self.pipeline.save,  # the batches in flight go with it
-                                             hf_models=self._my_models())
+                                             hf_models=self._my_models(), eval_skipped=eval_now)
         with watchdog.phase("checkpoint"):
             if self.actor is not None:
                 checkpointing.save_final_model(self.actor, run.output_dir / "final", self.tokenizer, cfg.actor.lora)

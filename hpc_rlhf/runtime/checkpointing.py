@@ -31,6 +31,7 @@ log = logging.getLogger("hpc_rlhf")
 
 TRAINER_STATE = "trainer_state.json"
 HF_FOLDER = "hf"  # checkpoint.save_hf: <checkpoint>/hf/<name>, a Hugging Face folder of each trained model
+EVAL_OWED = "eval_owed"  # trainer state: a stop signal skipped this step's evaluation (Run.eval_owed)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ def resume_if_possible(run: Run, engines: dict) -> dict[str, Any]:
                                   "checkpoint.resume=false.") from None
     restore_rng(run, path, step)
     run.start_step = step
+    run.eval_owed = bool(state.get(EVAL_OWED, False))
     run.extra["resumed_from"] = path
     if written_by == run.world_size:
         log.info("resumed from %s (step %d)", path, step)
@@ -257,17 +259,19 @@ class Preempted(SystemExit):
 
 def checkpoint_or_stop(run: Run, step: int, engines: dict, stopping: bool, max_steps: int,
                        save_extra: Callable[[Path], dict[str, Any]] | None = None,
-                       hf_models: dict[str, ModelToSave] | None = None) -> None:
+                       hf_models: dict[str, ModelToSave] | None = None, eval_skipped: bool = False) -> None:
     """End of an optimizer step: checkpoint when one is due or `stopping` (a stop signal somewhere, agreed by all
     ranks: `StopSignal.requested`); after a stop's checkpoint, raise Preempted so the job exits for requeueing.
     `save_extra`: see `save_checkpoint`. `hf_models`: written into a checkpoint of checkpoint.every_steps when
     checkpoint.save_hf is on; not into one only a stop signal asked for (the job has seconds left to write it)
-    nor at the last step (final/ is that model)."""
+    nor at the last step (final/ is that model). `eval_skipped`: the stop skipped this step's evaluation, which
+    the checkpoint records for the resumed run (Run.eval_owed)."""
     due = should_save(step, run.cfg.checkpoint.every_steps, max_steps)
     if stopping or due:
         copies = hf_models if due and step < max_steps and run.cfg.checkpoint.save_hf else None
+        state = {EVAL_OWED: True} if stopping and eval_skipped else None
         with watchdog.phase("checkpoint"):
-            save_checkpoint(run, step, engines, save_extra=save_extra, hf_models=copies)
+            save_checkpoint(run, step, engines, state=state, save_extra=save_extra, hf_models=copies)
     if stopping:
         run.logger.close()
         raise Preempted(step)

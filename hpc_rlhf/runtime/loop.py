@@ -18,8 +18,8 @@ from hpc_rlhf.dist import watchdog
 from hpc_rlhf.runtime.best_model import BestModel
 from hpc_rlhf.runtime.checkpointing import (ModelToSave, NonFiniteGuard, StopSignal, checkpoint_or_stop,
                                             resume_if_possible, save_final_model)
-from hpc_rlhf.runtime.run import (Run, eval_before_training, eval_due, log_due, open_logger, reduce_sum,
-                                  window_means)
+from hpc_rlhf.runtime.run import (Run, eval_before_training, eval_due, eval_owed_first, log_due, open_logger,
+                                  reduce_sum, window_means)
 from hpc_rlhf.utils import faults
 
 
@@ -132,19 +132,25 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
     `micro_batch_loss(row indices)` trained on; on a logging or an evaluation step the window's figures, the step
     figures and, when due, `evaluate()` go to metrics.jsonl (with checkpoint.best_metric, a better evaluation's
     model to best/); then a checkpoint when one is due or a stop was requested (with
-    checkpoint.save_hf, the model as a Hugging Face folder in it, `tokenizer` beside it).
+    checkpoint.save_hf, the model as a Hugging Face folder in it, `tokenizer` beside it). A stop skips its step's
+    evaluation, which the resumed run makes first (Run.eval_owed).
     Failure handling: the watchdog knows the step in progress and its phase (`eval`, `training`, `checkpoint`),
     which is also where HPC_RLHF_FAULT's kill/raise/freeze/hang faults fire, and a nan fault poisons the loss.
     """
     cfg = run.cfg
     engine.train()
     best = BestModel(run)  # checkpoint.best_metric: the model of the best evaluation in output_dir/best/
+    last_eval: dict[str, float] = {}
     if eval_before_training(run):
         with watchdog.phase("eval"):
             first = evaluate()
         run.logger.log(0, first)
         best.update(0, first, None)  # step 0 is not this run's model: only the figure's name is checked
-    last_eval: dict[str, float] = {}
+    elif eval_owed_first(run):  # the evaluation a stop signal skipped, of the model it checkpointed
+        with watchdog.phase("eval"):
+            last_eval = evaluate()
+        run.logger.log(run.start_step, last_eval)
+        best.update(run.start_step, last_eval, ModelToSave(engine, tokenizer, cfg.model.lora))
     window_tokens, window_start = 0, time.perf_counter()
     for step in range(run.start_step, cfg.train.max_steps):
         done = step + 1  # steps are counted from 1, as in metrics.jsonl and checkpoint names
@@ -165,17 +171,20 @@ def train_one_model(run: Run, engine, *, num_rows: int, micro_batch_loss: Callab
                 window_tokens += int(micro.tokens)
         bad_steps.update(info.skipped, done)
         run.logger.advance()
+        # A stop signal's seconds go to the checkpoint: its step's evaluation (and best/) waits for the resumed run.
+        stopping = stop.requested()
         if log_due(cfg, done) or eval_due(cfg, done):  # an evaluation step writes its row, logged or not
             elapsed = time.perf_counter() - window_start
             tokens_all = reduce_sum([window_tokens])[0]
             metrics = {**window.summary(), **step_figures(info, tokens_all, elapsed, bad_steps)}
-            if eval_due(cfg, done):
+            if eval_due(cfg, done) and not stopping:
                 with watchdog.phase("eval"):
                     last_eval = evaluate()
                 metrics.update(last_eval)
                 best.update(done, last_eval, ModelToSave(engine, tokenizer, cfg.model.lora))
             run.logger.log(done, metrics)
             window_tokens, window_start = 0, time.perf_counter()
-        checkpoint_or_stop(run, done, {"model": engine}, stop.requested(), cfg.train.max_steps,
-                           hf_models={"model": ModelToSave(engine, tokenizer, cfg.model.lora)})
+        checkpoint_or_stop(run, done, {"model": engine}, stopping, cfg.train.max_steps,
+                           hf_models={"model": ModelToSave(engine, tokenizer, cfg.model.lora)},
+                           eval_skipped=eval_due(cfg, done))
     return last_eval

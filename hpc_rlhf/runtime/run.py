@@ -82,6 +82,9 @@ class Run:
     device: torch.device
     logger: MetricsLogger | None = None
     start_step: int = 0
+    # resumed from a checkpoint that a stop signal wrote at an evaluation step, whose evaluation the stop skipped
+    # (its seconds went to the checkpoint): the resumed run evaluates the loaded model first, as step start_step
+    eval_owed: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -145,6 +148,12 @@ def eval_before_training(run: Run) -> bool:
 def log_due(cfg, step: int) -> bool:
     """Whether step `step` (counted from 1) writes a metrics row: every log.every_steps and the last step."""
     return step % cfg.log.every_steps == 0 or step == cfg.train.max_steps
+
+
+def eval_owed_first(run: Run) -> bool:
+    """A resumed run whose checkpoint's evaluation a stop signal skipped (see Run.eval_owed) evaluates before its
+    first step, at start_step."""
+    return run.start_step > 0 and run.eval_owed
 
 
 def eval_due(cfg, step: int) -> bool:

@@ -12,6 +12,8 @@ separated by ';'. Keys of one fault:
                    a rank stuck in an uninterruptible write, which neither a stop signal nor Slurm's SIGCONT ends;
                    only SIGKILL does
            nan     make the training loss NaN on this rank (`poison`), as an overflow or bad batch would
+           stop    send this process SIGUSR1, as Slurm's --signal does before the time limit: the job checkpoints
+                   after the step in progress and exits for its requeue
     rank   global rank it applies to (default: every rank)
     phase  phase name, as given to `hpc_rlhf.dist.watchdog.phase` (default: any phase; `nan` faults: training)
     step   `2` (that step), `2-4` (inclusive range), `2+` (2 and later) or `*` (default: every step)
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from hpc_rlhf.utils import console
 
 FAULT_ENV = "HPC_RLHF_FAULT"
-KINDS = ("kill", "raise", "freeze", "hang", "nan")
+KINDS = ("kill", "raise", "freeze", "hang", "nan", "stop")
 KEYS = ("kind", "rank", "phase", "step")
 NAN_PHASE = "training"
 
@@ -156,7 +158,7 @@ def _this_rank() -> int:
 
 
 def matching(phase: str, step: int, rank: int | None = None) -> Fault | None:
-    """The kill/raise/freeze/hang fault that `point(phase, step)` would fire on this rank, if any."""
+    """The kill/raise/freeze/hang/stop fault that `point(phase, step)` would fire on this rank, if any."""
     faults = active()
     if not faults:
         return None
@@ -165,13 +167,17 @@ def matching(phase: str, step: int, rank: int | None = None) -> Fault | None:
 
 
 def point(phase: str, step: int, rank: int | None = None) -> None:
-    """Fire the kill/raise/freeze/hang fault that matches (this rank, `phase`, `step`), if there is one."""
+    """Fire the kill/raise/freeze/hang/stop fault that matches (this rank, `phase`, `step`), if there is one."""
     fault = matching(phase, step, rank)
     if fault is None:
         return
     where = f"rank {_this_rank() if rank is None else rank}, phase {phase}, step {step}"
     if fault.kind == "raise":
         raise InjectedFault(f"injected fault ({FAULT_ENV}: {fault.describe()}) at {where}")
+    if fault.kind == "stop":  # the stop handlers (runtime/checkpointing.StopSignal) take it; the rank goes on
+        console.say(f"hpc_rlhf: injected stop signal ({FAULT_ENV}: {fault.describe()}) at {where}", fd=1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return
     # Flushed first: a killed or stopped process writes nothing afterwards. The wall-clock time lets a test (or
     # a reader of the log) measure how long the job took to end after the failure.
     if fault.kind == "hang":

@@ -13,6 +13,8 @@ import shutil
 import pytest
 
 from hpc_rlhf.config import TINY_ASSETS
+from hpc_rlhf.launch.local import PREEMPTED_EXIT_CODE
+from hpc_rlhf.utils.faults import FAULT_ENV
 from hpc_rlhf.utils.metrics import read_metrics
 from tests.distributed import hpc_rlhf_cli
 from tests.recipes import QUIET, Curve, assert_rl_beats_the_plateau, learning
@@ -103,23 +105,30 @@ def test_broken_reward_function_stops_with_its_name(tmp_path):
 
 
 def test_seeded_runs_repeat_and_resume_exactly(tmp_path):
-    """Disjoint GRPO (actor, ref, two engines): a run cut back to its step-2 checkpoint and restarted repeats
-    steps 3 and 4 of the uninterrupted run exactly (same seed: same samples, same updates)."""
+    """Disjoint GRPO (actor, ref, two engines): a run stopped by a stop signal during step 2, an evaluation step,
+    writes its checkpoint without evaluating and exits for its requeue; restarted, it evaluates the checkpointed
+    actor first and repeats the uninterrupted run's evaluations and steps 3 and 4 exactly (same seed: same samples,
+    same updates)."""
     common = ["--config", "examples/tiny/grpo.yaml", f"actor.path={TINY_MODEL}", "rollout.prompts_per_step=8",
-              "train.batch_size=32", "log.eval_every_steps=0", "checkpoint.every_steps=2", "checkpoint.keep=3",
+              "train.batch_size=32", "log.eval_every_steps=2", "eval.max_rows=8", "checkpoint.every_steps=0",
               "train.max_steps=4", *QUIET]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     hpc_rlhf("grpo", *common, f"output_dir={full}")
-    shutil.copytree(full, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_000000004")  # as if stopped right after step 2's checkpoint
-    shutil.rmtree(resumed / "final")
+    stopped = hpc_rlhf("grpo", *common, f"output_dir={resumed}", check=False,
+                       env={FAULT_ENV: "rank=0,kind=stop,phase=training,step=2"})  # Slurm's --signal, in step 2
+    assert stopped.returncode == PREEMPTED_EXIT_CODE, stopped.stderr[-4000:]
+    assert [(r["step"], "eval_accuracy" in r) for r in read_metrics(resumed)] == [(0, True), (1, False), (2, False)]
     hpc_rlhf("grpo", *common, f"output_dir={resumed}")
 
     def figures(out):
         keep = ("reward", "kl_k1", "kl_k3", "policy_loss", "entropy", "response_length", "actor_grad_norm")
-        return [{k: r[k] for k in keep if k in r} for r in read_metrics(out)]
+        return [{k: r[k] for k in keep if k in r} for r in read_metrics(out) if "reward" in r]
 
-    assert [r["step"] for r in read_metrics(resumed)] == [1, 2, 3, 4]
+    def evaluations(out):
+        return [(r["step"], r["eval_accuracy"]) for r in read_metrics(out) if "eval_accuracy" in r]
+
+    assert [r["step"] for r in read_metrics(resumed)] == [0, 1, 2, 2, 3, 4]  # step 2's evaluation in a row of its own
+    assert evaluations(full) == evaluations(resumed) and [s for s, _ in evaluations(full)] == [0, 2, 4]
     assert figures(full) == figures(resumed)
     assert figures(full)[2] != figures(full)[3]  # the steps differ: equality is not trivial
 

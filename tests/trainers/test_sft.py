@@ -205,6 +205,47 @@ def test_the_best_evaluation_keeps_its_model_and_a_resumed_run_goes_on_from_its_
     assert not list((tmp_path / "unknown").glob("checkpoints/step_*"))  # refused before the first step
 
 
+def test_a_stop_at_an_evaluation_step_checkpoints_first_and_the_resumed_run_evaluates_that_model(world, tmp_path,
+                                                                                                   monkeypatch):
+    """A stop signal during step 4, an evaluation step: the job writes its checkpoint without evaluating (the stop's
+    seconds are for the checkpoint) and says so in it; the resumed run evaluates the loaded model first, as step 4,
+    and keeps it in best/ as the uninterrupted run did: the same figures, bit for bit."""
+    import signal
+
+    from hpc_rlhf.runtime.best_model import BEST_DIR, RECORD
+    from hpc_rlhf.runtime.checkpointing import EVAL_OWED, TRAINER_STATE, Preempted
+    from hpc_rlhf.trainers import sft
+    from hpc_rlhf.utils.faults import FAULT_ENV
+
+    common = ["train.max_steps=6", "train.batch_size=8", "train.micro_batch_size=4", "train.warmup_steps=0",
+              "log.every_steps=2", "log.eval_every_steps=2", "checkpoint.best_metric=eval_loss",
+              "data.max_train_rows=200", "data.max_eval_rows=16", "eval.max_rows=8", "model.dtype=float32"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    sft.run(sft_config(whole, *common))
+    handlers = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    monkeypatch.setenv(FAULT_ENV, "kind=stop,phase=training,step=4")  # Slurm's --signal, during step 4
+    try:
+        with pytest.raises(Preempted):
+            sft.run(sft_config(stopped, *common))
+    finally:
+        signal.signal(signal.SIGUSR1, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    monkeypatch.delenv(FAULT_ENV)
+    assert [(r["step"], "eval_loss" in r) for r in read_metrics(stopped)] == [(0, True), (2, True), (4, False)]
+    state = json.loads((stopped / "checkpoints" / "step_000000004" / TRAINER_STATE).read_text())
+    assert state[EVAL_OWED] is True
+    assert json.loads((stopped / BEST_DIR / RECORD).read_text())["step"] == 2
+
+    sft.run(sft_config(stopped, *common))  # the requeued job
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(whole) if "eval_loss" in r}
+    rows = read_metrics(stopped)
+    assert [(r["step"], "eval_loss" in r, "loss" in r) for r in rows] == [
+        (0, True, False), (2, True, True), (4, False, True), (4, True, False), (6, True, True)]
+    assert {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r} == evals
+    assert json.loads((stopped / BEST_DIR / RECORD).read_text()) == json.loads((whole / BEST_DIR / RECORD).read_text())
+    assert json.loads((whole / BEST_DIR / RECORD).read_text())["step"] == 6  # each evaluation's model replaced the last
+
+
 def test_a_two_rank_zero3_run_resumes_on_one_rank_and_on_three(tmp_path):
     """Two ranks with ZeRO-3 write a checkpoint at step 2; the same output folder resumed on 1 and on 3 ranks
     (issue 36) continues with the optimizer state resharded: steps 3-4 as the uninterrupted run's, up to the sums'

@@ -144,3 +144,21 @@ def test_hang_ignores_the_stop_signals_and_slurms_sigcont_until_killed():
         proc.kill()
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL and "survived" not in out
+
+
+def test_stop_sends_this_process_sigusr1_and_goes_on(monkeypatch):
+    """The stop kind is Slurm's --signal at a chosen step: the stop handlers see SIGUSR1 and the rank carries on
+    to the step's end (where the ranks agree to checkpoint and exit)."""
+    from hpc_rlhf.runtime.checkpointing import StopSignal
+
+    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    try:
+        stop = StopSignal()
+        monkeypatch.setenv(FAULT_ENV, "kind=stop,phase=training,step=3")
+        faults.point("training", 2, rank=0)
+        assert stop.received is None
+        faults.point("training", 3, rank=0)
+        assert stop.received == signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
