@@ -72,6 +72,37 @@ def test_the_dtype_is_the_bases_unless_asked(lm_adapter, tmp_path):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
 
 
+def test_low_memory_holds_a_bfloat16_base_as_bfloat16_and_merges_within_its_rounding(lm_adapter, tmp_path,
+                                                                                        monkeypatch):
+    """--low-memory on a base stored in bfloat16: the base is held in bfloat16 (half the bytes of float32), and
+    each merged weight is the float32 merge's up to bfloat16's rounding of the adapter's product and of the sum."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hpc_rlhf.models import merge_lora
+
+    adapter, _, _ = lm_adapter
+    base = tmp_path / "base16"
+    AutoModelForCausalLM.from_pretrained(TINY_MODEL).to(torch.bfloat16).save_pretrained(base)
+    held = []
+    monkeypatch.setattr(merge_lora, "build_causal_lm",
+                        lambda section, **kw: held.append(section.dtype) or build_causal_lm(section, **kw))
+    assert main([str(adapter), str(tmp_path / "exact"), "--base", str(base)]) == 0
+    assert main([str(adapter), str(tmp_path / "low"), "--base", str(base), "--low-memory"]) == 0
+    assert held == ["float32", "bfloat16"]
+    weights, exact, low = (load_file(str(folder / "model.safetensors")) for folder in (base, tmp_path / "exact",
+                                                                                      tmp_path / "low"))
+    assert exact.keys() == low.keys() == weights.keys()
+    assert {t.dtype for t in low.values()} == {torch.bfloat16}
+    moved = 0
+    for name, w in weights.items():
+        w, e, m = w.float(), exact[name].float(), low[name].float()
+        delta = e - w
+        moved += int((delta != 0).sum())
+        assert bool(((m - e).abs() <= 2 ** -6 * (w.abs() + delta.abs())).all()), name
+    assert moved > 0  # the adapter moved weights, or this compares the base with itself
+
+
 def test_a_reward_models_adapter_merges_with_its_head_and_normalisation(tmp_path):
     """A LoRA reward model saved as an adapter keeps its normalisation beside it; the merged folder is a value
     model that scores as the adapted one and carries the constants in its config again."""
