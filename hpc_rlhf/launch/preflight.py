@@ -188,10 +188,10 @@ def output_dir_need(cfg: Any, report: dict, checkpoint_gb: float) -> list[tuple[
     written beside the kept one before it replaces it). A sum of the peaks, so a little more than any one moment."""
     trained = [row for row in report["roles"].values()
                if row["breakdown_gb"].get("optimizer", 0.0) + row["breakdown_gb"].get("cpu_optimizer", 0.0) > 0]
-    models_gb = sum(row["model_gb"] for row in trained)
     ckpt = getattr(cfg, "checkpoint", None)
     if ckpt is None or not trained:
         return []
+    models_gb = sum(row["model_gb"] for row in trained)
     hf = ckpt.save_hf and ckpt.every_steps > 0
     each = checkpoint_gb + (models_gb if hf else 0.0)
     parts = [(f"{ckpt.keep + 1} checkpoints (checkpoint.keep={ckpt.keep} and the next) of {each:,.1f} GB"
