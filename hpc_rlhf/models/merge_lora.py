@@ -11,9 +11,10 @@ into a value model, with the reward normalisation its run wrote beside the adapt
 The base is read in float32 on the CPU, so the machine needs about 4 bytes of memory per parameter; the merge
 itself adds nothing. `--low-memory` reads it in the dtype it is written in instead (2 bytes per parameter for a
 bfloat16 model: 140 GB for a 70B one instead of 280): each merged weight is then rounded twice (the adapter's
-product to that dtype, then the sum) instead of once, so it may differ from the float32 merge by a step of that
-dtype's rounding. The output folder must not exist yet: the merge is written beside it and renamed into place
-once whole, so a failed merge leaves nothing behind and an existing folder is never overwritten.
+product to that dtype, then the sum) instead of once, so it may differ from the float32 merge by that dtype's
+rounding (identical on the tiny model; tested within two steps of the weight's and the product's sizes). The
+output folder must not exist yet: the merge is written beside it and renamed into place once whole, so a failed
+merge leaves nothing behind and an existing folder is never overwritten.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="dtype of the written weights (default: the base's)")
     parser.add_argument("--low-memory", action="store_true",
                         help="hold the base in its stored dtype instead of float32 (half the memory for a bfloat16 "
-                             "base; each weight may differ from the float32 merge by one rounding step)")
+                             "base; each weight may differ from the float32 merge by that dtype's rounding)")
     return parser.parse_args(argv)
 
 
